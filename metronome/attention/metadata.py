@@ -1,0 +1,62 @@
+"""Attention metadata, passed explicitly to the attention op (no module-global context).
+
+A forward carries ``T`` new query tokens from ``B`` sequences, packed back to back. Sequence ``b``
+owns queries ``query_start[b] : query_start[b + 1]``; after this forward's writes its cache holds
+tokens ``0 .. context_lens[b] - 1``, so its queries sit at token indices
+``context_lens[b] - query_lens[b] ..  context_lens[b] - 1``.
+
+The query at token index ``t`` attends to keys ``j <= t`` with ``j < sinks`` or ``j >= t - window``
+(``window=None``: all ``j <= t``).
+
+Block tables are *compact*: column ``c < sink_blocks`` holds logical block ``c``; column
+``c >= sink_blocks`` holds logical block ``window_first[b] + c - sink_blocks``; ``-1`` marks an unused
+column. Logical token ``j`` lives in slot ``block * block_size + j % block_size`` of the flattened cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PagedAttentionMetadata:
+    block_size: int
+    sinks: int
+    window: int | None
+    sink_blocks: int
+    query_lens: list[int]          # host copies: the reference plans on the host without a sync
+    context_lens: list[int]
+    query_start: torch.Tensor      # [B + 1] int64, device
+    context_lens_t: torch.Tensor   # [B] int64, device
+    block_tables: torch.Tensor     # [B, R] int32, device, -1 padded
+    window_first: torch.Tensor     # [B] int64, device
+    slot_mapping: torch.Tensor     # [T] int64, device: where each new token's K/V is written
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(self.query_lens))
+
+
+def token_slots(meta: PagedAttentionMetadata, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Flat cache slot of logical token ``tokens[i, k]`` of sequence ``rows[i]`` (all must be live)."""
+    bs = meta.block_size
+    logical = tokens // bs
+    column = torch.where(logical < meta.sink_blocks, logical,
+                         meta.sink_blocks + logical - meta.window_first[rows].unsqueeze(-1))
+    column = column.clamp(0, meta.block_tables.shape[1] - 1)
+    physical = torch.gather(meta.block_tables[rows].long(), 1, column)
+    return physical * bs + tokens % bs
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store the new tokens' keys/values ([T, kv_heads, head_dim]) at their slots."""
+    kv_heads, head_dim = key.shape[-2:]
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))

@@ -1,0 +1,127 @@
+"""Torch reference for sink + window attention over the paged cache (CPU default, any device).
+
+Per forward, sequences are grouped (all decodes together; prefills bucketed by chunk length) and
+each group is gathered into padded tensors: its live keys only, sinks then window, then one
+``scaled_dot_product_attention`` call with a token-granular mask. Padding points at the null block
+(always zero), so freed blocks are never read. Planning happens once per forward, on the host
+lists the metadata carries, and is reused by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from metronome.attention.metadata import PagedAttentionMetadata, token_slots, write_kv
+
+# Upper bound on score elements (G * heads * Qmax * Kmax) one SDPA call may materialise.
+MAX_SCORE_ELEMENTS = 1 << 26
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    q_index: torch.Tensor  # [G, Qmax] flat query row (0 where padded)
+    q_valid: torch.Tensor  # [G, Qmax] bool
+    k_slots: torch.Tensor  # [G, Kmax] flat cache slot (0 = null block where padded)
+    mask: torch.Tensor     # [G, 1, Qmax, Kmax] bool, True = attend
+
+
+@dataclass(frozen=True)
+class ReferencePlan:
+    meta: PagedAttentionMetadata
+    groups: list[AttentionGroup]
+
+
+def _live_key_span(meta: PagedAttentionMetadata, b: int) -> tuple[int, int, int]:
+    """(sink keys, first window token, number of keys) of sequence ``b`` for this forward."""
+    ctx, first_query = meta.context_lens[b], meta.context_lens[b] - meta.query_lens[b]
+    if meta.window is None:
+        return 0, 0, ctx
+    n_sink = min(meta.sinks, ctx)
+    window_start = max(n_sink, first_query - meta.window)
+    return n_sink, window_start, n_sink + ctx - window_start
+
+
+def _group_rows(meta: PagedAttentionMetadata, num_heads: int) -> list[list[int]]:
+    buckets: dict[int, list[int]] = {}
+    for b, q in enumerate(meta.query_lens):
+        buckets.setdefault(1 if q == 1 else 1 << (q - 1).bit_length(), []).append(b)
+    groups = []
+    for qmax, rows in sorted(buckets.items()):
+        kmax = max(_live_key_span(meta, b)[2] for b in rows)
+        per_seq = max(1, num_heads * qmax * kmax)
+        step = max(1, MAX_SCORE_ELEMENTS // per_seq)
+        groups.extend(rows[i:i + step] for i in range(0, len(rows), step))
+    return groups
+
+
+def _plan_group(meta: PagedAttentionMetadata, rows: list[int]) -> AttentionGroup:
+    device = meta.query_start.device
+    spans = [_live_key_span(meta, b) for b in rows]
+    qmax = max(meta.query_lens[b] for b in rows)
+    kmax = max(n for _, _, n in spans)
+    row_t = torch.tensor(rows, device=device)
+    qlen = torch.tensor([meta.query_lens[b] for b in rows], device=device)
+    n_sink = torch.tensor([s[0] for s in spans], device=device)
+    w_start = torch.tensor([s[1] for s in spans], device=device)
+    n_keys = torch.tensor([s[2] for s in spans], device=device)
+    first_query = meta.context_lens_t[row_t] - qlen
+
+    qpos = torch.arange(qmax, device=device)
+    q_valid = qpos[None, :] < qlen[:, None]
+    q_index = torch.where(q_valid, meta.query_start[row_t][:, None] + qpos[None, :], 0)
+    q_token = first_query[:, None] + qpos[None, :]
+
+    kpos = torch.arange(kmax, device=device)[None, :]
+    k_valid = kpos < n_keys[:, None]
+    k_token = torch.where(kpos < n_sink[:, None], kpos, w_start[:, None] + kpos - n_sink[:, None])
+    k_token = torch.where(k_valid, k_token, 0)
+    k_slots = torch.where(k_valid, token_slots(meta, row_t, k_token), 0)
+
+    kt, qt = k_token[:, None, :], q_token[:, :, None]
+    mask = k_valid[:, None, :] & (kt <= qt)
+    if meta.window is not None:
+        mask &= (kt < meta.sinks) | (kt >= qt - meta.window)
+    # Padded query rows attend to the (zero) first key so SDPA never sees an empty row.
+    mask[:, :, 0] |= ~q_valid
+    return AttentionGroup(q_index, q_valid, k_slots, mask.unsqueeze(1))
+
+
+def plan_reference(meta: PagedAttentionMetadata, num_heads: int) -> ReferencePlan:
+    return ReferencePlan(meta, [_plan_group(meta, rows) for rows in _group_rows(meta, num_heads)])
+
+
+def paged_attention_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              plan: ReferencePlan, scale: float | None = None) -> torch.Tensor:
+    """Attention of ``query`` [T, heads, head_dim] over the paged cache; returns [T, heads, head_dim]."""
+    kv_heads, head_dim = k_cache.shape[-2:]
+    k_flat, v_flat = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
+    out = torch.empty_like(query)
+    for g in plan.groups:
+        q = query[g.q_index].transpose(1, 2)                    # [G, H, Qmax, D]
+        k = k_flat[g.k_slots].transpose(1, 2).to(query.dtype)   # [G, KVH, Kmax, D]
+        v = v_flat[g.k_slots].transpose(1, 2).to(query.dtype)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale,
+                                           enable_gqa=kv_heads != query.shape[1])
+        out[g.q_index[g.q_valid]] = o.transpose(1, 2)[g.q_valid]
+    return out
+
+
+class TorchPagedAttention:
+    """The attention backend the models call: writes the new K/V, then attends."""
+
+    name = "torch"
+
+    def __init__(self, num_heads: int, scale: float | None = None) -> None:
+        self.num_heads = num_heads
+        self.scale = scale
+
+    def prepare(self, meta: PagedAttentionMetadata) -> ReferencePlan:
+        return plan_reference(meta, self.num_heads)
+
+    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, plan: ReferencePlan) -> torch.Tensor:
+        write_kv(key, value, k_cache, v_cache, plan.meta.slot_mapping)
+        return paged_attention_reference(query, k_cache, v_cache, plan, self.scale)

@@ -1,0 +1,99 @@
+"""Typed, validated configuration.
+
+>>> KVPolicy(sinks=16, window=1024, block_size=16).rebase_interval
+256
+>>> KVPolicy(window=None).bounded
+False
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from metronome.errors import ConfigError
+
+PositionMode = Literal["absolute", "rebased"]
+
+
+@dataclass(frozen=True)
+class KVPolicy:
+    """What each session keeps in its KV cache.
+
+    A bounded policy keeps the first ``sinks`` tokens (pinned "attention sinks") plus the ``window``
+    most recent tokens: the query at token index ``t`` attends to keys ``[0, sinks) ∪ [t - window, t]``.
+    ``window=None`` keeps everything (the Unbounded baseline that reproduces today's engines).
+
+    ``positions="absolute"`` gives every token its true RoPE position, so a session ends at the
+    model's position limit. ``positions="rebased"`` re-rotates the live window keys by ``R(-Δ)``
+    every ``Δ = rebase_interval`` tokens so positions stay below ``sinks + window + Δ + chunk``.
+    """
+
+    sinks: int = 16
+    window: int | None = 1024
+    block_size: int = 16
+    positions: PositionMode | None = None  # None: "rebased" when bounded, else "absolute"
+    rebase_every: int | None = None  # Δ; None picks max(block_size, window // 4)
+
+    def __post_init__(self) -> None:
+        if self.positions is None:
+            object.__setattr__(self, "positions", "rebased" if self.window is not None else "absolute")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.sinks < 0:
+            raise ConfigError(f"sinks must be >= 0, got {self.sinks}")
+        if self.window is not None and self.window < 1:
+            raise ConfigError(f"window must be >= 1 or None (unbounded), got {self.window}")
+        if self.positions not in ("absolute", "rebased"):
+            raise ConfigError(f"positions must be 'absolute' or 'rebased', got {self.positions!r}")
+        if self.positions == "rebased" and self.window is None:
+            raise ConfigError("positions='rebased' needs a window; an unbounded cache keeps absolute positions")
+        if self.rebase_every is not None and self.rebase_every < 1:
+            raise ConfigError(f"rebase_every must be >= 1, got {self.rebase_every}")
+
+    @property
+    def bounded(self) -> bool:
+        return self.window is not None
+
+    @property
+    def rebase_interval(self) -> int:
+        if self.rebase_every is not None:
+            return self.rebase_every
+        return max(self.block_size, (self.window or 0) // 4)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs to start.
+
+    ``model`` is ``"smollm2-135m"`` (the packaged default) or a Hugging Face checkpoint directory.
+    ``num_blocks=None`` sizes the KV pool from free memory (``kv_memory_fraction`` of it).
+    ``max_chunk_tokens`` bounds one session's new input per step; it enters the reservation formula.
+    """
+
+    model: str = "smollm2-135m"
+    policy: KVPolicy = field(default_factory=KVPolicy)
+    device: str = "cpu"
+    dtype: str = "float32"
+    num_blocks: int | None = None
+    max_chunk_tokens: int = 256
+    max_batch_tokens: int = 8192
+    kv_memory_fraction: float = 0.25
+    attention: str = "torch"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "float16", "bfloat16"):
+            raise ConfigError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ConfigError(f"num_blocks must be >= 2 (one is the null block), got {self.num_blocks}")
+        if self.max_chunk_tokens < 1:
+            raise ConfigError(f"max_chunk_tokens must be >= 1, got {self.max_chunk_tokens}")
+        if self.max_batch_tokens <= self.max_chunk_tokens:
+            raise ConfigError(
+                f"max_batch_tokens ({self.max_batch_tokens}) must exceed max_chunk_tokens "
+                f"({self.max_chunk_tokens}) so every session's segment fits in one forward")
+        if not 0.0 < self.kv_memory_fraction <= 0.95:
+            raise ConfigError(f"kv_memory_fraction must be in (0, 0.95], got {self.kv_memory_fraction}")
+        if self.attention not in ("torch", "triton"):
+            raise ConfigError(f"attention must be 'torch' or 'triton', got {self.attention!r}")

@@ -1,0 +1,144 @@
+"""ModelRunner: owns the device, the KV tensors and the model; turns segments into one forward.
+
+A *segment* is one session's new tokens for a forward: some token ids followed by optional
+embedding rows (audio encoders later). The runner packs all segments back to back, computes
+positions and slots with vectorised torch ops (no per-token Python), builds the attention metadata
+once and runs the model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from metronome.attention.metadata import PagedAttentionMetadata
+from metronome.attention.reference import TorchPagedAttention
+from metronome.config import EngineConfig
+from metronome.engine.blocks import sink_block_count
+from metronome.engine.scheduler import ForwardSegment
+from metronome.engine.session import Session
+from metronome.models.llama import LlamaFamilyForCausalLM
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: LlamaFamilyForCausalLM, num_blocks: int) -> None:
+        self.config = config
+        self.model = model
+        self.spec = model.spec
+        self.device = torch.device(config.device)
+        self.dtype = DTYPES[config.dtype]
+        self.policy = config.policy
+        self.block_size = config.policy.block_size
+        self.sink_blocks = sink_block_count(config.policy)
+        self.num_blocks = num_blocks
+        shape = (num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        # Zero-filled: physical block 0 is the null block that padded gathers read.
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(self.spec.num_layers)]
+        self.attention = TorchPagedAttention(self.spec.num_heads)
+
+    # ------------------------------------------------------------------ forward
+    def _metadata(self, segments: list[ForwardSegment]) -> tuple[PagedAttentionMetadata, torch.Tensor]:
+        dev = self.device
+        query_lens = [len(s) for s in segments]
+        starts = [s.session.num_tokens for s in segments]
+        context_lens = [a + q for a, q in zip(starts, query_lens)]
+        rows = [s.session.table_row() for s in segments]
+        width = max(1, max(len(r) for r in rows))
+        table = torch.full((len(rows), width), -1, dtype=torch.int32)
+        for i, r in enumerate(rows):
+            table[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
+        qlens_t = torch.tensor(query_lens, device=dev)
+        query_start = torch.zeros(len(segments) + 1, dtype=torch.long, device=dev)
+        query_start[1:] = torch.cumsum(qlens_t, 0)
+        num_tokens = int(sum(query_lens))
+        seq_of_token = torch.repeat_interleave(torch.arange(len(segments), device=dev), qlens_t)
+        offset = torch.arange(num_tokens, device=dev) - query_start[:-1][seq_of_token]
+        token_index = torch.tensor(starts, device=dev)[seq_of_token] + offset
+        base = torch.tensor([s.session.position_base for s in segments], device=dev)
+        positions = token_index - base[seq_of_token]
+        window_first = torch.tensor([s.session.window_first for s in segments], dtype=torch.long, device=dev)
+        block_tables = table.to(dev)
+        logical = token_index // self.block_size
+        column = torch.where(logical < self.sink_blocks, logical,
+                             self.sink_blocks + logical - window_first[seq_of_token])
+        physical = block_tables.long()[seq_of_token, column]
+        slot_mapping = physical * self.block_size + token_index % self.block_size
+        meta = PagedAttentionMetadata(
+            block_size=self.block_size,
+            sinks=self.policy.sinks if self.policy.bounded else 0,
+            window=self.policy.window,
+            sink_blocks=self.sink_blocks,
+            query_lens=query_lens,
+            context_lens=context_lens,
+            query_start=query_start,
+            context_lens_t=torch.tensor(context_lens, device=dev),
+            block_tables=block_tables,
+            window_first=window_first,
+            slot_mapping=slot_mapping,
+        )
+        return meta, positions
+
+    def _inputs_embeds(self, segments: list[ForwardSegment]) -> torch.Tensor:
+        dev = self.device
+        ids = [t for s in segments for t in s.token_ids]
+        if all(s.embeds is None for s in segments):
+            return self.model.embed(torch.tensor(ids, dtype=torch.long, device=dev))
+        parts = []
+        for s in segments:
+            if s.token_ids:
+                parts.append(self.model.embed(torch.tensor(s.token_ids, dtype=torch.long, device=dev)))
+            if s.embeds is not None:
+                parts.append(s.embeds.to(device=dev, dtype=self.dtype))
+        return torch.cat(parts, 0)
+
+    @torch.inference_mode()
+    def forward(self, segments: list[ForwardSegment]) -> torch.Tensor:
+        """Write every segment's K/V and return final hidden states [T, hidden], segments back to back.
+
+        Each session's block table must already cover its new tokens (the engine allocates first).
+        """
+        meta, positions = self._metadata(segments)
+        plan = self.attention.prepare(meta)
+        return self.model(self._inputs_embeds(segments), positions, self.kv_caches, self.attention, plan)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden).float()
+
+    # ------------------------------------------------------------------ rebase
+    def _token_slots(self, session: Session, lo: int, hi: int) -> torch.Tensor:
+        tokens = torch.arange(lo, hi)
+        logical = tokens // self.block_size
+        physical = torch.tensor([session.physical(b) for b in range(lo // self.block_size,
+                                                                     (hi - 1) // self.block_size + 1)])
+        return physical[logical - lo // self.block_size] * self.block_size + tokens % self.block_size
+
+    @torch.inference_mode()
+    def rebase(self, session: Session, delta: int) -> None:
+        """Move the session's attendable window keys ``delta`` positions back: ``R(-delta)`` in place."""
+        lo = max(self.policy.sinks, session.num_tokens - (self.policy.window or 0))
+        if lo < session.num_tokens:
+            slots = self._token_slots(session, lo, session.num_tokens).to(self.device)
+            for k_cache, _ in self.kv_caches:
+                flat = k_cache.view(-1, self.spec.num_kv_heads, self.spec.head_dim)
+                flat[slots] = self.model.rotary.shift(flat[slots], -delta)
+        session.position_base += delta

@@ -1,0 +1,113 @@
+"""Per-session state: length, a compact logical→physical block table, RoPE position base.
+
+The table is compact so per-session state stays O(S + W) however old the session is:
+
+    logical blocks  [0 .. sink_count)                 -> sink_blocks (pinned)
+    logical blocks  [sink_count .. window_first)      -> freed (None)
+    logical blocks  [window_first .. next_logical)    -> window_blocks
+
+>>> s = Session(session_id=1, reservation=8, sink_count=1, block_size=4, opened_seq=0)
+>>> for b in (10, 11, 12, 13): s.append_block(b)
+>>> s.num_tokens = 16
+>>> s.release_window_blocks_below(3)      # logical blocks 1 and 2 leave the window
+[11, 12]
+>>> [s.physical(b) for b in range(4)]
+[10, None, None, 13]
+>>> s.table_row()
+[10, 13]
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+
+class SessionStatus(enum.Enum):
+    ACTIVE = "active"
+    PREEMPTED = "preempted"  # Unbounded baseline only: KV dropped, history kept for recompute
+    FAILED = "failed"        # ended with an error (e.g. position limit); KV released
+
+
+@dataclass
+class HistorySegment:
+    """Input the session has consumed, kept only by the Unbounded baseline for recompute."""
+
+    token_ids: list[int] | None = None
+    embeds: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids) if self.token_ids is not None else int(self.embeds.shape[0])
+
+
+@dataclass
+class Session:
+    session_id: int
+    reservation: int          # blocks reserved at admission (0 for the Unbounded baseline)
+    sink_count: int           # logical blocks pinned for the sinks
+    block_size: int
+    opened_seq: int           # admission order; the Unbounded baseline preempts the newest first
+    num_tokens: int = 0       # tokens written to the cache so far (logical length)
+    position_base: int = 0    # rebased mode: window token j sits at RoPE position j - position_base
+    pending_token: int | None = None       # sampled last step, joins the context next step
+    last_hidden: torch.Tensor | None = None  # final hidden state of the last written token
+    status: SessionStatus = SessionStatus.ACTIVE
+    error: str | None = None
+    sink_blocks: list[int] = field(default_factory=list)
+    window_blocks: deque[int] = field(default_factory=deque)
+    window_first: int = -1    # logical index of window_blocks[0]; set in __post_init__
+    history: list[HistorySegment] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.window_first < 0:
+            self.window_first = self.sink_count
+
+    @property
+    def next_logical(self) -> int:
+        if len(self.sink_blocks) < self.sink_count:
+            return len(self.sink_blocks)
+        return self.window_first + len(self.window_blocks)
+
+    @property
+    def live_blocks(self) -> int:
+        return len(self.sink_blocks) + len(self.window_blocks)
+
+    def blocks_needed_for(self, num_tokens: int) -> int:
+        """How many more blocks must be appended so tokens ``[0, num_tokens)`` have a home."""
+        return max(0, -(-num_tokens // self.block_size) - self.next_logical)
+
+    def append_block(self, physical: int) -> None:
+        if len(self.sink_blocks) < self.sink_count:
+            self.sink_blocks.append(physical)
+        else:
+            self.window_blocks.append(physical)
+
+    def physical(self, logical: int) -> int | None:
+        if logical < len(self.sink_blocks):
+            return self.sink_blocks[logical]
+        offset = logical - self.window_first
+        if 0 <= offset < len(self.window_blocks):
+            return self.window_blocks[offset]
+        return None
+
+    def release_window_blocks_below(self, logical_end: int) -> list[int]:
+        """Drop window blocks with logical index < ``logical_end``; returns their physical ids."""
+        released = []
+        while self.window_blocks and self.window_first < logical_end:
+            released.append(self.window_blocks.popleft())
+            self.window_first += 1
+        return released
+
+    def release_all(self) -> list[int]:
+        released = self.sink_blocks + list(self.window_blocks)
+        self.sink_blocks = []
+        self.window_blocks = deque()
+        self.window_first = self.sink_count
+        return released
+
+    def table_row(self) -> list[int]:
+        """The compact table: sink blocks, then window blocks (what attention metadata carries)."""
+        return self.sink_blocks + list(self.window_blocks)
