@@ -26,6 +26,9 @@ class AttentionGroup:
     q_valid: torch.Tensor  # [G, Qmax] bool
     k_slots: torch.Tensor  # [G, Kmax] flat cache slot (0 = null block where padded)
     mask: torch.Tensor     # [G, 1, Qmax, Kmax] bool, True = attend
+    all_valid: bool        # no padded query rows
+    q_flat_valid: torch.Tensor  # positions in the flattened [G * Qmax] that are real queries
+    q_rows: torch.Tensor        # their flat query rows
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,10 @@ def _plan_group(meta: PagedAttentionMetadata, rows: list[int]) -> AttentionGroup
         mask &= (kt < meta.sinks) | (kt >= qt - meta.window)
     # Padded query rows attend to the (zero) first key so SDPA never sees an empty row.
     mask[:, :, 0] |= ~q_valid
-    return AttentionGroup(q_index, q_valid, k_slots, mask.unsqueeze(1))
+    flat_valid = q_valid.flatten().nonzero().squeeze(1)
+    all_valid = all(meta.query_lens[b] == qmax for b in rows)
+    return AttentionGroup(q_index, q_valid, k_slots, mask.unsqueeze(1), all_valid, flat_valid,
+                          q_index.flatten().index_select(0, flat_valid))
 
 
 def plan_reference(meta: PagedAttentionMetadata, num_heads: int) -> ReferencePlan:
@@ -99,13 +105,20 @@ def paged_attention_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cach
     kv_heads, head_dim = k_cache.shape[-2:]
     k_flat, v_flat = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
     out = torch.empty_like(query)
+    heads = query.shape[1]
     for g in plan.groups:
-        q = query[g.q_index].transpose(1, 2)                    # [G, H, Qmax, D]
-        k = k_flat[g.k_slots].transpose(1, 2).to(query.dtype)   # [G, KVH, Kmax, D]
-        v = v_flat[g.k_slots].transpose(1, 2).to(query.dtype)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale,
-                                           enable_gqa=kv_heads != query.shape[1])
-        out[g.q_index[g.q_valid]] = o.transpose(1, 2)[g.q_valid]
+        (n, qmax), kmax = g.q_index.shape, g.k_slots.shape[1]
+        # index_select on flat indices: far faster on the CPU than multi-dimensional indexing.
+        q = query.index_select(0, g.q_index.flatten()).view(n, qmax, heads, head_dim).transpose(1, 2)
+        k = k_flat.index_select(0, g.k_slots.flatten()).view(n, kmax, kv_heads, head_dim).transpose(1, 2)
+        v = v_flat.index_select(0, g.k_slots.flatten()).view(n, kmax, kv_heads, head_dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k.to(query.dtype), v.to(query.dtype), attn_mask=g.mask,
+                                           scale=scale, enable_gqa=kv_heads != heads)
+        o = o.transpose(1, 2).reshape(n * qmax, heads, head_dim)
+        if g.all_valid:
+            out.index_copy_(0, g.q_index.flatten(), o)
+        else:
+            out.index_copy_(0, g.q_rows, o.index_select(0, g.q_flat_valid))
     return out
 
 

@@ -10,6 +10,7 @@ Cache location: ``$METRONOME_CACHE`` or ``~/.cache/metronome``.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import importlib.util
 import logging
 import os
@@ -17,6 +18,8 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from safetensors.torch import save_file
 
 from metronome.errors import ModelLoadError
 
@@ -58,8 +61,13 @@ def _convert(model: EmbeddedModel, source: Path, target: Path) -> None:
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=model.gguf_file)
         hf_model = AutoModelForCausalLM.from_pretrained(source, gguf_file=model.gguf_file)
-        hf_model.config.quantization_config = None  # the saved weights are plain dequantised tensors
-        hf_model.save_pretrained(tmp)
+        config = hf_model.config.to_dict()
+        config.pop("quantization_config", None)  # the saved weights are plain dequantised tensors
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        tied = bool(config.get("tie_word_embeddings"))
+        weights = {name: tensor.contiguous() for name, tensor in hf_model.state_dict().items()
+                   if not (tied and name == "lm_head.weight")}
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tokenizer.save_pretrained(tmp)
         os.replace(tmp, target)  # atomic: a half-written cache is never seen
     finally:

@@ -63,6 +63,7 @@ def load_model(model: str, dtype: torch.dtype, device: str | torch.device) -> tu
                 missing.discard(name)
     if missing:
         raise ModelLoadError(f"{checkpoint}: weights missing from the checkpoint: {sorted(missing)[:5]}")
+    net.fuse_projections()
     net.init_rotary(device)
     net.eval().requires_grad_(False)
     log.info("loaded %s (%s, %d layers) on %s as %s", checkpoint, spec.model_type, spec.num_layers, device, dtype)
