@@ -78,17 +78,13 @@ class Engine:
         self.spec = self.model.spec
         self.max_model_len = self.spec.max_position_embeddings
         policy = config.policy
-        if policy.positions == "rebased":
-            peak = policy.sinks + policy.window + policy.rebase_interval + config.max_chunk_tokens + 1
-            if peak > self.max_model_len:
-                raise ConfigError(
-                    f"rebased positions reach sinks + window + rebase interval + chunk + 1 = {peak}, beyond "
-                    f"the model's {self.max_model_len} positions; shrink the window or the chunk")
         block_bytes = self.spec.kv_bytes_per_token(dtype) * policy.block_size
         num_blocks = config.num_blocks or self._blocks_from_memory(block_bytes)
         self.kv_bytes_per_block = block_bytes
         self.scheduler = Scheduler(policy, BlockPool(num_blocks), config.max_chunk_tokens,
                                    self.max_model_len, config.max_batch_tokens)
+        if policy.positions == "rebased":
+            self.scheduler.check_rebased_fits()
         if self.scheduler.capacity < 1:
             raise ConfigError(
                 f"the KV pool ({num_blocks - 1} blocks) cannot hold one session "
@@ -110,9 +106,12 @@ class Engine:
         return load_tokenizer(self.checkpoint)
 
     # ------------------------------------------------------------------ sessions
-    def open_session(self) -> int:
-        """Admit a session, reserving its worst-case KV; raises ``AdmissionError`` if it does not fit."""
-        return self.scheduler.admit().session_id
+    def open_session(self, positions: str | None = None) -> int:
+        """Admit a session, reserving its worst-case KV; raises ``AdmissionError`` if it does not fit.
+
+        ``positions`` overrides the policy's position mode for this session ("absolute" or "rebased").
+        """
+        return self.scheduler.admit(positions).session_id
 
     def close_session(self, session_id: int) -> None:
         """End a session and return every block it held (its reservation too)."""

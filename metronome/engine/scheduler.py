@@ -18,7 +18,7 @@ from metronome.config import KVPolicy
 from metronome.engine.blocks import BlockPool, blocks_per_session, cdiv, sink_block_count
 from metronome.engine.policy import retention_for
 from metronome.engine.session import HistorySegment, Session, SessionStatus
-from metronome.errors import AdmissionError
+from metronome.errors import AdmissionError, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,14 @@ class Scheduler:
         """Sessions the pool holds at their worst case (the memory cap reported upstream)."""
         return self.pool.usable // self.session_blocks
 
-    def admit(self) -> Session:
+    def admit(self, positions: str | None = None) -> Session:
+        positions = positions or self.policy.positions
+        if positions not in ("absolute", "rebased"):
+            raise ConfigError(f"positions must be 'absolute' or 'rebased', got {positions!r}")
+        if positions == "rebased" and not self.policy.bounded:
+            raise ConfigError("positions='rebased' needs a window; an unbounded cache keeps absolute positions")
+        if positions == "rebased":
+            self.check_rebased_fits()
         if self.policy.bounded:
             need = self.session_blocks
             if not self.pool.can_reserve(need):
@@ -74,9 +81,18 @@ class Scheduler:
                 raise AdmissionError(f"KV pool full: {self.pool.free_count} free blocks, a new session needs {need}")
         session = Session(session_id=next(self._ids), reservation=need if self.policy.bounded else 0,
                           sink_count=sink_block_count(self.policy), block_size=self.policy.block_size,
-                          opened_seq=next(self._admissions))
+                          opened_seq=next(self._admissions), positions=positions)
         self.sessions[session.session_id] = session
         return session
+
+    def check_rebased_fits(self) -> None:
+        """Rebased positions stay below sinks + window + Δ + chunk + 1; the model must have that many."""
+        p = self.policy
+        peak = p.sinks + p.window + p.rebase_interval + self.max_chunk_tokens + 1
+        if peak > self.max_model_len:
+            raise ConfigError(
+                f"rebased positions would reach sinks + window + rebase interval + chunk + 1 = {peak}, "
+                f"beyond the model's {self.max_model_len} positions; shrink the window or the chunk")
 
     def close(self, session: Session) -> None:
         self._release_all(session)
@@ -99,7 +115,7 @@ class Scheduler:
 
     def position_error(self, session: Session, num_new: int) -> str | None:
         """Why appending ``num_new`` tokens is impossible under absolute positions, else None."""
-        if self.policy.positions == "rebased":
+        if session.positions == "rebased":
             return None
         if session.num_tokens + num_new > self.max_model_len:
             return (f"position limit reached: the session holds {session.num_tokens} tokens and "
@@ -109,7 +125,7 @@ class Scheduler:
 
     def rebase_delta(self, session: Session) -> int:
         """How far to move the window's positions back before the next append (0: not yet)."""
-        if self.policy.positions != "rebased":
+        if session.positions != "rebased":
             return 0
         interval = self.policy.rebase_interval
         span = session.num_tokens - session.position_base - (self.policy.sinks + self.policy.window)

@@ -50,6 +50,7 @@ class Session:
     sink_count: int           # logical blocks pinned for the sinks
     block_size: int
     opened_seq: int           # admission order; the Unbounded baseline preempts the newest first
+    positions: str = "absolute"  # "absolute" or "rebased" (see KVPolicy)
     num_tokens: int = 0       # tokens written to the cache so far (logical length)
     position_base: int = 0    # rebased mode: window token j sits at RoPE position j - position_base
     pending_token: int | None = None       # sampled last step, joins the context next step

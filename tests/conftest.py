@@ -1,0 +1,57 @@
+"""Shared fixtures: tiny random checkpoints written with transformers' own classes (the oracle)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=128, max_position_embeddings=512, rms_norm_eps=1e-6)
+
+
+def tiny_config(family: str, **overrides):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    kwargs = {**TINY, **overrides}
+    if family == "llama":
+        return LlamaConfig(**kwargs, tie_word_embeddings=False)
+    if family == "llama-tied":
+        return LlamaConfig(**kwargs, tie_word_embeddings=True)
+    if family == "qwen2":
+        return Qwen2Config(**kwargs, tie_word_embeddings=False, use_sliding_window=False)
+    if family == "qwen3":
+        return Qwen3Config(**kwargs, head_dim=32, tie_word_embeddings=False, use_sliding_window=False)
+    raise ValueError(family)
+
+
+def make_checkpoint(path, family: str, seed: int = 0, **overrides):
+    """Save a random model of ``family``; returns the transformers model (the reference) in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), dtype=torch.float32)
+    with torch.no_grad():  # random biases/norm weights so those code paths matter
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.eval()
+    model.save_pretrained(path)
+    return model
+
+
+FAMILIES = ("llama", "llama-tied", "qwen2", "qwen3")
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """family -> (checkpoint dir, transformers reference model)."""
+    out = {}
+    for family in FAMILIES:
+        path = tmp_path_factory.mktemp(family)
+        out[family] = (str(path), make_checkpoint(path, family))
+    return out
+
+
+@pytest.fixture(scope="session")
+def llama(checkpoints):
+    return checkpoints["llama"]
