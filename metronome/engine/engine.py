@@ -85,7 +85,7 @@ class Engine:
                                    self.max_model_len, config.max_batch_tokens)
         if policy.positions == "rebased":
             self.scheduler.check_rebased_fits()
-        if self.scheduler.capacity < 1:
+        if policy.bounded and self.scheduler.capacity < 1:
             raise ConfigError(
                 f"the KV pool ({num_blocks - 1} blocks) cannot hold one session "
                 f"({self.scheduler.session_blocks} blocks); raise num_blocks or shrink the window")

@@ -8,11 +8,12 @@ import torch
 
 
 def hf_greedy(model, context: list[int], n: int) -> list[int]:
-    if n == 0:
-        return []
-    out = model.generate(torch.tensor([context]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                         pad_token_id=0)
-    return out[0, len(context):].tolist()
+    """Greedy continuation by full forwards: no EOS rule, no pad-token inference, no cache."""
+    tokens = list(context)
+    with torch.no_grad():
+        for _ in range(n):
+            tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(context):]
 
 
 def sink_window_mask(length: int, sinks: int, window: int | None) -> torch.Tensor:
