@@ -1,0 +1,110 @@
+"""Bad input is reported on its own session's output and never disturbs the others; input forms agree."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from metronome import Engine, EngineConfig, KVPolicy, SamplingParams, SessionNotFound, StepInput
+from tests.engine.oracle import hf_greedy
+
+
+@pytest.fixture(scope="module")
+def engine(llama):
+    path, _ = llama
+    return Engine(EngineConfig(model=path, policy=KVPolicy(sinks=4, window=64, block_size=8), num_blocks=300,
+                               max_chunk_tokens=16, max_batch_tokens=64))
+
+
+def test_each_bad_input_gets_its_own_error_and_the_good_session_is_untouched(engine, llama):
+    _, model = llama
+    good, fresh, spare = engine.open_session(), engine.open_session(), engine.open_session()
+    prompt = [5, 6, 7, 8]
+    bad_inputs = [
+        (StepInput(good, token_ids=prompt, max_new_tokens=4), None),
+        (StepInput(9999, token_ids=[1]), "unknown session"),
+        (StepInput(spare, token_ids=[1, 500]), "not an integer in"),
+        (StepInput(spare, token_ids=[1, -1]), "not an integer in"),
+        (StepInput(spare, token_ids=[1.5]), "not an integer in"),
+        (StepInput(spare, token_ids=list(range(17))), "exceeds max_chunk_tokens=16"),
+        (StepInput(spare, token_ids=[1], embeds=torch.zeros(1, 64)), "not both"),
+        (StepInput(spare, embeds=torch.zeros(2, 3)), "shape"),
+        (StepInput(spare, embeds=torch.full((2, 64), float("nan"))), "NaN"),
+        (StepInput(spare, token_ids=[1], max_new_tokens=-1), "max_new_tokens"),
+        (StepInput(fresh, max_new_tokens=3), "nothing to decode from"),
+        (StepInput(good, token_ids=[1]), "more than once"),
+    ]
+    outs = engine.step([inp for inp, _ in bad_inputs])
+    for out, (_, expected) in zip(outs, bad_inputs):
+        if expected is None:
+            assert out.error is None and out.token_ids == hf_greedy(model, prompt, 4)
+        else:
+            assert out.error is not None and expected in out.error
+            assert out.token_ids == []
+    # The refused sessions are still usable.
+    out, = engine.step([StepInput(spare, token_ids=[3, 4], max_new_tokens=2)])
+    assert out.ok and out.token_ids == hf_greedy(model, [3, 4], 2)
+    for sid in (good, fresh, spare):
+        engine.close_session(sid)
+    with pytest.raises(SessionNotFound):
+        engine.close_session(good)
+
+
+def test_embeddings_input_equals_token_input(engine, llama):
+    _, model = llama
+    a, b = engine.open_session(), engine.open_session()
+    ids = [11, 12, 13, 14, 15]
+    embeds = model.get_input_embeddings()(torch.tensor(ids)).detach()
+    oa, ob = engine.step([StepInput(a, token_ids=ids, max_new_tokens=3), StepInput(b, embeds=embeds, max_new_tokens=3)])
+    assert oa.token_ids == ob.token_ids == hf_greedy(model, ids, 3)
+    # The sampled token leads the next step for both; contexts stay identical.
+    oa, ob = engine.step([StepInput(a, token_ids=ids, max_new_tokens=2), StepInput(b, embeds=embeds, max_new_tokens=2)])
+    assert oa.token_ids == ob.token_ids
+    engine.close_session(a)
+    engine.close_session(b)
+
+
+def test_decode_only_steps_continue_from_the_context(engine, llama):
+    _, model = llama
+    sid = engine.open_session()
+    engine.step([StepInput(sid, token_ids=[20, 21, 22], max_new_tokens=0)])
+    first, = engine.step([StepInput(sid, max_new_tokens=2)])
+    second, = engine.step([StepInput(sid, max_new_tokens=2)])
+    assert first.token_ids + second.token_ids == hf_greedy(model, [20, 21, 22], 4)
+    engine.close_session(sid)
+
+
+def test_prompt_logprobs_after_an_ingest_only_step_use_the_previous_context(engine, llama):
+    _, model = llama
+    sid = engine.open_session()
+    engine.step([StepInput(sid, token_ids=[30, 31], max_new_tokens=0)])
+    out, = engine.step([StepInput(sid, token_ids=[32, 33], prompt_logprobs=True)])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([[30, 31, 32, 33]])).logits[0], -1)
+    assert out.prompt_logprobs == pytest.approx([logp[1, 32].item(), logp[2, 33].item()], abs=2e-4)
+    engine.close_session(sid)
+
+
+def test_stop_tokens_end_the_step_and_join_the_context(engine, llama):
+    _, model = llama
+    sid = engine.open_session()
+    expected = hf_greedy(model, [40, 41, 42], 6)
+    stop = expected[2]
+    out, = engine.step([StepInput(sid, token_ids=[40, 41, 42], max_new_tokens=6,
+                                  sampling=SamplingParams(stop_token_ids=(stop,)))])
+    assert out.finished and out.token_ids == expected[:expected.index(stop) + 1]
+    assert engine.scheduler.sessions[sid].pending_token == stop
+    engine.close_session(sid)
+
+
+def test_sampling_is_seeded_and_top_k_one_is_greedy(llama):
+    path, model = llama
+    def run(params, seed):
+        e = Engine(EngineConfig(model=path, policy=KVPolicy(sinks=4, window=64, block_size=8), num_blocks=50,
+                                max_chunk_tokens=16, max_batch_tokens=64, seed=seed))
+        sid = e.open_session()
+        return e.step([StepInput(sid, token_ids=[1, 2, 3], max_new_tokens=8, sampling=params)])[0].token_ids
+    hot = SamplingParams(temperature=1.5)
+    assert run(hot, 1) == run(hot, 1)
+    assert run(SamplingParams(temperature=1.0, top_k=1), 1) == hf_greedy(model, [1, 2, 3], 8)
+    assert run(SamplingParams(temperature=0.7, top_p=1e-6), 3) == hf_greedy(model, [1, 2, 3], 8)
