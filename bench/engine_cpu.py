@@ -29,6 +29,7 @@ What it measures, in one run, for both arms on the same model weights, the same 
   so they always have the same age) is advanced tick by tick up to ``--max-age`` tokens. Metronome:
   ``live_blocks * kv_bytes_per_block``; transformers: the ``nbytes`` of every key/value tensor in the
   ``DynamicCache``. The greedy tokens of the two arms are compared tick by tick as a sanity check.
+  ``--age-time-limit`` (default 300 s) stops this part early on a slow machine, saying so.
 
 Tables go to stdout, progress bars to stderr, and everything raw (every tick of every point, every
 age sample, machine info) to ``--out`` (default ``results/engine_cpu.json``).
@@ -46,6 +47,7 @@ import inspect
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -349,9 +351,15 @@ def age_run(arms: list, stream: TokenStream, args) -> dict:
     per_tick = args.chunk_tokens + args.new_tokens
     n_ticks = max(1, -(-args.max_age // per_tick))
     samples = {arm.name: [] for arm in arms}
-    first_divergence = None
+    first_divergence = truncated = None
+    t0 = perf_counter()
     try:
         for k in tqdm(range(n_ticks), desc="    KV vs age", unit="tick", file=sys.stderr):
+            if args.age_time_limit and perf_counter() - t0 > args.age_time_limit and k:
+                truncated = (f"stopped at age {k * per_tick} of {args.max_age} tokens: --age-time-limit "
+                             f"{args.age_time_limit:.0f} s reached")
+                tqdm.write(f"[KV vs age] {truncated}")
+                break
             chunk = stream.chunk(0, k, args.chunk_tokens)
             generated = {}
             for arm in arms:
@@ -371,8 +379,9 @@ def age_run(arms: list, stream: TokenStream, args) -> dict:
     finally:
         for arm in arms:
             arm.close(handles[arm.name])
-    return {"ticks": n_ticks, "tokens_per_tick": per_tick, "samples": samples,
-            "greedy_first_divergence": first_divergence}
+    return {"ticks": len(next(iter(samples.values()))), "ticks_planned": n_ticks, "tokens_per_tick": per_tick,
+            "samples": samples, "greedy_first_divergence": first_divergence, "truncated": truncated,
+            "wall_s": perf_counter() - t0}
 
 
 # ---------------------------------------------------------------------------------------------- output
@@ -431,7 +440,7 @@ def report(results: dict, args) -> None:
         print(f"  ratio metronome / transformers: {ratio['text']}")
 
     age = results.get("kv_vs_age")
-    if age:
+    if age and age["ticks"]:
         print()
         print(f"== KV bytes per session vs session age (one session per arm, {age['tokens_per_tick']} tokens "
               f"per tick)")
@@ -462,6 +471,8 @@ def report(results: dict, args) -> None:
                 print(f"  greedy tokens first differ at tick {d['tick']} (age {d['age_tokens']}, after "
                       f"{d['same_prefix_tokens']} equal tokens of that tick); window+sinks = "
                       f"{args.window + args.sinks} tokens")
+        if age["truncated"]:
+            print(f"  {age['truncated']} (raise or disable it with --age-time-limit 0)")
     m = results["machine"]
     print()
     print(f"machine: {m['platform']}, {m['cpus']} CPUs, torch {m['torch']} ({m['torch_threads']} threads), "
@@ -505,6 +516,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=25, help="greedy decode tokens per session per tick")
     p.add_argument("--max-age", type=int, default=None,
                    help="KV-vs-age run: advance one session per arm to this many tokens [default 3000]; 0 skips it")
+    p.add_argument("--age-time-limit", type=float, default=300.0,
+                   help="KV-vs-age run: stop early after this many seconds (keeps a busy machine's run bounded); "
+                        "0 = no limit")
     p.add_argument("--arms", default="metronome,transformers", help="which arms to run (comma-separated)")
     p.add_argument("--sinks", type=int, default=16, help="Metronome: pinned sink tokens")
     p.add_argument("--window", type=int, default=1024, help="Metronome: sliding window tokens")
@@ -537,8 +551,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` and timeouts still leave the partial JSON
     threads = args.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
     torch.set_num_threads(threads)
     torch.manual_seed(args.seed)

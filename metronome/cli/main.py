@@ -1,0 +1,34 @@
+"""The ``metronome`` command.
+
+    metronome demo                      # the embedded default on the CPU: concurrent bounded sessions
+    metronome demo --model /path/to/hf_checkpoint --sessions 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from metronome.cli import demo
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="metronome", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--log-level", default="WARNING", help="Python logging level (default WARNING)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.run(args) or 0
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
