@@ -49,10 +49,14 @@ class ModelRunner:
         self.sink_blocks = sink_block_count(config.policy)
         self.num_blocks = num_blocks
         shape = (num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
-        # Zero-filled: physical block 0 is the null block that padded gathers read.
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
-                          for _ in range(self.spec.num_layers)]
+        # Uninitialised (zeroing gigabytes costs seconds at start-up): a block is only ever read after
+        # its session wrote it, except the null block 0, which padded gathers read and must be zero.
+        self.kv_caches = []
+        for _ in range(self.spec.num_layers):
+            k, v = (torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(2))
+            k[0].zero_()
+            v[0].zero_()
+            self.kv_caches.append((k, v))
         self.attention = TorchPagedAttention(self.spec.num_heads)
 
     # ------------------------------------------------------------------ forward
