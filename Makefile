@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 # The CPU build (lies on disk here). On a CUDA machine: make install TORCH_SPEC='torch>=2.5'
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install run test bench-cpu clean
+.PHONY: install run test bench-cpu proto clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,9 @@ test: install
 
 bench-cpu: install
 	$(PY) bench/engine_cpu.py
+
+proto: install
+	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. metronome/serving/proto/worker.proto
 
 clean:
 	rm -rf $(VENV) build *.egg-info

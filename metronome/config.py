@@ -97,3 +97,39 @@ class EngineConfig:
             raise ConfigError(f"kv_memory_fraction must be in (0, 0.95], got {self.kv_memory_fraction}")
         if self.attention not in ("torch", "triton"):
             raise ConfigError(f"attention must be 'torch' or 'triton', got {self.attention!r}")
+
+
+@dataclass(frozen=True)
+class AimdConfig:
+    """Admission controller settings (see ``serving/admission.py``).
+
+    The controller reads each tick's latency and moves the session cap: multiplicative decrease by
+    ``backoff`` when the robust latency statistic over the last ``window`` ticks exceeds
+    ``target_fraction * budget_ms`` (or a deadline was missed), additive increase by ``step`` when
+    latency is under target and live sessions are within ``grow_headroom`` of the cap.
+    """
+
+    budget_ms: float = 2000.0
+    target_fraction: float = 0.3
+    backoff: float = 0.9
+    step: int = 1
+    window: int = 5
+    initial_cap: int = 4
+    min_cap: int = 1
+    grow_headroom: int = 2
+
+    def __post_init__(self) -> None:
+        if self.budget_ms <= 0:
+            raise ConfigError(f"budget_ms must be > 0, got {self.budget_ms}")
+        if not 0.0 < self.target_fraction <= 1.0:
+            raise ConfigError(f"target_fraction must be in (0, 1], got {self.target_fraction}")
+        if not 0.0 < self.backoff < 1.0:
+            raise ConfigError(f"backoff must be in (0, 1), got {self.backoff}")
+        if self.step < 1 or self.window < 1 or self.min_cap < 0 or self.grow_headroom < 0:
+            raise ConfigError("step and window must be >= 1; min_cap and grow_headroom >= 0")
+        if self.initial_cap < self.min_cap:
+            raise ConfigError(f"initial_cap ({self.initial_cap}) must be >= min_cap ({self.min_cap})")
+
+    @property
+    def target_ms(self) -> float:
+        return self.target_fraction * self.budget_ms

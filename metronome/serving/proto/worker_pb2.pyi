@@ -1,0 +1,129 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("sid", "mode", "instructions")
+    SID_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    INSTRUCTIONS_FIELD_NUMBER: _ClassVar[int]
+    sid: str
+    mode: str
+    instructions: str
+    def __init__(self, sid: _Optional[str] = ..., mode: _Optional[str] = ..., instructions: _Optional[str] = ...) -> None: ...
+
+class OpenSessionResponse(_message.Message):
+    __slots__ = ("ok", "error")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    error: str
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("sid",)
+    SID_FIELD_NUMBER: _ClassVar[int]
+    sid: str
+    def __init__(self, sid: _Optional[str] = ...) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ("closed",)
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    closed: bool
+    def __init__(self, closed: _Optional[bool] = ...) -> None: ...
+
+class SessionInput(_message.Message):
+    __slots__ = ("sid", "new_turn", "audio_pcm16", "sample_rate", "text", "cancel", "max_tokens")
+    SID_FIELD_NUMBER: _ClassVar[int]
+    NEW_TURN_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_PCM16_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    sid: str
+    new_turn: bool
+    audio_pcm16: bytes
+    sample_rate: int
+    text: str
+    cancel: bool
+    max_tokens: int
+    def __init__(self, sid: _Optional[str] = ..., new_turn: _Optional[bool] = ..., audio_pcm16: _Optional[bytes] = ..., sample_rate: _Optional[int] = ..., text: _Optional[str] = ..., cancel: _Optional[bool] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("sessions", "tokens_per_tick", "tick")
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_TICK_FIELD_NUMBER: _ClassVar[int]
+    TICK_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionInput]
+    tokens_per_tick: int
+    tick: int
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInput, _Mapping]]] = ..., tokens_per_tick: _Optional[int] = ..., tick: _Optional[int] = ...) -> None: ...
+
+class SessionOutput(_message.Message):
+    __slots__ = ("sid", "tokens", "text", "finished", "error", "preempted", "transcript")
+    SID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_FIELD_NUMBER: _ClassVar[int]
+    TRANSCRIPT_FIELD_NUMBER: _ClassVar[int]
+    sid: str
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    finished: bool
+    error: str
+    preempted: bool
+    transcript: str
+    def __init__(self, sid: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., error: _Optional[str] = ..., preempted: _Optional[bool] = ..., transcript: _Optional[str] = ...) -> None: ...
+
+class StepResponse(_message.Message):
+    __slots__ = ("outputs", "gpu_ms", "in_flight", "frontend_ms", "prefill_ms", "decode_ms", "kv_blocks_used", "kv_blocks_total")
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    GPU_MS_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    FRONTEND_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    outputs: _containers.RepeatedCompositeFieldContainer[SessionOutput]
+    gpu_ms: float
+    in_flight: int
+    frontend_ms: float
+    prefill_ms: float
+    decode_ms: float
+    kv_blocks_used: int
+    kv_blocks_total: int
+    def __init__(self, outputs: _Optional[_Iterable[_Union[SessionOutput, _Mapping]]] = ..., gpu_ms: _Optional[float] = ..., in_flight: _Optional[int] = ..., frontend_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ...) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HealthResponse(_message.Message):
+    __slots__ = ("ready", "model", "budget_ms", "capacity_sessions", "kv_blocks_used", "kv_blocks_total", "sessions", "input_sample_rate", "kv_policy")
+    READY_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_MS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
+    KV_POLICY_FIELD_NUMBER: _ClassVar[int]
+    ready: bool
+    model: str
+    budget_ms: float
+    capacity_sessions: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    sessions: int
+    input_sample_rate: int
+    kv_policy: str
+    def __init__(self, ready: _Optional[bool] = ..., model: _Optional[str] = ..., budget_ms: _Optional[float] = ..., capacity_sessions: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., sessions: _Optional[int] = ..., input_sample_rate: _Optional[int] = ..., kv_policy: _Optional[str] = ...) -> None: ...
