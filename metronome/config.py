@@ -8,7 +8,7 @@ False
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from metronome.errors import ConfigError
@@ -133,3 +133,39 @@ class AimdConfig:
     @property
     def target_ms(self) -> float:
         return self.target_fraction * self.budget_ms
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """The WebSocket gateway: where it listens, which workers it drives, and its limits per client.
+
+    Slow readers: each client has a bounded queue of ``send_queue_events`` outgoing events; a client
+    that lets it fill (stops reading) is disconnected with an error rather than growing server memory.
+    """
+
+    workers: tuple[str, ...] = ("127.0.0.1:50051",)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    budget_ms: float = 2000.0
+    tokens_per_tick: int = 25
+    max_sessions: int | None = None       # static cap, combined with the controller's
+    api_key: str | None = None
+    model_name: str = "metronome"
+    max_message_bytes: int = 1 << 20      # larger messages get an error; 4x this closes the socket
+    max_buffered_audio_s: float = 10.0    # audio waiting for the next tick, per session
+    send_queue_events: int = 512
+    max_messages_per_s: float = 250.0     # sustained client event rate (20 ms chunks are 50/s)
+    step_timeout_s: float = 30.0
+    aimd: AimdConfig = field(default_factory=AimdConfig)
+
+    def __post_init__(self) -> None:
+        if not self.workers:
+            raise ConfigError("the gateway needs at least one worker address")
+        if self.budget_ms <= 0 or self.tokens_per_tick < 0:
+            raise ConfigError("budget_ms must be > 0 and tokens_per_tick >= 0")
+        if self.max_sessions is not None and self.max_sessions < 0:
+            raise ConfigError(f"max_sessions must be >= 0, got {self.max_sessions}")
+        if self.max_message_bytes < 1024 or self.send_queue_events < 8 or self.max_messages_per_s <= 0:
+            raise ConfigError("max_message_bytes >= 1024, send_queue_events >= 8, max_messages_per_s > 0")
+        if self.aimd.budget_ms != self.budget_ms:
+            object.__setattr__(self, "aimd", replace(self.aimd, budget_ms=self.budget_ms))

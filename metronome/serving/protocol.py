@@ -1,0 +1,136 @@
+"""Wire schemas: the OpenAI-Realtime subset clients speak to the gateway (msgspec, decoded in one pass).
+
+Client → server events accepted (unknown fields are ignored, as OpenAI clients send many)::
+
+    {"type": "session.update", "session": {"instructions": "...", "input_audio_format": "pcm16",
+                                           "input_audio_sample_rate": 16000, "mode": "turn"}}
+    {"type": "input_audio_buffer.append", "audio": "<base64 PCM16 mono little-endian>"}
+    {"type": "input_audio_buffer.commit"}     {"type": "input_audio_buffer.clear"}
+    {"type": "conversation.item.create", "item": {"type": "message", "role": "user",
+                                                   "content": [{"type": "input_text", "text": "hi"}]}}
+    {"type": "response.create"}               {"type": "response.cancel"}
+
+>>> decode_client_event(b'{"type": "input_audio_buffer.commit"}')
+InputAudioBufferCommit(event_id=None)
+>>> decode_client_event(b'{"type": "nope"}')
+Traceback (most recent call last):
+...
+metronome.serving.protocol.ProtocolError: unknown_event: unknown event type 'nope'
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+SUPPORTED_SAMPLE_RATES = (8000, 16000, 22050, 24000, 32000, 44100, 48000)
+DEFAULT_SAMPLE_RATE = 16000
+
+
+class ProtocolError(ValueError):
+    """A client event that cannot be accepted; ``code`` goes into the error event."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class AudioRate(msgspec.Struct):
+    rate: int | None = None
+    type: str | None = None
+
+
+class AudioInput(msgspec.Struct):
+    format: AudioRate | None = None
+
+
+class AudioConfig(msgspec.Struct):
+    input: AudioInput | None = None
+
+
+class SessionConfig(msgspec.Struct):
+    instructions: str | None = None
+    input_audio_format: str | None = None
+    input_audio_sample_rate: int | None = None  # Metronome extension; GA clients use audio.input.format.rate
+    audio: AudioConfig | None = None
+    mode: str | None = None                     # Metronome extension: "turn" or "free_running"
+
+    def sample_rate(self) -> int | None:
+        if self.input_audio_sample_rate is not None:
+            return self.input_audio_sample_rate
+        if self.audio and self.audio.input and self.audio.input.format:
+            return self.audio.input.format.rate
+        return None
+
+
+class _Event(msgspec.Struct, tag_field="type"):
+    event_id: str | None = None
+
+
+class SessionUpdate(_Event, tag="session.update"):
+    session: SessionConfig = msgspec.field(default_factory=SessionConfig)
+
+
+class InputAudioBufferAppend(_Event, tag="input_audio_buffer.append"):
+    audio: str = ""
+
+
+class InputAudioBufferCommit(_Event, tag="input_audio_buffer.commit"):
+    pass
+
+
+class InputAudioBufferClear(_Event, tag="input_audio_buffer.clear"):
+    pass
+
+
+class ConversationItemCreate(_Event, tag="conversation.item.create"):
+    item: dict[str, Any] = msgspec.field(default_factory=dict)
+
+    def text(self) -> str:
+        """The concatenated input_text parts of a user message (the only item kind accepted)."""
+        if self.item.get("type", "message") != "message" or self.item.get("role", "user") != "user":
+            raise ProtocolError("unsupported_item", "only user messages can be added to the conversation")
+        parts = self.item.get("content") or []
+        texts = [p.get("text", "") for p in parts if isinstance(p, dict) and p.get("type") in ("input_text", "text")]
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise ProtocolError("unsupported_item", "a message needs at least one input_text part")
+        return "".join(texts)
+
+
+class ResponseCreate(_Event, tag="response.create"):
+    response: dict[str, Any] | None = None
+
+
+class ResponseCancel(_Event, tag="response.cancel"):
+    pass
+
+
+ClientEvent = Union[SessionUpdate, InputAudioBufferAppend, InputAudioBufferCommit, InputAudioBufferClear,
+                    ConversationItemCreate, ResponseCreate, ResponseCancel]
+_KNOWN_TYPES = {cls.__struct_config__.tag for cls in ClientEvent.__args__}
+_decoder = msgspec.json.Decoder(ClientEvent)
+
+
+def decode_client_event(data: bytes | str) -> ClientEvent:
+    try:
+        return _decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        if isinstance(exc, msgspec.ValidationError):
+            try:
+                kind = msgspec.json.decode(data).get("type")
+            except (msgspec.DecodeError, AttributeError):
+                kind = None
+            if isinstance(kind, str) and kind not in _KNOWN_TYPES:
+                raise ProtocolError("unknown_event", f"unknown event type {kind!r}") from None
+            raise ProtocolError("invalid_event", str(exc)) from None
+        raise ProtocolError("invalid_json", f"malformed JSON: {exc}") from None
+
+
+encode = msgspec.json.Encoder().encode
+
+
+def error_event(code: str, message: str, *, type: str = "invalid_request_error",
+                event_id: str | None = None) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": type, "code": code, "message": message, "event_id": event_id}}

@@ -1,0 +1,204 @@
+"""The gateway's view of its workers: connection, health, admission controller, and the ticker.
+
+One ``WorkerHandle`` per worker address. Its ticker fires every budget B: one ``Step`` RPC with all
+audio buffered since the last tick for every live session, then the outputs are fanned out and the
+tick's latency feeds the worker's AIMD controller. A Step that overruns B makes the next tick fire
+at once and counts as a deadline miss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from metronome.config import GatewayConfig
+from metronome.serving.admission import AimdController
+from metronome.serving.client_session import ClientSession
+from metronome.serving.metrics import GatewayMetrics
+from metronome.serving.proto import worker_pb2 as pb
+from metronome.serving.proto import worker_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+HEALTH_INTERVAL_S = 1.0
+
+
+@dataclass
+class TickReport:
+    tick: int
+    latency_ms: float
+    drift_ms: float
+    deadline_met: bool
+    batch: int
+
+
+@dataclass
+class WorkerHandle:
+    address: str
+    channel: grpc.aio.Channel
+    stub: pb_grpc.WorkerStub
+    controller: AimdController
+    sessions: dict[str, ClientSession] = field(default_factory=dict)
+    pending: int = 0                 # admitted at the gateway, OpenSession in flight
+    healthy: bool = False
+    health: pb.HealthResponse | None = None
+    ticks: int = 0
+    last_tick: TickReport | None = None
+
+    @property
+    def live(self) -> int:
+        return len(self.sessions) + self.pending
+
+    @property
+    def memory_capacity(self) -> int:
+        return self.health.capacity_sessions if self.health else 0
+
+    def headroom(self) -> int:
+        return min(self.controller.cap, self.memory_capacity) - self.live
+
+
+OutputSink = Callable[[WorkerHandle, ClientSession, pb.SessionOutput, TickReport], None]
+FailureSink = Callable[[WorkerHandle, ClientSession, str], None]
+
+
+class WorkerPool:
+    """All workers of one gateway; placement of new sessions on the one with the most headroom."""
+
+    def __init__(self, config: GatewayConfig, metrics: GatewayMetrics, on_output: OutputSink,
+                 on_failure: FailureSink) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.on_output = on_output
+        self.on_failure = on_failure
+        self.handles: list[WorkerHandle] = []
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        for address in self.config.workers:
+            channel = grpc.aio.insecure_channel(address)
+            handle = WorkerHandle(address, channel, pb_grpc.WorkerStub(channel),
+                                  AimdController(self.config.aimd, memory_cap=0, static_cap=self.config.max_sessions))
+            self.handles.append(handle)
+            await self._check_health(handle)
+            self._tasks.append(asyncio.create_task(self._health_loop(handle), name=f"health {address}"))
+            self._tasks.append(asyncio.create_task(self._tick_loop(handle), name=f"ticker {address}"))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for handle in self.handles:
+            await handle.channel.close()
+
+    # ------------------------------------------------------------------ placement
+    def reserve(self) -> WorkerHandle | None:
+        """Pick the healthy worker with the most headroom and hold a slot on it (no await in between)."""
+        candidates = [h for h in self.handles if h.healthy and h.controller.admits(h.live) and h.headroom() > 0]
+        if not candidates:
+            return None
+        best = max(candidates, key=WorkerHandle.headroom)
+        best.pending += 1
+        return best
+
+    # ------------------------------------------------------------------ health
+    async def _check_health(self, handle: WorkerHandle) -> None:
+        try:
+            health = await handle.stub.Health(pb.HealthRequest(), timeout=2.0)
+        except grpc.aio.AioRpcError as exc:
+            if handle.healthy:
+                log.warning("worker %s stopped answering: %s", handle.address, exc.code().name)
+                self._fail_sessions(handle, "worker_unavailable")
+            handle.healthy = False
+            self.metrics.worker_up.labels(handle.address).set(0)
+            return
+        if not handle.healthy:
+            log.info("worker %s is up: %s, capacity %d sessions", handle.address, health.model,
+                     health.capacity_sessions)
+        handle.health = health
+        handle.healthy = health.ready
+        handle.controller.set_memory_cap(health.capacity_sessions)
+        m = self.metrics
+        m.worker_up.labels(handle.address).set(1 if health.ready else 0)
+        m.memory_capacity.labels(handle.address).set(health.capacity_sessions)
+        m.kv_blocks_used.labels(handle.address).set(health.kv_blocks_used)
+        m.kv_blocks_total.labels(handle.address).set(health.kv_blocks_total)
+        m.admission_cap.labels(handle.address).set(handle.controller.cap)
+
+    async def _health_loop(self, handle: WorkerHandle) -> None:
+        while True:
+            await asyncio.sleep(HEALTH_INTERVAL_S)
+            await self._check_health(handle)
+
+    def _fail_sessions(self, handle: WorkerHandle, code: str) -> None:
+        for session in list(handle.sessions.values()):
+            self.on_failure(handle, session, code)
+        handle.sessions.clear()
+        self.metrics.sessions_live.labels(handle.address).set(0)
+
+    # ------------------------------------------------------------------ ticker
+    async def _tick_loop(self, handle: WorkerHandle) -> None:
+        loop = asyncio.get_running_loop()
+        budget = self.config.budget_ms / 1000.0
+        next_at = loop.time()
+        m, name = self.metrics, handle.address
+        while True:
+            delay = next_at - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            started = loop.time()
+            drift = started - next_at
+            sessions = list(handle.sessions.values())
+            if handle.healthy and sessions:
+                report = await self._tick(handle, sessions, started, drift)
+                if report is not None:
+                    m.ticks.labels(name).inc()
+                    m.tick_latency.labels(name).observe(report.latency_ms / 1e3)
+                    m.tick_drift.labels(name).observe(max(0.0, drift))
+                    if not report.deadline_met:
+                        m.deadline_misses.labels(name).inc()
+                    decision = handle.controller.observe(report.latency_ms, not report.deadline_met, handle.live)
+                    m.admission_cap.labels(name).set(decision.cap)
+            next_at += budget
+            if loop.time() > next_at:  # overran: the next tick fires at once
+                next_at = loop.time()
+
+    async def _tick(self, handle: WorkerHandle, sessions: list[ClientSession], started: float,
+                    drift: float) -> TickReport | None:
+        loop = asyncio.get_running_loop()
+        handle.ticks += 1
+        request = pb.StepRequest(sessions=[s.take_tick_input() for s in sessions],
+                                 tokens_per_tick=self.config.tokens_per_tick, tick=handle.ticks)
+        try:
+            response = await handle.stub.Step(request, timeout=self.config.step_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            log.error("worker %s failed tick %d: %s %s", handle.address, handle.ticks, exc.code().name,
+                      exc.details())
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                              grpc.StatusCode.CANCELLED):
+                handle.healthy = False
+                self.metrics.worker_up.labels(handle.address).set(0)
+                self._fail_sessions(handle, "worker_unavailable")
+            else:
+                for session in sessions:
+                    self.on_failure(handle, session, "step_failed")
+                    handle.sessions.pop(session.sid, None)
+            return None
+        latency_ms = (loop.time() - started) * 1e3
+        report = TickReport(handle.ticks, latency_ms, drift * 1e3, latency_ms <= self.config.budget_ms, len(sessions))
+        handle.last_tick = report
+        m, name = self.metrics, handle.address
+        m.worker_time.labels(name, "frontend").inc(response.frontend_ms / 1e3)
+        m.worker_time.labels(name, "prefill").inc(response.prefill_ms / 1e3)
+        m.worker_time.labels(name, "decode").inc(response.decode_ms / 1e3)
+        m.kv_blocks_used.labels(name).set(response.kv_blocks_used)
+        m.kv_blocks_total.labels(name).set(response.kv_blocks_total)
+        by_sid = {s.sid: s for s in sessions}
+        for output in response.outputs:
+            session = by_sid.get(output.sid)
+            if session is not None and not session.closed:
+                self.on_output(handle, session, output, report)
+        return report
