@@ -2,6 +2,8 @@
 
     metronome demo                      # the embedded default on the CPU: concurrent bounded sessions
     metronome demo --model /path/to/hf_checkpoint --sessions 8
+    metronome serve                     # worker + WebSocket gateway; prints where to connect
+    metronome client speech.wav         # stream a WAV file through a session
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import argparse
 import logging
 import sys
 
-from metronome.cli import demo
+from metronome.cli import client, demo, serving
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,6 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="WARNING", help="Python logging level (default WARNING)")
     sub = parser.add_subparsers(dest="command", required=True)
     demo.add_parser(sub)
+    serving.add_parsers(sub)
+    client.add_parser(sub)
     return parser
 
 

@@ -56,6 +56,9 @@ class ClientSession:
         self.rate = TokenBucket(rate=max_messages_per_s, burst=2 * max_messages_per_s)
         self.closed = False
         self.close_reason: str | None = None
+        # Ticked only once the client sent input: until then session.update may still change the
+        # mode and instructions (the worker session is re-opened with them).
+        self.started = False
 
     # ------------------------------------------------------------------ input
     @property
@@ -67,6 +70,7 @@ class ClientSession:
         if len(self.audio) + len(pcm16) > self.max_audio_bytes:
             return False
         self.audio += pcm16
+        self.started = True
         return True
 
     def take_tick_input(self) -> pb.SessionInput:

@@ -59,7 +59,7 @@ class Gateway:
 
     # ------------------------------------------------------------------ HTTP
     async def health(self, _request: web.Request) -> web.Response:
-        workers = [{"address": h.address, "healthy": h.healthy, "live": len(h.sessions), "cap": h.controller.cap,
+        workers = [{"address": h.address, "healthy": h.healthy, "live": len(h.sessions), "cap": h.cap,
                     "memory_capacity": h.memory_capacity, "ticks": h.ticks,
                     "model": h.health.model if h.health else None} for h in self.pool.handles]
         status = "ok" if any(w["healthy"] for w in workers) else "unavailable"
@@ -104,8 +104,7 @@ class Gateway:
         handle.sessions[sid] = session
         self.metrics.sessions_admitted.labels(handle.address).inc()
         self.metrics.sessions_live.labels(handle.address).set(len(handle.sessions))
-        log.info("session %s admitted on %s (%d live, cap %d)", sid, handle.address, len(handle.sessions),
-                 handle.controller.cap)
+        log.info("session %s admitted on %s (%d live, cap %d)", sid, handle.address, len(handle.sessions), handle.cap)
         writer = asyncio.create_task(self._write(ws, session), name=f"writer {sid}")
         session.send({"type": "session.created", "session": self._session_view(session)})
         try:
@@ -175,7 +174,7 @@ class Gateway:
                                    f"{len(msg.data)} bytes > limit {self.config.max_message_bytes}")
                 continue
             try:
-                self._handle(session, decode_client_event(msg.data))
+                await self._handle(session, decode_client_event(msg.data))
             except ProtocolError as exc:
                 self._client_error(session, exc.code, exc.message)
 
@@ -185,7 +184,7 @@ class Gateway:
         session.send(error_event(code, message, event_id=event_id))
 
     # ------------------------------------------------------------------ client events
-    def _handle(self, session: ClientSession, event: Any) -> None:
+    async def _handle(self, session: ClientSession, event: Any) -> None:
         if isinstance(event, InputAudioBufferAppend):
             try:
                 pcm = base64.b64decode(event.audio, validate=True)
@@ -197,24 +196,25 @@ class Gateway:
                 raise ProtocolError("audio_buffer_full",
                                     f"more than {self.config.max_buffered_audio_s:.0f} s of audio waiting; dropped")
         elif isinstance(event, SessionUpdate):
-            self._update_session(session, event)
+            await self._update_session(session, event)
         elif isinstance(event, InputAudioBufferCommit):
-            session.new_turn = True
+            session.new_turn = session.started = True
             session.send({"type": "input_audio_buffer.committed", "event_id": event.event_id})
         elif isinstance(event, InputAudioBufferClear):
             session.audio.clear()
             session.send({"type": "input_audio_buffer.cleared", "event_id": event.event_id})
         elif isinstance(event, ConversationItemCreate):
             session.texts.append(event.text())
+            session.started = True
             session.send({"type": "conversation.item.created", "event_id": event.event_id, "item": event.item})
         elif isinstance(event, ResponseCreate):
-            session.new_turn = True
+            session.new_turn = session.started = True
         elif isinstance(event, ResponseCancel):
             session.cancel = True
             if session.response_id:
                 self._finish_response(session, "cancelled")
 
-    def _update_session(self, session: ClientSession, event: SessionUpdate) -> None:
+    async def _update_session(self, session: ClientSession, event: SessionUpdate) -> None:
         cfg = event.session
         if cfg.input_audio_format not in (None, "pcm16"):
             raise ProtocolError("unsupported_audio_format", f"input_audio_format {cfg.input_audio_format!r}; "
@@ -225,14 +225,31 @@ class Gateway:
                                 f"sample rate {rate} Hz; supported: {', '.join(map(str, SUPPORTED_SAMPLE_RATES))}")
         if cfg.mode not in (None, "turn", "free_running"):
             raise ProtocolError("invalid_mode", f"mode {cfg.mode!r}; use 'turn' or 'free_running'")
+        mode = session.mode if cfg.mode is None else cfg.mode
+        instructions = session.instructions if cfg.instructions is None else cfg.instructions
+        if (mode, instructions) != (session.mode, session.instructions):
+            if session.started:
+                raise ProtocolError("session_started", "mode and instructions can change only before the first "
+                                    "audio or text (they shape the conversation's pinned header)")
+            await self._reopen(session, mode, instructions)
         if rate is not None and rate != session.sample_rate:
             session.audio.clear()  # buffered audio was at the old rate
             session.sample_rate = rate
-        if cfg.instructions is not None:
-            session.instructions = cfg.instructions
-        if cfg.mode is not None:
-            session.mode = cfg.mode
         session.send({"type": "session.updated", "event_id": event.event_id, "session": self._session_view(session)})
+
+    async def _reopen(self, session: ClientSession, mode: str, instructions: str) -> None:
+        """Re-create the (still empty) worker session with a new mode / system prompt."""
+        handle = next(h for h in self.pool.handles if h.address == session.worker_name)
+        request = pb.OpenSessionRequest(sid=session.sid, mode=mode, instructions=instructions)
+        try:
+            await handle.stub.CloseSession(pb.CloseSessionRequest(sid=session.sid), timeout=5.0)
+            opened = await handle.stub.OpenSession(request, timeout=10.0)
+        except grpc.aio.AioRpcError as exc:
+            opened = pb.OpenSessionResponse(ok=False, error=f"worker unavailable: {exc.code().name}")
+        if not opened.ok:
+            session.close("session_failed")
+            raise ProtocolError("session_failed", f"could not apply the update: {opened.error}")
+        session.mode, session.instructions = mode, instructions
 
     def _session_view(self, session: ClientSession) -> dict[str, Any]:
         return {"id": session.sid, "object": "realtime.session", "model": self.config.model_name,

@@ -41,7 +41,7 @@ class WorkerHandle:
     address: str
     channel: grpc.aio.Channel
     stub: pb_grpc.WorkerStub
-    controller: AimdController
+    controller: AimdController | None = None  # made once the worker's memory capacity is known
     sessions: dict[str, ClientSession] = field(default_factory=dict)
     pending: int = 0                 # admitted at the gateway, OpenSession in flight
     healthy: bool = False
@@ -57,8 +57,12 @@ class WorkerHandle:
     def memory_capacity(self) -> int:
         return self.health.capacity_sessions if self.health else 0
 
+    @property
+    def cap(self) -> int:
+        return self.controller.cap if self.controller else 0
+
     def headroom(self) -> int:
-        return min(self.controller.cap, self.memory_capacity) - self.live
+        return min(self.cap, self.memory_capacity) - self.live
 
 
 OutputSink = Callable[[WorkerHandle, ClientSession, pb.SessionOutput, TickReport], None]
@@ -80,8 +84,7 @@ class WorkerPool:
     async def start(self) -> None:
         for address in self.config.workers:
             channel = grpc.aio.insecure_channel(address)
-            handle = WorkerHandle(address, channel, pb_grpc.WorkerStub(channel),
-                                  AimdController(self.config.aimd, memory_cap=0, static_cap=self.config.max_sessions))
+            handle = WorkerHandle(address, channel, pb_grpc.WorkerStub(channel))
             self.handles.append(handle)
             await self._check_health(handle)
             self._tasks.append(asyncio.create_task(self._health_loop(handle), name=f"health {address}"))
@@ -97,7 +100,8 @@ class WorkerPool:
     # ------------------------------------------------------------------ placement
     def reserve(self) -> WorkerHandle | None:
         """Pick the healthy worker with the most headroom and hold a slot on it (no await in between)."""
-        candidates = [h for h in self.handles if h.healthy and h.controller.admits(h.live) and h.headroom() > 0]
+        candidates = [h for h in self.handles if h.healthy and h.controller and h.controller.admits(h.live)
+                      and h.headroom() > 0]
         if not candidates:
             return None
         best = max(candidates, key=WorkerHandle.headroom)
@@ -120,13 +124,17 @@ class WorkerPool:
                      health.capacity_sessions)
         handle.health = health
         handle.healthy = health.ready
-        handle.controller.set_memory_cap(health.capacity_sessions)
+        if handle.controller is None:
+            handle.controller = AimdController(self.config.aimd, memory_cap=health.capacity_sessions,
+                                               static_cap=self.config.max_sessions, name=handle.address)
+        else:
+            handle.controller.set_memory_cap(health.capacity_sessions)
         m = self.metrics
         m.worker_up.labels(handle.address).set(1 if health.ready else 0)
         m.memory_capacity.labels(handle.address).set(health.capacity_sessions)
         m.kv_blocks_used.labels(handle.address).set(health.kv_blocks_used)
         m.kv_blocks_total.labels(handle.address).set(health.kv_blocks_total)
-        m.admission_cap.labels(handle.address).set(handle.controller.cap)
+        m.admission_cap.labels(handle.address).set(handle.cap)
 
     async def _health_loop(self, handle: WorkerHandle) -> None:
         while True:
@@ -151,7 +159,7 @@ class WorkerPool:
                 await asyncio.sleep(delay)
             started = loop.time()
             drift = started - next_at
-            sessions = list(handle.sessions.values())
+            sessions = [s for s in handle.sessions.values() if s.started]
             if handle.healthy and sessions:
                 report = await self._tick(handle, sessions, started, drift)
                 if report is not None:

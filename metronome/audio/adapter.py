@@ -1,0 +1,111 @@
+"""The interface between the worker and whatever turns audio into model input.
+
+An *interaction adapter* owns everything model-specific about a session's input and output: how
+a tick of audio becomes tokens or embeddings (an energy quantiser today; an ASR cascade or an omni
+model's audio encoder later), how chat turns are framed, when the model should speak, and how its
+tokens become text. The worker owns the transport, resampling and the engine; it calls, per tick::
+
+    prepared = adapter.prepare([TickAudio(...), ...])          # one call for the whole batch
+    outputs  = engine.step([StepInput(eid, p.token_ids, p.embeds, p.max_new_tokens, ...)])
+    text     = adapter.on_output(sid, out.token_ids, out.finished)   # per session
+
+``prepare`` is batched on purpose: an ASR or audio encoder runs once over every session's chunk.
+All methods are called from one thread (the worker's engine thread), so adapters need no locks.
+
+Every adapter keeps per-session state bounded (carried partial frames, detokeniser tail) and frees
+it in ``close_session``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+@dataclass
+class TickAudio:
+    """One session's input for one tick.
+
+    ``pcm`` is float32 mono at ``adapter.sample_rate`` (the worker has decoded and resampled it),
+    possibly empty. ``max_tokens`` is how many tokens the session may decode this tick.
+    """
+
+    session_id: str
+    pcm: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    new_turn: bool = False   # the user finished speaking / asked for a response
+    text: str = ""           # a typed user message, if any
+    cancel: bool = False     # stop the current response
+    max_tokens: int = 0
+
+
+@dataclass
+class PreparedInput:
+    """What the adapter wants the engine to do for one session this tick.
+
+    At most one of ``token_ids`` / ``embeds`` ([n, hidden]) is set; both ``None`` means no new input
+    (the session only decodes, or idles when ``max_new_tokens`` is 0). ``error`` set means the
+    adapter refused this session's input for this tick (the worker reports it and skips the engine);
+    the adapter must leave the session usable for later ticks.
+    """
+
+    token_ids: list[int] | None = None
+    embeds: torch.Tensor | None = None
+    max_new_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    transcript: str = ""     # input transcription delta (empty for adapters without ASR)
+    error: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        if self.token_ids is not None:
+            return len(self.token_ids)
+        if self.embeds is not None:
+            return int(self.embeds.shape[0])
+        return 0
+
+
+class InteractionAdapter(ABC):
+    """Turns a session's audio/text into engine input and the engine's tokens into text.
+
+    Class attributes every adapter sets: ``name`` (what ``WorkerConfig.adapter`` selects),
+    ``sample_rate`` (the rate ``TickAudio.pcm`` arrives at), ``modes`` (the interaction modes it
+    supports, e.g. ``("turn", "free_running")``) and ``default_mode`` (used when a session asks for "").
+    """
+
+    name: str
+    sample_rate: int
+    modes: tuple[str, ...]
+    default_mode: str
+
+    @abstractmethod
+    def open_session(self, session_id: str, mode: str, instructions: str) -> None:
+        """Create the session's state. Raises ``ValueError`` (with a message for the client) for an
+        unsupported mode or instructions that cannot fit; nothing is kept then."""
+
+    @abstractmethod
+    def close_session(self, session_id: str) -> None:
+        """Free the session's state. Unknown ids are ignored (closing is idempotent)."""
+
+    @abstractmethod
+    def prepare(self, batch: list[TickAudio]) -> list[PreparedInput]:
+        """One ``PreparedInput`` per ``TickAudio``, in order. Unknown sessions get an ``error``."""
+
+    @abstractmethod
+    def on_output(self, session_id: str, token_ids: list[int], finished: bool) -> str:
+        """Record the tokens decoded for a session this tick; return the new text (a UTF-8-safe delta:
+        a character split across tokens is held back until it is complete)."""
+
+    @abstractmethod
+    def input_tokens_per_tick(self, budget_ms: float) -> int:
+        """Tokens one tick of steady audio produces (audio plus turn framing; not the first tick's
+        system prompt or typed text). The worker checks that the engine's ``max_chunk_tokens`` covers it."""
+
+    def resolve_mode(self, mode: str) -> str:
+        """``mode`` or the default; ``ValueError`` if this adapter does not support it."""
+        mode = mode or self.default_mode
+        if mode not in self.modes:
+            raise ValueError(f"mode {mode!r} is not supported by the {self.name} adapter; use one of {self.modes}")
+        return mode

@@ -1,0 +1,324 @@
+"""The worker over real gRPC on loopback: sessions, batched steps, per-session errors, bounded KV, serial steps."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from safetensors.torch import load_file, save_file
+
+from metronome import Engine, EngineConfig, KVPolicy
+from metronome.audio.energy_tokens import EnergyTokenAdapter
+from metronome.audio.pcm import encode_pcm16, resample
+from metronome.errors import ConfigError
+from metronome.serving.proto import worker_pb2 as pb
+from metronome.serving.proto import worker_pb2_grpc
+from metronome.serving.worker import WorkerConfig, serve_worker
+
+POLICY = KVPolicy(sinks=4, window=64, block_size=16)
+CHUNK = 64
+
+
+def tone(seconds: float, rate: int = 16000, amplitude: float = 0.1) -> np.ndarray:
+    t = np.arange(int(round(seconds * rate))) / rate
+    return (amplitude * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
+
+
+def speech_like(seconds: float, rate: int = 16000, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    n = int(seconds * rate)
+    envelope = np.repeat(10 ** rng.uniform(-3.5, 0, size=n // 400 + 1), 400)[:n]
+    return (rng.standard_normal(n) * envelope * 0.5).clip(-1, 1).astype(np.float32)
+
+
+def pcm(samples: np.ndarray) -> bytes:
+    return encode_pcm16(samples)
+
+
+def config(checkpoint: str, **overrides) -> WorkerConfig:
+    kwargs = dict(model=checkpoint, policy=POLICY, num_blocks=81, max_chunk_tokens=CHUNK, max_batch_tokens=512,
+                  max_input_tokens=256, budget_ms=2000.0, port=0)
+    return WorkerConfig(**{**kwargs, **overrides})
+
+
+@pytest.fixture(scope="module")
+def engine(chat_checkpoint):
+    return Engine(config(chat_checkpoint).engine_config())
+
+
+@pytest.fixture
+async def worker(engine, chat_checkpoint):
+    handle = await serve_worker(config(chat_checkpoint), engine=engine)
+    yield handle
+    await handle.stop(0)
+    assert engine.stats().sessions == 0  # stop() closed whatever a test left open
+
+
+@pytest.fixture
+async def stub(worker):
+    async with grpc.aio.insecure_channel(worker.address) as channel:
+        yield worker_pb2_grpc.WorkerStub(channel)
+
+
+async def open_sessions(stub, mode: str, *sids: str, instructions: str = "") -> None:
+    for sid in sids:
+        reply = await stub.OpenSession(pb.OpenSessionRequest(sid=sid, mode=mode, instructions=instructions))
+        assert reply.ok, reply.error
+
+
+def by_sid(response: pb.StepResponse) -> dict[str, pb.SessionOutput]:
+    return {out.sid: out for out in response.outputs}
+
+
+async def test_health_open_close_and_admission(chat_checkpoint):
+    # A worker that builds its own engine from the config; a pool that holds exactly two sessions.
+    handle = await serve_worker(config(chat_checkpoint, num_blocks=21))
+    try:
+        async with grpc.aio.insecure_channel(handle.address) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            health = await stub.Health(pb.HealthRequest())
+            assert health.ready and health.model == chat_checkpoint and health.budget_ms == 2000.0
+            assert health.capacity_sessions == 2 and health.kv_blocks_total == 20 and health.kv_blocks_used == 0
+            assert health.sessions == 0 and health.input_sample_rate == 16000
+            assert health.kv_policy == "sink_window(S=4,W=64)"
+
+            await open_sessions(stub, "", "a", "b")
+            full = await stub.OpenSession(pb.OpenSessionRequest(sid="c"))
+            assert not full.ok and "KV pool full" in full.error
+            dup = await stub.OpenSession(pb.OpenSessionRequest(sid="a"))
+            assert not dup.ok and "already open" in dup.error
+            bad = await stub.OpenSession(pb.OpenSessionRequest(sid="z", mode="karaoke"))
+            assert not bad.ok and "karaoke" in bad.error
+            assert (await stub.Health(pb.HealthRequest())).sessions == 2
+
+            assert (await stub.CloseSession(pb.CloseSessionRequest(sid="a"))).closed
+            assert not (await stub.CloseSession(pb.CloseSessionRequest(sid="a"))).closed  # idempotent
+            assert not (await stub.CloseSession(pb.CloseSessionRequest(sid="never"))).closed
+            assert (await stub.OpenSession(pb.OpenSessionRequest(sid="c"))).ok  # the freed room is reusable
+            assert (await stub.Health(pb.HealthRequest())).sessions == 2
+    finally:
+        await handle.stop(0)
+
+
+async def test_step_serves_every_session_at_16k_and_48k(stub, worker, chat_checkpoint):
+    await open_sessions(stub, "free_running", "a", "b", "quiet", "hi-fi")
+    audio = speech_like(2.0)
+    request = pb.StepRequest(tick=1, tokens_per_tick=4, sessions=[
+        pb.SessionInput(sid="a", audio_pcm16=pcm(audio), sample_rate=16000),
+        pb.SessionInput(sid="b", audio_pcm16=pcm(audio), sample_rate=16000),
+        pb.SessionInput(sid="quiet", audio_pcm16=pcm(np.zeros(32000, np.float32)), sample_rate=16000),
+        pb.SessionInput(sid="hi-fi", audio_pcm16=pcm(resample(audio, 16000, 48000)), sample_rate=48000,
+                        max_tokens=6),
+    ])
+    response = await stub.Step(request)
+    out = by_sid(response)
+    assert [o.sid for o in response.outputs] == ["a", "b", "quiet", "hi-fi"]
+    for sid, n in (("a", 4), ("b", 4), ("quiet", 4), ("hi-fi", 6)):
+        assert not out[sid].error and len(out[sid].tokens) == n and not out[sid].finished
+    assert out["a"].tokens == out["b"].tokens          # same audio, same context: same tokens (greedy)
+    assert out["a"].tokens != out["quiet"].tokens      # the audio reached the model
+    assert response.in_flight == 4 and response.kv_blocks_used > 0 and response.kv_blocks_total == 80
+    assert response.frontend_ms > 0 and response.prefill_ms > 0 and response.decode_ms > 0
+    assert response.gpu_ms == pytest.approx(response.prefill_ms + response.decode_ms)
+    # 48 kHz went through the session's streaming resampler: whole frames + a carry, like the 16 kHz stream.
+    assert worker.service.adapter.session_state("hi-fi")["carry_samples"] < 1280
+
+    tok = worker.service.adapter.tokenizer
+    tokens, texts = list(out["a"].tokens), [out["a"].text]
+    for tick in range(2, 4):
+        more = by_sid(await stub.Step(pb.StepRequest(tick=tick, tokens_per_tick=4, sessions=[
+            pb.SessionInput(sid="a", audio_pcm16=pcm(speech_like(2.0, seed=tick)), sample_rate=16000)])))
+        tokens += more["a"].tokens
+        texts.append(more["a"].text)
+    whole = tok.decode(tokens, skip_special_tokens=True)
+    assert "".join(texts) and whole.startswith("".join(texts))  # text deltas are the incremental decode
+
+
+async def test_bad_input_stays_on_its_session(stub):
+    await open_sessions(stub, "free_running", "good", "odd", "slow", "empty")
+    good = pb.SessionInput(sid="good", audio_pcm16=pcm(tone(1.0)), sample_rate=16000)
+    response = await stub.Step(pb.StepRequest(tick=7, tokens_per_tick=3, sessions=[
+        pb.SessionInput(sid="ghost", audio_pcm16=pcm(tone(1.0)), sample_rate=16000),
+        pb.SessionInput(sid="odd", audio_pcm16=pcm(tone(1.0)) + b"\x01", sample_rate=16000),
+        good,
+        pb.SessionInput(sid="slow", audio_pcm16=pcm(tone(1.0, rate=4000)), sample_rate=4000),
+        pb.SessionInput(sid="empty", audio_pcm16=pcm(tone(0.1)), sample_rate=0),
+        pb.SessionInput(sid="good", audio_pcm16=pcm(tone(1.0)), sample_rate=16000),
+    ]))
+    errors = [(o.sid, o.error) for o in response.outputs]
+    assert "unknown session 'ghost'" in errors[0][1]
+    assert "even number of bytes" in errors[1][1]
+    assert errors[2] == ("good", "") and len(response.outputs[2].tokens) == 3
+    assert "4000 Hz is not supported" in errors[3][1]
+    assert "0 Hz is not supported" in errors[4][1]
+    assert "more than once" in errors[5][1]
+    # The refused sessions are still usable on the next tick.
+    again = by_sid(await stub.Step(pb.StepRequest(tick=8, tokens_per_tick=2, sessions=[
+        pb.SessionInput(sid=sid, audio_pcm16=pcm(tone(0.5)), sample_rate=16000) for sid in ("odd", "slow", "empty")])))
+    assert all(not o.error and len(o.tokens) == 2 for o in again.values())
+
+
+async def test_kv_stays_bounded_and_is_freed_on_close(stub, engine):
+    await open_sessions(stub, "free_running", "x", "y")
+    per_session = engine.stats().blocks_per_session
+    used = []
+    for tick in range(8):  # ~30 tokens per tick each: the 64-token window fills after 2-3 ticks
+        response = await stub.Step(pb.StepRequest(tick=tick, tokens_per_tick=4, sessions=[
+            pb.SessionInput(sid=sid, audio_pcm16=pcm(speech_like(2.0, seed=tick)), sample_rate=16000)
+            for sid in ("x", "y")]))
+        assert all(not o.error for o in response.outputs)
+        used.append(response.kv_blocks_used)
+    assert max(used) <= 2 * per_session
+    assert used[-1] == used[-2] == used[-3]  # plateau: blocks behind the window went back to the pool
+    for sid in ("x", "y"):
+        await stub.CloseSession(pb.CloseSessionRequest(sid=sid))
+    health = await stub.Health(pb.HealthRequest())
+    assert health.kv_blocks_used == 0 and health.sessions == 0
+
+
+async def test_concurrent_steps_run_one_after_another_off_the_event_loop(stub, engine, monkeypatch):
+    await open_sessions(stub, "free_running", "s")
+    calls = []
+    real_step = engine.step
+
+    def slow_step(inputs):
+        start = time.perf_counter()
+        time.sleep(0.3)  # long enough that overlapping steps would show
+        result = real_step(inputs)
+        calls.append((start, time.perf_counter(), threading.current_thread().name))
+        return result
+
+    monkeypatch.setattr(engine, "step", slow_step)
+    request = pb.StepRequest(tick=1, tokens_per_tick=2, sessions=[
+        pb.SessionInput(sid="s", audio_pcm16=pcm(tone(0.5)), sample_rate=16000)])
+
+    async def health_while_busy():
+        await asyncio.sleep(0.1)
+        start = time.perf_counter()
+        await stub.Health(pb.HealthRequest())
+        return time.perf_counter() - start
+
+    first, second, health_s = await asyncio.gather(stub.Step(request), stub.Step(request), health_while_busy())
+    assert not first.outputs[0].error and not second.outputs[0].error
+    assert len(first.outputs[0].tokens) == len(second.outputs[0].tokens) == 2
+    assert len(calls) == 2
+    (s1, e1, t1), (s2, e2, t2) = sorted(calls)
+    assert e1 <= s2                                     # serialised
+    assert t1 == t2 and t1.startswith("metronome-engine")  # on the one engine thread
+    assert health_s < 0.2                               # the loop answered while the engine was busy
+
+
+async def test_turn_and_free_running(stub):
+    await open_sessions(stub, "turn", "t")
+    await open_sessions(stub, "free_running", "f")
+
+    async def tick(n, **turn):
+        response = await stub.Step(pb.StepRequest(tick=n, tokens_per_tick=3, sessions=[
+            pb.SessionInput(sid="t", sample_rate=16000, **turn),
+            pb.SessionInput(sid="f", audio_pcm16=pcm(tone(0.5)), sample_rate=16000)]))
+        out = by_sid(response)
+        assert not out["t"].error and not out["f"].error
+        assert len(out["f"].tokens) == 3  # free-running decodes every tick, whatever happens
+        return len(out["t"].tokens)
+
+    assert await tick(1, audio_pcm16=pcm(speech_like(1.0))) == 0   # the user speaks: nothing decoded
+    assert await tick(2, audio_pcm16=pcm(speech_like(0.5, seed=2))) == 0
+    assert await tick(3, new_turn=True) == 3                       # commit: the response starts
+    assert await tick(4) == 3                                      # and goes on tick after tick
+    assert await tick(5, cancel=True) == 0                         # cancelled
+    assert await tick(6) == 0
+    assert await tick(7, text="What is the capital of France?", max_tokens=5) == 5  # typed text answers too
+
+
+@pytest.fixture(scope="module")
+def token_zero_checkpoint(chat_checkpoint, tmp_path_factory) -> str:
+    """The chat checkpoint with a zero LM head: every logit is 0, so greedy decoding always picks token 0."""
+    path = tmp_path_factory.mktemp("token-zero")
+    for file in Path(chat_checkpoint).iterdir():
+        shutil.copy(file, path / file.name)
+    weights = load_file(str(path / "model.safetensors"))
+    weights["lm_head.weight"].zero_()
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return str(path)
+
+
+async def test_a_turn_ends_on_the_stop_token(token_zero_checkpoint):
+    engine = Engine(EngineConfig(model=token_zero_checkpoint, policy=POLICY, num_blocks=41, max_chunk_tokens=CHUNK,
+                                 max_batch_tokens=512))
+    # Token 0 is <|endoftext|>: make it this adapter's stop token.
+    adapter = EnergyTokenAdapter(engine.tokenizer, max_input_tokens=256, stop_token_ids=(0,))
+    handle = await serve_worker(config(token_zero_checkpoint), engine=engine, adapter=adapter)
+    try:
+        async with grpc.aio.insecure_channel(handle.address) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            await open_sessions(stub, "turn", "t")
+            await open_sessions(stub, "free_running", "f")
+
+            async def tick(n, **turn):
+                return by_sid(await stub.Step(pb.StepRequest(tick=n, tokens_per_tick=4, sessions=[
+                    pb.SessionInput(sid="t", audio_pcm16=pcm(tone(0.5)), sample_rate=16000, **turn),
+                    pb.SessionInput(sid="f", sample_rate=16000)])))
+
+            out = await tick(1, new_turn=True)
+            assert list(out["t"].tokens) == [0] and out["t"].finished and out["t"].text == ""
+            assert list(out["f"].tokens) == [0, 0, 0, 0] and not out["f"].finished  # no stop in free-running
+            out = await tick(2)
+            assert list(out["t"].tokens) == [] and not out["t"].finished  # the turn is over
+            out = await tick(3, new_turn=True)
+            assert list(out["t"].tokens) == [0] and out["t"].finished
+    finally:
+        await handle.stop(0)
+
+
+async def test_long_input_is_prefilled_in_pieces_within_the_tick(stub, engine, monkeypatch):
+    await open_sessions(stub, "turn", "long", instructions="You are terse. " * 8)
+    await open_sessions(stub, "free_running", "short")
+    sizes = []
+    real_step = engine.step
+
+    def recording_step(inputs):
+        sizes.append([(len(i.token_ids or []), i.max_new_tokens) for i in inputs])
+        return real_step(inputs)
+
+    monkeypatch.setattr(engine, "step", recording_step)
+    text = "Tell me about the weather " * 12
+    response = await stub.Step(pb.StepRequest(tick=1, tokens_per_tick=2, sessions=[
+        pb.SessionInput(sid="long", text=text, audio_pcm16=pcm(tone(2.0)), sample_rate=16000),
+        pb.SessionInput(sid="short", audio_pcm16=pcm(tone(2.0)), sample_rate=16000)]))
+    out = by_sid(response)
+    assert not out["long"].error and len(out["long"].tokens) == 2 and len(out["short"].tokens) == 2
+    assert len(sizes) >= 3 and all(n <= CHUNK for step in sizes for n, _ in step)
+    assert all(new == 0 for step in sizes[:-1] for _, new in step)  # only the final engine step decodes...
+    assert [new for _, new in sizes[-1]] == [2, 2]                   # ...for both sessions together
+
+    too_long = by_sid(await stub.Step(pb.StepRequest(tick=2, tokens_per_tick=2, sessions=[
+        pb.SessionInput(sid="long", text="word " * 400), pb.SessionInput(sid="short")])))
+    assert "at most 256" in too_long["long"].error and len(too_long["short"].tokens) == 2
+
+
+async def test_an_unexpected_failure_is_internal_and_the_worker_stays_up(stub, engine, monkeypatch):
+    await open_sessions(stub, "free_running", "s")
+    request = pb.StepRequest(tick=1, tokens_per_tick=2, sessions=[
+        pb.SessionInput(sid="s", audio_pcm16=pcm(tone(0.5)), sample_rate=16000)])
+
+    def broken(inputs):
+        raise RuntimeError("kaboom")
+
+    monkeypatch.setattr(engine, "step", broken)
+    with pytest.raises(grpc.aio.AioRpcError) as failure:
+        await stub.Step(request)
+    assert failure.value.code() == grpc.StatusCode.INTERNAL and "kaboom" in failure.value.details()
+    monkeypatch.undo()
+    response = await stub.Step(request)
+    assert not response.outputs[0].error and len(response.outputs[0].tokens) == 2
+
+
+async def test_max_chunk_tokens_must_cover_a_tick_of_audio(chat_checkpoint):
+    with pytest.raises(ConfigError, match="raise max_chunk_tokens to at least 37"):
+        await serve_worker(config(chat_checkpoint, max_chunk_tokens=32))
