@@ -1,0 +1,154 @@
+"""The Triton paged sink + window kernel against the torch reference and the float64 dense oracle.
+
+On a machine without CUDA the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set before
+triton is imported). Shapes are small: the interpreter runs every program one after another in numpy.
+Freed blocks are NaN-poisoned by ``build_case``: a single read of one would put NaN in the output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from metronome.attention.reference import paged_attention_reference, plan_reference  # noqa: E402
+from metronome.attention.triton_paged import (  # noqa: E402
+    TritonPagedAttention, choose_splits, live_tiles, paged_attention_triton, plan_triton)
+from tests.attention.test_reference import CASES, build_case, dense_oracle  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol=4e-3, rtol=4e-3),
+       torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+
+
+def _case(seqs, sinks, window, bs, heads=4, kv_heads=2, head_dim=16, dtype=torch.float32, seed=0):
+    meta, query, k_cache, v_cache, dense = build_case(seqs, sinks, window, bs, heads=heads, kv_heads=kv_heads,
+                                                      head_dim=head_dim, seed=seed)
+    if DEVICE != "cpu":
+        meta = dataclasses.replace(meta, **{f.name: getattr(meta, f.name).to(DEVICE)
+                                            for f in dataclasses.fields(meta)
+                                            if isinstance(getattr(meta, f.name), torch.Tensor)})
+    to = dict(device=DEVICE, dtype=dtype)
+    return meta, query.to(**to), k_cache.to(**to), v_cache.to(**to), dense
+
+
+def _run(meta, query, k_cache, v_cache, **plan_options):
+    heads, kv_heads = query.shape[1], k_cache.shape[2]
+    plan = plan_triton(meta, heads, kv_heads, **plan_options)
+    out = torch.full_like(query, float("nan"))  # every element must be written
+    paged_attention_triton(query, k_cache, v_cache, meta, plan=plan, out=out)
+    return out, plan
+
+
+def _check(out, meta, query, k_cache, v_cache, dense, seqs, sinks, window):
+    assert torch.isfinite(out).all(), "a freed (NaN) block or an unwritten row reached the output"
+    tol = TOL[query.dtype]
+    ref = paged_attention_reference(query, k_cache, v_cache, plan_reference(meta, query.shape[1]))
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+    start = 0
+    for (ctx, qlen), (keys, values) in zip(seqs, dense):
+        q = query[start:start + qlen].cpu()
+        if query.dtype != torch.float32:  # the oracle sees the same rounded inputs as the kernel
+            keys, values = keys.to(query.dtype), values.to(query.dtype)
+        expect = dense_oracle(q, keys, values, ctx - qlen, sinks, window)
+        torch.testing.assert_close(out[start:start + qlen].cpu().double(), expect, **tol)
+        start += qlen
+
+
+# Reference cases (t < S, S <= t < S+W, t >> W, window ending mid-block, S = 0, no window, mixed
+# prefill + decode, block size 1), small key tiles so that tiles, sinks and splits all interact.
+@pytest.mark.parametrize("name", CASES)
+def test_matches_reference_and_oracle(name):
+    seqs, sinks, window, bs = CASES[name]
+    meta, query, k_cache, v_cache, dense = _case(seqs, sinks, window, bs)
+    out, _ = _run(meta, query, k_cache, v_cache, block_n=16, force_splits=1)
+    _check(out, meta, query, k_cache, v_cache, dense, seqs, sinks, window)
+
+
+MIXED = [(150, 1), (40, 40), (97, 13), (5, 1)]  # decode past the window, a first chunk, a later chunk, t < S
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,dtype,bs", [
+    (2, 2, 64, torch.float32, 16),     # GQA ratio 1 (MHA)
+    (6, 2, 64, torch.float32, 8),      # ratio 3 (not a power of two), block size 8
+    (4, 1, 128, torch.float32, 16),    # ratio 4, head_dim 128
+    (3, 1, 64, torch.bfloat16, 16),    # bf16, ratio 3
+    (4, 1, 128, torch.bfloat16, 8),    # bf16, head_dim 128, block size 8
+    (2, 1, 64, torch.float16, 16),     # fp16
+], ids=["mha-d64-fp32-bs16", "gqa3-d64-fp32-bs8", "gqa4-d128-fp32-bs16", "gqa3-d64-bf16-bs16",
+        "gqa4-d128-bf16-bs8", "gqa2-d64-fp16-bs16"])
+def test_heads_dims_dtypes(heads, kv_heads, head_dim, dtype, bs):
+    sinks, window = 16, 48
+    meta, query, k_cache, v_cache, dense = _case(MIXED, sinks, window, bs, heads, kv_heads, head_dim, dtype, seed=1)
+    out, _ = _run(meta, query, k_cache, v_cache, block_n=32, force_splits=1)
+    _check(out, meta, query, k_cache, v_cache, dense, MIXED, sinks, window)
+
+
+@pytest.mark.parametrize("name", ["t>>W", "window ends mid-block", "S=0 plain sliding window",
+                                  "no window (causal)", "mixed prefill and decode"])
+def test_split_kv_matches_unsplit(name):
+    seqs, sinks, window, bs = CASES[name]
+    meta, query, k_cache, v_cache, dense = _case(seqs, sinks, window, bs, seed=2)
+    whole, plan1 = _run(meta, query, k_cache, v_cache, block_n=16, force_splits=1)
+    assert all(ln.num_splits == 1 for ln in plan1.launches)
+    # 3 splits: uneven chunks; max tiles + 1 splits: some splits get no tile at all and must not count.
+    most = max(live_tiles(c - q, q, sinks, window, 16) for c, q in seqs)
+    for splits in (3, most + 1):
+        split, plan = _run(meta, query, k_cache, v_cache, block_n=16, force_splits=splits)
+        assert all(ln.num_splits == splits for ln in plan.launches)
+        torch.testing.assert_close(split, whole, atol=1e-6, rtol=1e-5)
+    _check(split, meta, query, k_cache, v_cache, dense, seqs, sinks, window)
+
+
+def test_default_tiles_and_automatic_split():
+    """GPU defaults (64-key tiles, 16/64-row programs) with the split rule choosing by itself."""
+    seqs, sinks, window, bs = [(300, 1), (41, 41), (260, 50), (17, 1)], 16, 64, 16
+    meta, query, k_cache, v_cache, dense = _case(seqs, sinks, window, bs, heads=6, kv_heads=2, seed=3)
+    out, plan = _run(meta, query, k_cache, v_cache, num_sms=4)
+    assert {ln.block_m for ln in plan.launches} == {16, 64}
+    assert any(ln.num_splits > 1 for ln in plan.launches)
+    _check(out, meta, query, k_cache, v_cache, dense, seqs, sinks, window)
+
+
+def test_split_rule_is_a_host_function():
+    assert choose_splits(1024, 20, target_programs=528) == 1
+    assert choose_splits(4, 20, target_programs=528) == 10      # capped by 2 tiles per split
+    assert choose_splits(4, 200, target_programs=528) == 16     # capped by max_splits
+    assert choose_splits(200, 200, target_programs=528) == 3
+    # The plan reads only the metadata's host lists: device tensors on the 'meta' device (no data) work.
+    seqs = [(1100, 1)] * 3 + [(1100, 26)]
+    meta, *_ = build_case(seqs, 16, 1024, 16, heads=4, kv_heads=1)
+    ghost = dataclasses.replace(meta, **{f.name: torch.empty_like(getattr(meta, f.name), device="meta")
+                                         for f in dataclasses.fields(meta)
+                                         if isinstance(getattr(meta, f.name), torch.Tensor)})
+    plan = plan_triton(ghost, 4, 1, num_sms=132)
+    real = plan_triton(meta, 4, 1, num_sms=132)
+    assert [(ln.block_m, ln.num_items, ln.num_splits) for ln in plan.launches] == \
+        [(ln.block_m, ln.num_items, ln.num_splits) for ln in real.launches] == [(16, 3, 9), (64, 2, 9)]
+    # 1041 live keys for a decode past the window: one sink tile and 17 window tiles of 64 -> 18 tiles,
+    # so at most 9 splits of 2 tiles; a chunk whose window reaches back into the sink tile merges them.
+    assert live_tiles(1099, 1, 16, 1024, 64) == 18
+    assert live_tiles(1074, 16, 16, 1024, 64) == 18
+
+
+def test_backend_writes_new_keys_then_attends():
+    seqs, sinks, window = [(10, 3), (30, 1)], 2, 4
+    meta, query, k_cache, v_cache, dense = _case(seqs, sinks, window, 4)
+    flat_k, flat_v = (c.view(-1, *c.shape[2:]) for c in (k_cache, v_cache))
+    new_k = torch.cat([dense[0][0][7:], dense[1][0][29:]]).to(DEVICE)
+    new_v = torch.cat([dense[0][1][7:], dense[1][1][29:]]).to(DEVICE)
+    flat_k[meta.slot_mapping] = float("nan")  # the backend must overwrite them with the given K/V
+    flat_v[meta.slot_mapping] = float("nan")
+    for backend in (TritonPagedAttention(num_heads=4), TritonPagedAttention(num_heads=4, num_kv_heads=2)):
+        plan = backend.prepare(meta)
+        for _layer in range(2):  # the plan is built once per forward and reused by every layer
+            out = backend(query, new_k, new_v, k_cache, v_cache, plan)
+            _check(out, meta, query, k_cache, v_cache, dense, seqs, sinks, window)
+    assert backend.name == "triton"
