@@ -18,7 +18,7 @@ import time
 
 import grpc
 
-from metronome.config import AimdConfig, GatewayConfig, KVPolicy
+from metronome.config import AimdConfig, EngineConfig, GatewayConfig, KVPolicy
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +94,9 @@ def run_worker_cmd(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    run_worker(WorkerConfig(model=args.model, device=args.device, dtype=args.dtype, policy=_policy(args),
-                            num_blocks=args.num_blocks, budget_ms=args.budget_ms, host=args.host, port=args.port))
+    engine = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, policy=_policy(args),
+                          num_blocks=args.num_blocks)
+    run_worker(WorkerConfig(engine, budget_ms=args.budget_ms, host=args.host, port=args.port))
     return 0
 
 

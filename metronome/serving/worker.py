@@ -22,7 +22,7 @@ typed message — up to ``max_input_tokens`` are prefilled in ``max_chunk_tokens
 engine steps within the same tick, right-aligned so every session's decode still runs in the one
 final step; beyond ``max_input_tokens`` the adapter refuses the tick with a per-session error.
 
->>> handle = await serve_worker(WorkerConfig(model=ckpt, port=0, num_blocks=256))   # doctest: +SKIP
+>>> handle = await serve_worker(WorkerConfig(EngineConfig(model=ckpt, num_blocks=256), port=0))   # doctest: +SKIP
 >>> channel = grpc.aio.insecure_channel(handle.address)                            # doctest: +SKIP
 >>> stub = worker_pb2_grpc.WorkerStub(channel)                                     # doctest: +SKIP
 >>> (await stub.OpenSession(worker_pb2.OpenSessionRequest(sid="a", mode="free_running"))).ok  # doctest: +SKIP
@@ -57,7 +57,7 @@ ADAPTERS = ("energy",)
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    """Everything a worker needs: the engine's settings, the adapter, the frame budget and the address.
+    """Everything a worker needs: the engine's config, the adapter, the frame budget and the address.
 
     ``port=0`` binds an ephemeral port (``WorkerServer.port`` says which). ``max_input_tokens``
     bounds one session's input per tick (see "Chunking" in the module docstring); ``None`` picks
@@ -65,16 +65,7 @@ class WorkerConfig:
     ``max_message_bytes`` bounds a Step request: 2 s of 48 kHz PCM16 is 192 KB per session.
     """
 
-    model: str = "smollm2-135m"
-    device: str = "cpu"
-    dtype: str = "float32"
-    policy: KVPolicy = field(default_factory=KVPolicy)
-    num_blocks: int | None = None
-    max_chunk_tokens: int = 256
-    max_batch_tokens: int = 8192
-    kv_memory_fraction: float = 0.25
-    attention: str = "torch"
-    seed: int = 0
+    engine: EngineConfig = field(default_factory=EngineConfig)
     budget_ms: float = 2000.0
     adapter: str = "energy"
     max_input_tokens: int | None = None
@@ -87,21 +78,16 @@ class WorkerConfig:
             raise ConfigError(f"budget_ms must be > 0, got {self.budget_ms}")
         if self.adapter not in ADAPTERS:
             raise ConfigError(f"adapter must be one of {ADAPTERS}, got {self.adapter!r}")
+        chunk = self.engine.max_chunk_tokens
         if self.max_input_tokens is None:
-            object.__setattr__(self, "max_input_tokens", max(1024, self.max_chunk_tokens))
-        if self.max_input_tokens < self.max_chunk_tokens:
-            raise ConfigError(f"max_input_tokens ({self.max_input_tokens}) must be >= max_chunk_tokens "
-                              f"({self.max_chunk_tokens})")
+            object.__setattr__(self, "max_input_tokens", max(1024, chunk))
+        if self.max_input_tokens < chunk:
+            raise ConfigError(f"max_input_tokens ({self.max_input_tokens}) must be >= max_chunk_tokens ({chunk})")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535] (0: ephemeral), got {self.port}")
         if self.max_message_bytes < 1024 * 1024:
             raise ConfigError(f"max_message_bytes must be >= 1 MiB, got {self.max_message_bytes}")
 
-    def engine_config(self) -> EngineConfig:
-        return EngineConfig(model=self.model, policy=self.policy, device=self.device, dtype=self.dtype,
-                            num_blocks=self.num_blocks, max_chunk_tokens=self.max_chunk_tokens,
-                            max_batch_tokens=self.max_batch_tokens, kv_memory_fraction=self.kv_memory_fraction,
-                            attention=self.attention, seed=self.seed)
 
 
 def make_adapter(config: WorkerConfig, tokenizer) -> InteractionAdapter:
@@ -357,7 +343,7 @@ async def serve_worker(config: WorkerConfig, *, engine: Engine | None = None,
     loop = asyncio.get_running_loop()
     try:
         if engine is None:
-            engine = await loop.run_in_executor(executor, Engine, config.engine_config())
+            engine = await loop.run_in_executor(executor, Engine, config.engine)
         if adapter is None:
             adapter = await loop.run_in_executor(executor, make_adapter, config, engine.tokenizer)
         service = WorkerService(engine, adapter, config, executor)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from metronome.config import AimdConfig, GatewayConfig, KVPolicy
+from metronome.config import AimdConfig, EngineConfig, GatewayConfig, KVPolicy
 from metronome.serving.gateway import Gateway
 from metronome.serving.worker import WorkerConfig, serve_worker
 
@@ -32,8 +32,9 @@ def chunks(pcm: bytes, rate: int = 16000, ms: int = 20):
 
 
 async def start_worker(checkpoint: str, port: int = 0):
-    return await serve_worker(WorkerConfig(model=checkpoint, policy=KVPolicy(sinks=4, window=64, block_size=8),
-                                           num_blocks=400, max_chunk_tokens=64, budget_ms=BUDGET_MS, port=port))
+    engine = EngineConfig(model=checkpoint, policy=KVPolicy(sinks=4, window=64, block_size=8), num_blocks=400,
+                          max_chunk_tokens=64)
+    return await serve_worker(WorkerConfig(engine, budget_ms=BUDGET_MS, port=port))
 
 
 @asynccontextmanager

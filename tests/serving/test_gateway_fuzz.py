@@ -12,7 +12,7 @@ from aiohttp import web
 from hypothesis import HealthCheck, given, settings, strategies as st
 from websockets.sync.client import connect
 
-from metronome.config import AimdConfig, GatewayConfig, KVPolicy
+from metronome.config import AimdConfig, EngineConfig, GatewayConfig, KVPolicy
 from metronome.serving.gateway import Gateway
 from metronome.serving.worker import WorkerConfig, serve_worker
 
@@ -35,9 +35,9 @@ class Stack:
         self.loop.run_forever()
 
     async def _start(self) -> None:
-        self.worker = await serve_worker(WorkerConfig(model=self.checkpoint, num_blocks=600, max_chunk_tokens=64,
-                                                      policy=KVPolicy(sinks=4, window=64, block_size=8),
-                                                      budget_ms=BUDGET_MS, port=0))
+        engine = EngineConfig(model=self.checkpoint, num_blocks=600, max_chunk_tokens=64,
+                              policy=KVPolicy(sinks=4, window=64, block_size=8))
+        self.worker = await serve_worker(WorkerConfig(engine, budget_ms=BUDGET_MS, port=0))
         config = GatewayConfig(workers=(self.worker.address,), port=0, budget_ms=BUDGET_MS, tokens_per_tick=2,
                                max_message_bytes=8192,
                                # Admission is not under test here: keep the cap from shrinking below 8.

@@ -42,14 +42,15 @@ def pcm(samples: np.ndarray) -> bytes:
 
 
 def config(checkpoint: str, **overrides) -> WorkerConfig:
-    kwargs = dict(model=checkpoint, policy=POLICY, num_blocks=81, max_chunk_tokens=CHUNK, max_batch_tokens=512,
-                  max_input_tokens=256, budget_ms=2000.0, port=0)
-    return WorkerConfig(**{**kwargs, **overrides})
+    engine_fields = {k: overrides.pop(k) for k in list(overrides) if k in EngineConfig.__dataclass_fields__}
+    engine = EngineConfig(**{**dict(model=checkpoint, policy=POLICY, num_blocks=81, max_chunk_tokens=CHUNK,
+                                    max_batch_tokens=512), **engine_fields})
+    return WorkerConfig(engine, **{**dict(max_input_tokens=256, budget_ms=2000.0, port=0), **overrides})
 
 
 @pytest.fixture(scope="module")
 def engine(chat_checkpoint):
-    return Engine(config(chat_checkpoint).engine_config())
+    return Engine(config(chat_checkpoint).engine)
 
 
 @pytest.fixture
