@@ -3,14 +3,27 @@
 Public API::
 
     from metronome import Engine, EngineConfig, KVPolicy, StepInput
+
+Exports resolve lazily, so the gateway (which imports ``metronome.config`` and ``metronome.serving``)
+never loads torch.
 """
 
-from metronome.config import EngineConfig, KVPolicy
-from metronome.engine.engine import Engine, EngineStats, SessionNotFound, StepTiming
-from metronome.engine.request import SamplingParams, StepInput, StepOutput
-from metronome.errors import AdmissionError, ConfigError, MetronomeError, ModelLoadError
+from importlib import import_module
 
-__all__ = [
-    "AdmissionError", "ConfigError", "Engine", "EngineConfig", "EngineStats", "KVPolicy", "MetronomeError",
-    "ModelLoadError", "SamplingParams", "SessionNotFound", "StepInput", "StepOutput", "StepTiming",
-]
+_EXPORTS = {
+    "EngineConfig": "metronome.config", "KVPolicy": "metronome.config",
+    "Engine": "metronome.engine.engine", "EngineStats": "metronome.engine.engine",
+    "SessionNotFound": "metronome.engine.engine", "StepTiming": "metronome.engine.engine",
+    "SamplingParams": "metronome.engine.request", "StepInput": "metronome.engine.request",
+    "StepOutput": "metronome.engine.request",
+    "AdmissionError": "metronome.errors", "ConfigError": "metronome.errors", "MetronomeError": "metronome.errors",
+    "ModelLoadError": "metronome.errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'metronome' has no attribute {name!r}")

@@ -79,7 +79,7 @@ class EngineConfig:
     max_chunk_tokens: int = 256
     max_batch_tokens: int = 8192
     kv_memory_fraction: float = 0.25
-    attention: str = "torch"
+    attention: str | None = None  # "torch" (reference) or "triton"; None: triton on CUDA, torch elsewhere
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -95,6 +95,8 @@ class EngineConfig:
                 f"({self.max_chunk_tokens}) so every session's segment fits in one forward")
         if not 0.0 < self.kv_memory_fraction <= 0.95:
             raise ConfigError(f"kv_memory_fraction must be in (0, 0.95], got {self.kv_memory_fraction}")
+        if self.attention is None:
+            object.__setattr__(self, "attention", "triton" if self.device.startswith("cuda") else "torch")
         if self.attention not in ("torch", "triton"):
             raise ConfigError(f"attention must be 'torch' or 'triton', got {self.attention!r}")
 

@@ -29,6 +29,7 @@ from metronome.engine.sampling import sample
 from metronome.engine.scheduler import ForwardSegment, Scheduler
 from metronome.engine.session import Session, SessionStatus
 from metronome.errors import ConfigError, MetronomeError
+from metronome.models.llama import LlamaFamilyForCausalLM
 from metronome.models.loader import load_model, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -70,11 +71,16 @@ class _Work:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, model: LlamaFamilyForCausalLM | None = None) -> None:
+        """``model``: an already built decoder on ``config.device`` (benchmarks with random weights);
+        by default it is loaded from ``config.model``."""
         self.config = config
         self.device = torch.device(config.device)
         dtype = DTYPES[config.dtype]
-        self.model, self.checkpoint = load_model(config.model, dtype, self.device)
+        if model is None:
+            self.model, self.checkpoint = load_model(config.model, dtype, self.device)
+        else:
+            self.model, self.checkpoint = model, None
         self.spec = self.model.spec
         self.max_model_len = self.spec.max_position_embeddings
         policy = config.policy
@@ -103,6 +109,8 @@ class Engine:
     @cached_property
     def tokenizer(self):
         """The checkpoint's tokenizer (with its chat template), loaded on first use."""
+        if self.checkpoint is None:
+            raise MetronomeError("this engine was built from a model object and has no tokenizer")
         return load_tokenizer(self.checkpoint)
 
     # ------------------------------------------------------------------ sessions

@@ -57,7 +57,12 @@ class ModelRunner:
             k[0].zero_()
             v[0].zero_()
             self.kv_caches.append((k, v))
-        self.attention = TorchPagedAttention(self.spec.num_heads)
+        if config.attention == "triton":
+            from metronome.attention.triton_paged import TritonPagedAttention  # needs the triton package
+
+            self.attention = TritonPagedAttention(self.spec.num_heads, num_kv_heads=self.spec.num_kv_heads)
+        else:
+            self.attention = TorchPagedAttention(self.spec.num_heads)
 
     # ------------------------------------------------------------------ forward
     def _metadata(self, segments: list[ForwardSegment]) -> tuple[PagedAttentionMetadata, torch.Tensor]:

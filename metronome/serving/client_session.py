@@ -43,10 +43,10 @@ class ClientSession:
                  send_queue_events: int, max_messages_per_s: float) -> None:
         self.sid = sid
         self.worker_name = worker_name
+        self.max_buffered_audio_s = max_buffered_audio_s
         self.sample_rate = DEFAULT_SAMPLE_RATE
         self.mode = ""
         self.instructions = ""
-        self.max_buffered_audio_s = max_buffered_audio_s
         self.audio = bytearray()
         self.new_turn = False
         self.texts: list[str] = []
@@ -62,8 +62,13 @@ class ClientSession:
 
     # ------------------------------------------------------------------ input
     @property
-    def max_audio_bytes(self) -> int:
-        return int(self.max_buffered_audio_s * self.sample_rate) * 2
+    def sample_rate(self) -> int:
+        return self._sample_rate
+
+    @sample_rate.setter
+    def sample_rate(self, rate: int) -> None:
+        self._sample_rate = rate
+        self.max_audio_bytes = int(self.max_buffered_audio_s * rate) * 2
 
     def append_audio(self, pcm16: bytes) -> bool:
         """Buffer audio for the next tick; False (nothing buffered) when the buffer would overflow."""

@@ -74,7 +74,7 @@ class SessionUpdate(_Event, tag="session.update"):
 
 
 class InputAudioBufferAppend(_Event, tag="input_audio_buffer.append"):
-    audio: str = ""
+    audio: bytes = b""  # base64 on the wire; msgspec decodes (and validates) it in the same pass
 
 
 class InputAudioBufferCommit(_Event, tag="input_audio_buffer.commit"):
@@ -124,6 +124,8 @@ def decode_client_event(data: bytes | str) -> ClientEvent:
                 kind = None
             if isinstance(kind, str) and kind not in _KNOWN_TYPES:
                 raise ProtocolError("unknown_event", f"unknown event type {kind!r}") from None
+            if kind == "input_audio_buffer.append" and "$.audio" in str(exc):
+                raise ProtocolError("invalid_audio", f"audio must be base64 PCM16: {exc}") from None
             raise ProtocolError("invalid_event", str(exc)) from None
         raise ProtocolError("invalid_json", f"malformed JSON: {exc}") from None
 

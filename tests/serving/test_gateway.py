@@ -156,7 +156,8 @@ BAD_INPUTS = [
     (json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"abc").decode()}), "invalid_audio"),
     (json.dumps({"type": "session.update", "session": {"input_audio_sample_rate": 11025}}), "unsupported_sample_rate"),
     (json.dumps({"type": "session.update", "session": {"input_audio_format": "g711_ulaw"}}), "unsupported_audio_format"),
-    (json.dumps({"type": "input_audio_buffer.append", "audio": 7}), "invalid_event"),
+    (json.dumps({"type": "input_audio_buffer.append", "audio": 7}), "invalid_audio"),
+    (json.dumps({"type": "response.create", "response": 7}), "invalid_event"),
     (json.dumps({"type": "conversation.item.create", "item": {"role": "assistant"}}), "unsupported_item"),
     (json.dumps({"type": "input_audio_buffer.append", "audio": "A" * 5000}), "message_too_large"),
 ]

@@ -1,0 +1,221 @@
+"""GPU engine tick benchmark: a Qwen2.5-7B-shaped decoder with random bf16 weights made on the device.
+
+    python bench/engine_gpu.py --out results/engine_gpu.json           # on a CUDA machine
+    python bench/engine_gpu.py --sessions 64,128 --ticks 2 --quick
+
+Per N sessions, one tick = every session prefills ``--prefill`` (26) new tokens, then ``--decode``
+(25) tokens are decoded in shared rounds (Metronome: SinkWindow S=16, W=1024, sessions pre-aged so
+the window is full). Reported against the roofline floor of that tick, measured in the same run:
+max(bytes of weights + live KV read per forward / copy bandwidth, FLOPs / bf16 matmul rate), and
+against transformers driving the same batches with a growing batched ``DynamicCache``. The largest
+N whose tick stays within 0.3·B (B = 2 s) is the capacity the gateway's controller should find.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = {
+    # name: (hidden, layers, heads, kv_heads, head_dim, intermediate, vocab, qkv_bias)
+    "qwen2.5-7b": (3584, 28, 28, 4, 128, 18944, 152064, True),
+    "smollm2-135m": (576, 30, 9, 3, 64, 1536, 49152, False),
+}
+
+
+def make_spec(name: str):
+    from metronome.models.spec import DecoderSpec
+
+    hidden, layers, heads, kv, hd, inter, vocab, bias = SHAPES[name]
+    inv_freq = tuple((1.0 / (1e6 ** (torch.arange(0, hd, 2).float() / hd))).tolist())
+    return DecoderSpec(model_type="qwen2" if bias else "llama", vocab_size=vocab, hidden_size=hidden,
+                       intermediate_size=inter, num_layers=layers, num_heads=heads, num_kv_heads=kv, head_dim=hd,
+                       rms_norm_eps=1e-6, max_position_embeddings=32768, qkv_bias=bias, o_bias=False, mlp_bias=False,
+                       qk_norm=False, tie_word_embeddings=False, inv_freq=inv_freq, rope_attention_scaling=1.0,
+                       eos_token_ids=())
+
+
+def random_model(spec, device):
+    from metronome.models.llama import LlamaFamilyForCausalLM
+
+    with torch.device("meta"):
+        net = LlamaFamilyForCausalLM(spec)
+    net = net.to_empty(device=device).to(torch.bfloat16)
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    net.fuse_projections()
+    net.init_rotary(device)
+    return net.eval().requires_grad_(False)
+
+
+def measure_hardware(device) -> dict:
+    n = 1 << 28  # 512 MiB of bf16
+    a = torch.empty(n, dtype=torch.bfloat16, device=device)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    reps = 20
+    for _ in range(reps):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    copy_bw = 2 * a.numel() * 2 * reps / (time.perf_counter() - t)  # read + write
+    del a, b
+    m = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    for _ in range(3):
+        m @ m
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        m @ m
+    torch.cuda.synchronize()
+    flops = 2 * 8192 ** 3 * 10 / (time.perf_counter() - t)
+    return {"copy_bytes_per_s": copy_bw, "matmul_flops_per_s": flops}
+
+
+def roofline_ms(spec, n: int, prefill: int, decode: int, live_keys: int, hw: dict) -> dict:
+    params = sum(p for p in [spec.vocab_size * spec.hidden_size * 2,  # embedding + lm_head
+                             spec.num_layers * (spec.hidden_size * (spec.num_heads + 2 * spec.num_kv_heads)
+                                                * spec.head_dim + spec.num_heads * spec.head_dim * spec.hidden_size
+                                                + 3 * spec.hidden_size * spec.intermediate_size)])
+    weight_bytes = 2 * (params - spec.vocab_size * spec.hidden_size)  # the embedding is gathered, not streamed
+    kv_token = spec.kv_bytes_per_token(torch.bfloat16)
+    forwards = decode  # one prefill forward (yields the first token) + decode - 1 rounds
+    bytes_total = forwards * (weight_bytes + n * live_keys * kv_token)
+    tokens = n * (prefill + decode)
+    flops = 2 * params * tokens + 4 * spec.num_layers * spec.num_heads * spec.head_dim * live_keys * tokens
+    return {"bytes_ms": bytes_total / hw["copy_bytes_per_s"] * 1e3, "flops_ms": flops / hw["matmul_flops_per_s"] * 1e3,
+            "floor_ms": max(bytes_total / hw["copy_bytes_per_s"], flops / hw["matmul_flops_per_s"]) * 1e3}
+
+
+def bench_metronome(spec, model, n, args, device) -> dict:
+    from metronome import Engine, EngineConfig, KVPolicy, StepInput
+
+    policy = KVPolicy(sinks=16, window=1024, block_size=16)
+    engine = Engine(EngineConfig(model="random", device=str(device), dtype="bfloat16", policy=policy,
+                                 attention=args.attention, kv_memory_fraction=0.85, max_chunk_tokens=256,
+                                 max_batch_tokens=16384), model=model)
+    if engine.stats().capacity < n:
+        return {"N": n, "skipped": f"KV pool holds {engine.stats().capacity} sessions"}
+    gen = torch.Generator().manual_seed(n)
+    sids = [engine.open_session() for _ in range(n)]
+    # Age the sessions until the window is full, in chunks of 256.
+    for _ in range(math.ceil((policy.window + policy.sinks) / 256)):
+        engine.step([StepInput(s, token_ids=torch.randint(0, spec.vocab_size, (256,), generator=gen).tolist())
+                     for s in sids])
+    ticks = []
+    for t in range(args.ticks + 1):
+        inputs = [StepInput(s, token_ids=torch.randint(0, spec.vocab_size, (args.prefill,), generator=gen).tolist(),
+                            max_new_tokens=args.decode) for s in sids]
+        start = time.perf_counter()
+        engine.step(inputs)
+        elapsed = (time.perf_counter() - start) * 1e3
+        if t:
+            ticks.append({"tick_ms": elapsed, "prefill_ms": engine.last_timing.prefill_ms,
+                          "decode_ms": engine.last_timing.decode_ms})
+    live = engine.scheduler.sessions[sids[0]]
+    live_keys = min(live.num_tokens, policy.sinks + policy.window)
+    del engine
+    torch.cuda.empty_cache()
+    return {"N": n, "ticks": ticks, "median_ms": statistics.median(x["tick_ms"] for x in ticks),
+            "live_keys": live_keys}
+
+
+def bench_transformers(spec, n, args, device) -> dict:
+    from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(hidden_size=spec.hidden_size, num_hidden_layers=spec.num_layers,
+                         num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+                         intermediate_size=spec.intermediate_size, vocab_size=spec.vocab_size,
+                         max_position_embeddings=32768, tie_word_embeddings=False)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+    cache = DynamicCache()
+    gen = torch.Generator().manual_seed(n)
+    ticks, last = [], None
+    with torch.inference_mode():
+        for t in range(args.ticks + 1):
+            ids = torch.randint(0, spec.vocab_size, (n, args.prefill), generator=gen).to(device)
+            if last is not None:
+                ids = torch.cat([last, ids], 1)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            for _ in range(args.decode - 1):
+                out = model(input_ids=token, past_key_values=cache, use_cache=True)
+                token = out.logits[:, -1].argmax(-1, keepdim=True)
+            torch.cuda.synchronize()
+            last = token
+            if t:
+                ticks.append({"tick_ms": (time.perf_counter() - start) * 1e3})
+    del model, cache
+    torch.cuda.empty_cache()
+    return {"N": n, "ticks": ticks, "median_ms": statistics.median(x["tick_ms"] for x in ticks)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="qwen2.5-7b", choices=sorted(SHAPES))
+    p.add_argument("--sessions", default="64,128,256,384,512")
+    p.add_argument("--hf-sessions", default="16,64,128", help="N for the transformers arm ('' skips it)")
+    p.add_argument("--ticks", type=int, default=3)
+    p.add_argument("--prefill", type=int, default=26)
+    p.add_argument("--decode", type=int, default=25)
+    p.add_argument("--budget-ms", type=float, default=2000.0)
+    p.add_argument("--attention", default="triton", choices=["triton", "torch"])
+    p.add_argument("--out", default="results/engine_gpu.json")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/engine_gpu.py needs a CUDA device")
+    device = torch.device("cuda")
+    hw = measure_hardware(device)
+    spec = make_spec(args.shape)
+    results = {"shape": args.shape, "hardware": hw, "args": vars(args), "device": torch.cuda.get_device_name(),
+               "torch": torch.__version__, "platform": platform.platform(), "date": time.strftime("%Y-%m-%d"),
+               "metronome": [], "transformers": []}
+    model = random_model(spec, device)
+    for n in [int(x) for x in args.sessions.split(",") if x]:
+        r = bench_metronome(spec, model, n, args, device)
+        if "median_ms" in r:
+            r["roofline"] = roofline_ms(spec, n, args.prefill, args.decode, r["live_keys"], hw)
+            r["x_floor"] = r["median_ms"] / r["roofline"]["floor_ms"]
+        results["metronome"].append(r)
+        print(json.dumps({k: v for k, v in r.items() if k != "ticks"}), flush=True)
+    del model
+    torch.cuda.empty_cache()
+    for n in [int(x) for x in args.hf_sessions.split(",") if x]:
+        r = bench_transformers(spec, n, args, device)
+        results["transformers"].append(r)
+        print(json.dumps({"transformers": {k: v for k, v in r.items() if k != "ticks"}}), flush=True)
+    limit = 0.3 * args.budget_ms
+    fit = [r["N"] for r in results["metronome"] if r.get("median_ms", math.inf) <= limit]
+    results["capacity_at_0.3B"] = max(fit) if fit else 0
+    print(f"\ncopy {hw['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {hw['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s")
+    print(f"{'N':>5} {'tick ms':>9} {'floor ms':>9} {'x floor':>8}")
+    for r in results["metronome"]:
+        if "median_ms" in r:
+            print(f"{r['N']:>5} {r['median_ms']:>9.1f} {r['roofline']['floor_ms']:>9.1f} {r['x_floor']:>8.2f}")
+        else:
+            print(f"{r['N']:>5} {r['skipped']}")
+    for r in results["transformers"]:
+        print(f"transformers N={r['N']}: {r['median_ms']:.1f} ms per tick")
+    print(f"capacity (tick <= {limit:.0f} ms): {results['capacity_at_0.3B']} sessions")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

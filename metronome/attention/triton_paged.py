@@ -1,0 +1,431 @@
+"""Triton paged attention for the sink + window mask ``[0, S) ∪ [t - W, t]`` over the compact block tables.
+
+Inputs are exactly those of :mod:`metronome.attention.reference` (see
+:class:`~metronome.attention.metadata.PagedAttentionMetadata`): packed queries ``[T, H, D]``, the paged
+caches ``[num_blocks, block_size, KVH, D]`` and compact tables (column ``c < sink_blocks`` = logical
+block ``c``, column ``c >= sink_blocks`` = logical block ``window_first[b] + c - sink_blocks``).
+
+Design
+------
+* **Work items.** The host plan (built once per forward in :meth:`TritonPagedAttention.prepare`, from the
+  metadata's host lists only: no GPU→CPU sync) cuts every sequence's queries into *query tiles*. A
+  program handles one (query tile, KV head, split): its ``BLOCK_M`` rows are ``tokens × G`` where
+  ``G = H / KVH`` query heads share the KV head, so each K/V tile is loaded once for the whole GQA
+  group (row ``r`` = token ``r // G``, head ``kvh * G + r % G``; padded rows are masked).
+  Sequences whose ``query_len * G`` fits 16 rows (decode) go to a ``BLOCK_M = 16`` launch, the rest
+  (prefill chunks) to a ``BLOCK_M = 64`` launch: two launches at most per layer.
+* **Live tiles only.** Keys are visited in ``BLOCK_N``-token tiles of logical token index: first the
+  sink tiles ``[0, ceil(n_sink / BLOCK_N))``, then the window tiles from ``window_start // BLOCK_N``
+  to the tile of the tile's last query (causal: a query tile never touches keys after its last
+  query). Tiles that would overlap are merged, so no key is seen twice. Inside a tile every key gets
+  its physical block from the compact table (token → column → block id) and is loaded only when it
+  is live (``j < n_sink`` or ``window_start <= j <= t_last``): dead/freed blocks and slots after
+  ``context_len`` are never read (masked loads), then a token-granular per-row mask applies
+  ``j <= t`` and ``j < S or j >= t - W``.
+* **Online softmax** in base 2 (``exp2``, scores pre-scaled by ``scale * log2(e)``), fp32 accumulators,
+  ``tl.dot`` on the input dtype (bf16/fp16 tensor cores; fp32 in IEEE precision).
+* **Split-KV (flash-decoding).** When a launch has fewer than ``target_programs`` (default 4 × SMs)
+  (item, KV head) programs, its tile list is cut into ``num_splits`` contiguous chunks (a pure
+  function of the host lists: ``min(max_splits, ceil(target / programs), max_tiles // 2)``); each
+  split writes a normalised partial output and its log-sum-exp, and a small combine kernel merges
+  them. ``force_splits`` overrides the rule (tests use it to show both paths agree).
+
+CPU: the same kernels run under ``TRITON_INTERPRET=1`` (set before triton is imported). The
+interpreter multiplies bf16 bit patterns in ``tl.dot`` (triton-lang/triton#11584, unsupported
+upstream), so when interpreting the dot operands are upcast to fp32 (loads and stores stay in the
+input dtype).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+import triton
+import triton.language as tl
+
+from metronome.attention.metadata import PagedAttentionMetadata, write_kv
+
+LOG2E = 1.4426950408889634
+
+# Defaults for the launch plan; every one can be overridden per backend.
+DECODE_BLOCK_M = 16      # rows (tokens x GQA heads) of a decode program: the tl.dot minimum
+PREFILL_BLOCK_M = 64     # rows of a prefill program
+BLOCK_N = 64             # keys per tile (4 blocks of 16)
+MAX_SPLITS = 16
+MIN_TILES_PER_SPLIT = 2
+DEFAULT_SMS = 132        # H200; used when no CUDA device can be asked
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# --------------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _paged_attn_fwd(
+    Q, K, V, O, BT, WF, ITEMS, LSE_P, O_P,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_bt,
+    qk_scale, sinks, window, sink_blocks, num_splits,
+    G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr,
+    KV_I64: tl.constexpr, DOT_F32: tl.constexpr, IEEE: tl.constexpr,
+):
+    item = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    # Work item: (sequence, first packed query row, query tokens in the tile, token index of the first).
+    seq = tl.load(ITEMS + item * 4)
+    q_row0 = tl.load(ITEMS + item * 4 + 1)
+    n_q = tl.load(ITEMS + item * 4 + 2)
+    t0 = tl.load(ITEMS + item * 4 + 3)
+    t_last = t0 + n_q - 1
+    wf = tl.load(WF + seq).to(tl.int32)
+
+    # Live key set of this tile's queries: [0, n_sink) ∪ [ws, t_last].
+    if HAS_WINDOW:
+        n_sink = tl.minimum(sinks, t_last + 1)
+        ws = tl.maximum(n_sink, t0 - window)
+    else:
+        n_sink = t_last * 0
+        ws = t_last * 0
+    sink_tiles = tl.cdiv(n_sink, BLOCK_N)
+    win0 = tl.maximum(ws // BLOCK_N, sink_tiles)
+    n_tiles = sink_tiles + tl.maximum(tl.cdiv(t_last + 1, BLOCK_N) - win0, 0)
+    if SPLIT:
+        per = tl.cdiv(n_tiles, num_splits)
+        lo = split * per
+        hi = tl.minimum(lo + per, n_tiles)
+    else:
+        lo = n_tiles * 0
+        hi = n_tiles
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = rows // G
+    row_valid = tok < n_q
+    qpos = t0 + tok
+    offs_d = tl.arange(0, BLOCK_D)
+    d_valid = offs_d < HEAD_D
+    head = kvh * G + rows % G
+    q = tl.load(Q + (q_row0 + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    bt_row = BT + seq * stride_bt
+    k_base = K + kvh * stride_kh
+    v_base = V + kvh * stride_vh
+    offs_n0 = tl.arange(0, BLOCK_N)
+
+    for it in range(lo, hi):
+        tile = tl.where(it < sink_tiles, it, it - sink_tiles + win0)
+        offs_n = tile * BLOCK_N + offs_n0
+        if HAS_WINDOW:
+            live = (offs_n <= t_last) & ((offs_n < n_sink) | (offs_n >= ws))
+        else:
+            live = offs_n <= t_last
+        logical = offs_n // BLOCK_SIZE
+        col = tl.where(logical < sink_blocks, logical, logical - wf + sink_blocks)
+        phys = tl.load(bt_row + col, mask=live, other=0)
+        if KV_I64:
+            phys = phys.to(tl.int64)
+        within = offs_n % BLOCK_SIZE
+        k = tl.load(k_base + (phys * stride_kb + within * stride_ks)[None, :] + offs_d[:, None],
+                    mask=live[None, :] & d_valid[:, None], other=0.0)
+        v = tl.load(v_base + (phys * stride_vb + within * stride_vs)[:, None] + offs_d[None, :],
+                    mask=live[:, None] & d_valid[None, :], other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        else:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        if IEEE:
+            qk = tl.dot(q, k, input_precision="ieee")
+        else:
+            qk = tl.dot(q, k)
+        allowed = (offs_n[None, :] <= qpos[:, None]) & live[None, :]
+        if HAS_WINDOW:
+            allowed = allowed & ((offs_n[None, :] < sinks) | (offs_n[None, :] >= qpos[:, None] - window))
+        s = tl.where(allowed, qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    if SPLIT:
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        base = ((split * tl.num_programs(0) + item) * tl.num_programs(1) + kvh) * BLOCK_M
+        tl.store(LSE_P + base + rows, lse)
+        tl.store(O_P + (base + rows)[:, None] * BLOCK_D + offs_d[None, :], out)
+    else:
+        tl.store(O + (q_row0 + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(O.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
+
+
+@triton.jit
+def _paged_attn_combine(
+    O, ITEMS, LSE_P, O_P, stride_ot, stride_oh, num_splits,
+    G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_D: tl.constexpr,
+):
+    item = tl.program_id(0)
+    kvh = tl.program_id(1)
+    num_items = tl.num_programs(0)
+    kv_heads = tl.num_programs(1)
+    q_row0 = tl.load(ITEMS + item * 4 + 1)
+    n_q = tl.load(ITEMS + item * 4 + 2)
+    rows = tl.arange(0, BLOCK_M)
+    tok = rows // G
+    offs_d = tl.arange(0, BLOCK_D)
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for s in range(0, num_splits):
+        base = ((s * num_items + item) * kv_heads + kvh) * BLOCK_M
+        lse = tl.load(LSE_P + base + rows)
+        o = tl.load(O_P + (base + rows)[:, None] * BLOCK_D + offs_d[None, :])
+        m_new = tl.maximum(m, lse)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_use)
+        w = tl.exp2(lse - m_use)
+        l = l * alpha + w
+        acc = acc * alpha[:, None] + w[:, None] * o
+        m = m_new
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    head = kvh * G + rows % G
+    tl.store(O + (q_row0 + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+             out.to(O.dtype.element_ty), mask=(tok < n_q)[:, None] & (offs_d < HEAD_D)[None, :])
+
+
+# ------------------------------------------------------------------------------------------ host plan
+@dataclass
+class TritonLaunch:
+    """One kernel launch: the work items that share a ``BLOCK_M``."""
+
+    block_m: int
+    items: torch.Tensor        # [I, 4] int32 on the device: seq, first packed row, n_q, first token index
+    num_items: int
+    num_splits: int
+    max_tiles: int
+    workspace: dict = field(default_factory=dict)   # (dtype-independent) split partials, per head_dim
+
+
+@dataclass
+class TritonPlan:
+    meta: PagedAttentionMetadata
+    num_heads: int
+    num_kv_heads: int
+    block_n: int
+    launches: list[TritonLaunch]
+    num_warps: int | None = None    # None: 4 (8 for BLOCK_M > 64)
+    num_stages: int | None = None   # None: 3 (2 for head_dim > 128)
+
+
+def live_tiles(t0: int, n_q: int, sinks: int, window: int | None, block_n: int) -> int:
+    """Key tiles a query tile (queries ``t0 .. t0 + n_q - 1``) visits; mirrors the kernel exactly."""
+    t_last = t0 + n_q - 1
+    if window is None:
+        return _cdiv(t_last + 1, block_n)
+    n_sink = min(sinks, t_last + 1)
+    ws = max(n_sink, t0 - window)
+    sink_tiles = _cdiv(n_sink, block_n)
+    win0 = max(ws // block_n, sink_tiles)
+    return sink_tiles + max(_cdiv(t_last + 1, block_n) - win0, 0)
+
+
+def choose_splits(num_programs: int, max_tiles: int, *, target_programs: int, max_splits: int = MAX_SPLITS,
+                  min_tiles_per_split: int = MIN_TILES_PER_SPLIT) -> int:
+    """Split-KV factor: 1 when the launch already has ``target_programs`` programs, else enough splits to
+    reach it, at most ``max_splits`` and keeping ``min_tiles_per_split`` tiles per split (host-only)."""
+    if num_programs <= 0 or num_programs >= target_programs:
+        return 1
+    return max(1, min(max_splits, _cdiv(target_programs, num_programs), max_tiles // max(1, min_tiles_per_split)))
+
+
+def _to_device(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+    t = torch.tensor(rows, dtype=torch.int32).reshape(-1, 4)
+    if device.type == "cuda":
+        # Pinned + non_blocking: the host→device copy never waits for the GPU.
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def plan_triton(meta: PagedAttentionMetadata, num_heads: int, num_kv_heads: int, *, num_sms: int = DEFAULT_SMS,
+                target_programs: int | None = None, max_splits: int = MAX_SPLITS,
+                min_tiles_per_split: int = MIN_TILES_PER_SPLIT, force_splits: int | None = None,
+                decode_block_m: int = DECODE_BLOCK_M, prefill_block_m: int = PREFILL_BLOCK_M,
+                block_n: int = BLOCK_N, num_warps: int | None = None,
+                num_stages: int | None = None) -> TritonPlan:
+    """Launch plan of one forward, from the metadata's host lists (shared by every layer)."""
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    g = num_heads // num_kv_heads
+    target = target_programs if target_programs is not None else 4 * num_sms
+    bm_small = max(decode_block_m, _next_pow2(g))
+    bm_large = max(prefill_block_m, _next_pow2(g))
+    groups: dict[int, list[list[int]]] = {bm_small: [], bm_large: []}
+    tiles: dict[int, int] = {bm_small: 0, bm_large: 0}
+    start = 0
+    for b, (qlen, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
+        bm = bm_small if qlen * g <= bm_small else bm_large
+        per_tile = bm // g
+        first = ctx - qlen
+        for off in range(0, qlen, per_tile):
+            n_q = min(per_tile, qlen - off)
+            groups[bm].append([b, start + off, n_q, first + off])
+            tiles[bm] = max(tiles[bm], live_tiles(first + off, n_q, meta.sinks, meta.window, block_n))
+        start += qlen
+    device = meta.query_start.device
+    launches = []
+    for bm, items in groups.items():
+        if not items:
+            continue
+        if force_splits is not None:
+            splits = max(1, int(force_splits))
+        else:
+            splits = choose_splits(len(items) * num_kv_heads, tiles[bm], target_programs=target,
+                                   max_splits=max_splits, min_tiles_per_split=min_tiles_per_split)
+        launches.append(TritonLaunch(bm, _to_device(items, device), len(items), splits, tiles[bm]))
+    return TritonPlan(meta, num_heads, num_kv_heads, block_n, launches, num_warps, num_stages)
+
+
+# ----------------------------------------------------------------------------------------------- launch
+def _launch_config(plan: TritonPlan, block_m: int, head_dim: int, is_cuda: bool) -> dict:
+    if not is_cuda:
+        return {}
+    return {"num_warps": plan.num_warps or (4 if block_m <= 64 else 8),
+            "num_stages": plan.num_stages or (3 if head_dim <= 128 else 2)}
+
+
+def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           meta: PagedAttentionMetadata, scale: float | None = None,
+                           plan: TritonPlan | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of ``query`` [T, H, D] over the paged cache; returns [T, H, D] in ``query.dtype``."""
+    t, heads, head_dim = query.shape
+    kv_heads = k_cache.shape[2]
+    if plan is None:
+        plan = plan_triton(meta, heads, kv_heads)
+    if plan.num_heads != heads or plan.num_kv_heads != kv_heads:
+        raise ValueError("plan was built for other head counts")
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("the caches' last dimension must be contiguous")
+    if out is None:
+        out = torch.empty((t, heads, head_dim), dtype=query.dtype, device=query.device)
+    if t == 0:
+        return out
+    interp = _interpreting() or not query.is_cuda
+    g = heads // kv_heads
+    block_d = max(16, _next_pow2(head_dim))
+    qk_scale = (scale if scale is not None else 1.0 / math.sqrt(head_dim)) * LOG2E
+    kv_i64 = max(k_cache.numel(), v_cache.numel()) >= 2**31 - 1
+    tables = meta.block_tables
+    if tables.dtype != torch.int32 or tables.stride(-1) != 1:
+        tables = tables.to(torch.int32).contiguous()
+    window = meta.window if meta.window is not None else 0
+    common = dict(G=g, BLOCK_N=plan.block_n, BLOCK_D=block_d, HEAD_D=head_dim, BLOCK_SIZE=meta.block_size,
+                  HAS_WINDOW=meta.window is not None, KV_I64=kv_i64, DOT_F32=interp,
+                  IEEE=query.dtype == torch.float32)
+    for ln in plan.launches:
+        split = ln.num_splits > 1
+        if split:
+            key = (block_d, str(query.device))
+            ws = ln.workspace.get(key)
+            if ws is None:
+                lse_p = torch.empty((ln.num_splits, ln.num_items, kv_heads, ln.block_m), dtype=torch.float32,
+                                    device=query.device)
+                o_p = torch.empty((ln.num_splits, ln.num_items, kv_heads, ln.block_m, block_d),
+                                  dtype=torch.float32, device=query.device)
+                ws = ln.workspace[key] = (lse_p, o_p)
+            lse_p, o_p = ws
+        else:
+            lse_p = o_p = out  # unused
+        cfg = _launch_config(plan, ln.block_m, head_dim, query.is_cuda)
+        _paged_attn_fwd[(ln.num_items, kv_heads, ln.num_splits)](
+            query, k_cache, v_cache, out, tables, meta.window_first, ln.items, lse_p, o_p,
+            query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            tables.stride(0),
+            qk_scale, meta.sinks, window, meta.sink_blocks, ln.num_splits,
+            BLOCK_M=ln.block_m, SPLIT=split, **common, **cfg)
+        if split:
+            _paged_attn_combine[(ln.num_items, kv_heads)](
+                out, ln.items, lse_p, o_p, out.stride(0), out.stride(1), ln.num_splits,
+                G=g, BLOCK_M=ln.block_m, BLOCK_D=block_d, HEAD_D=head_dim,
+                **({"num_warps": 4} if query.is_cuda else {}))
+    return out
+
+
+class TritonPagedAttention:
+    """The Triton attention backend (same interface as ``TorchPagedAttention``): writes K/V, then attends.
+
+    ``num_kv_heads`` lets :meth:`prepare` build the full launch plan; without it the plan is completed at
+    the first layer's call (the cache shape gives the KV heads) and reused by the remaining layers.
+    """
+
+    name = "triton"
+
+    def __init__(self, num_heads: int, scale: float | None = None, num_kv_heads: int | None = None, *,
+                 num_sms: int | None = None, target_programs: int | None = None, max_splits: int = MAX_SPLITS,
+                 force_splits: int | None = None, decode_block_m: int = DECODE_BLOCK_M,
+                 prefill_block_m: int = PREFILL_BLOCK_M, block_n: int = BLOCK_N, num_warps: int | None = None,
+                 num_stages: int | None = None) -> None:
+        self.num_heads = num_heads
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+        if num_sms is None:
+            num_sms = (torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+                       if torch.cuda.is_available() else DEFAULT_SMS)
+        self.options = dict(num_sms=num_sms, target_programs=target_programs, max_splits=max_splits,
+                            force_splits=force_splits, decode_block_m=decode_block_m,
+                            prefill_block_m=prefill_block_m, block_n=block_n, num_warps=num_warps,
+                            num_stages=num_stages)
+
+    def _plan(self, meta: PagedAttentionMetadata, num_kv_heads: int) -> TritonPlan:
+        return plan_triton(meta, self.num_heads, num_kv_heads, **self.options)
+
+    def prepare(self, meta: PagedAttentionMetadata) -> TritonPlan | PagedAttentionMetadata:
+        if self.num_kv_heads is None:
+            return _LazyPlan(meta)
+        return self._plan(meta, self.num_kv_heads)
+
+    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, plan) -> torch.Tensor:
+        if isinstance(plan, _LazyPlan):
+            if plan.plan is None:
+                plan.plan = self._plan(plan.meta, k_cache.shape[2])
+            plan = plan.plan
+        write_kv(key, value, k_cache, v_cache, plan.meta.slot_mapping)
+        return paged_attention_triton(query, k_cache, v_cache, plan.meta, self.scale, plan)
+
+
+@dataclass
+class _LazyPlan:
+    meta: PagedAttentionMetadata
+    plan: TritonPlan | None = None

@@ -1,0 +1,52 @@
+"""The engine with attention="triton" (interpreted on the CPU) against transformers."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from metronome import Engine, EngineConfig, KVPolicy, StepInput
+from tests.engine.oracle import hf_greedy, hf_windowed_logprobs
+
+pytest.importorskip("triton")
+
+
+def test_triton_engine_matches_the_windowed_oracle(checkpoints):
+    path, model = checkpoints["qwen3"]
+    sinks, window = 3, 13
+    engine = Engine(EngineConfig(model=path, attention="triton", num_blocks=200, max_chunk_tokens=24,
+                                 max_batch_tokens=64,
+                                 policy=KVPolicy(sinks=sinks, window=window, block_size=4, positions="absolute")))
+    sid, other = engine.open_session(), engine.open_session()
+    rng = random.Random(11)
+    tokens, checks = [], []
+    for _ in range(7):
+        chunk = [rng.randrange(128) for _ in range(rng.randint(1, 12))]
+        out, _ = engine.step([StepInput(sid, token_ids=chunk, max_new_tokens=2, prompt_logprobs=True),
+                              StepInput(other, token_ids=[rng.randrange(128)], max_new_tokens=1)])
+        checks.extend((len(tokens) + i, t, lp) for i, (t, lp) in enumerate(zip(chunk, out.prompt_logprobs)))
+        tokens.extend(chunk)
+        checks.extend((len(tokens) + i, t, None) for i, t in enumerate(out.token_ids))
+        tokens.extend(out.token_ids)
+    assert len(tokens) > 3 * window
+    ref = hf_windowed_logprobs(model, tokens, sinks, window)
+    for pos, token, lp in checks:
+        if pos == 0:
+            continue
+        if lp is None:
+            assert ref[pos - 1].argmax().item() == token
+        else:
+            assert lp == pytest.approx(ref[pos - 1, token].item(), abs=2e-4)
+
+
+def test_triton_engine_greedy_equals_generate(checkpoints):
+    path, model = checkpoints["llama"]
+    engine = Engine(EngineConfig(model=path, attention="triton", num_blocks=100, max_chunk_tokens=24,
+                                 max_batch_tokens=64, policy=KVPolicy(sinks=4, window=200, block_size=8,
+                                                                      positions="absolute")))
+    prompts = [[5, 6, 7], list(range(20, 41)), [9]]
+    sids = [engine.open_session() for _ in prompts]
+    outs = engine.step([StepInput(s, token_ids=p, max_new_tokens=4) for s, p in zip(sids, prompts)])
+    for out, prompt in zip(outs, prompts):
+        assert out.token_ids == hf_greedy(model, prompt, 4)
