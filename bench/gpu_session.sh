@@ -8,9 +8,9 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)' | tee -a "$OUT/gpu.txt"
 echo "== correctness on the GPU"
-timeout 240 python3 -m pytest -q -p no:cacheprovider tests/attention/test_triton_paged.py tests/engine/test_engine_cuda.py \
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/attention/test_triton_paged.py tests/engine/test_engine_cuda.py \
     2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
 echo "== attention kernel"
-timeout 260 python3 bench/attention_gpu.py --out "$OUT/attention_gpu.json" --time-limit-s 200 2>&1 | tee "$OUT/attention_gpu.log" | tail -60
+timeout 230 python3 bench/attention_gpu.py --out "$OUT/attention_gpu.json" --time-limit-s 170 2>&1 | tee "$OUT/attention_gpu.log" | tail -60
 echo "== engine tick"
-timeout 200 python3 bench/engine_gpu.py --out "$OUT/engine_gpu.json" --ticks 2 --hf-sessions 16,64 2>&1 | tee "$OUT/engine_gpu.log" | tail -25
+timeout 190 python3 bench/engine_gpu.py --out "$OUT/engine_gpu.json" --ticks 2 --hf-sessions 16,64 2>&1 | tee "$OUT/engine_gpu.log" | tail -25
