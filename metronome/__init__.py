@@ -13,7 +13,7 @@ from importlib import import_module
 _EXPORTS = {
     "EngineConfig": "metronome.config", "KVPolicy": "metronome.config",
     "Engine": "metronome.engine.engine", "EngineStats": "metronome.engine.engine",
-    "SessionNotFound": "metronome.engine.engine", "StepTiming": "metronome.engine.engine",
+    "SessionNotFound": "metronome.engine.engine", "SessionStats": "metronome.engine.engine", "StepTiming": "metronome.engine.engine",
     "SamplingParams": "metronome.engine.request", "StepInput": "metronome.engine.request",
     "StepOutput": "metronome.engine.request",
     "AdmissionError": "metronome.errors", "ConfigError": "metronome.errors", "MetronomeError": "metronome.errors",

@@ -51,6 +51,18 @@ class EngineStats:
 
 
 @dataclass(frozen=True)
+class SessionStats:
+    num_tokens: int        # tokens the session has consumed (its age)
+    kv_blocks: int         # blocks it holds now
+    kv_bytes: int
+    reservation: int       # blocks reserved at admission (0 for the Unbounded baseline)
+    position_base: int     # rebased mode: how far the window's positions have been moved back
+    positions: str
+    status: str            # "active", "preempted" or "failed"
+    error: str | None
+
+
+@dataclass(frozen=True)
 class StepTiming:
     prefill_ms: float
     decode_ms: float
@@ -137,6 +149,13 @@ class Engine:
             kv_blocks_used=pool.used, kv_blocks_total=pool.usable, kv_blocks_reserved=pool.reserved,
             sessions=len(self.scheduler.sessions), capacity=self.scheduler.capacity,
             blocks_per_session=self.scheduler.session_blocks, kv_bytes_per_block=self.kv_bytes_per_block)
+
+    def session_stats(self, session_id: int) -> SessionStats:
+        s = self._session(session_id)
+        return SessionStats(num_tokens=s.num_tokens, kv_blocks=s.live_blocks,
+                            kv_bytes=s.live_blocks * self.kv_bytes_per_block, reservation=s.reservation,
+                            position_base=s.position_base, positions=s.positions, status=s.status.value,
+                            error=s.error)
 
     # ------------------------------------------------------------------ validation
     def _validate(self, inp: StepInput, seen) -> str | None:

@@ -61,6 +61,9 @@ def test_memory_stays_within_the_reservation_and_closing_returns_everything(llam
         peak = max(peak, engine.scheduler.sessions[sid].live_blocks)
         assert engine.stats().kv_blocks_used <= 2 * reservation
     assert peak <= reservation
+    stats = engine.session_stats(sid)
+    assert stats.num_tokens >= 20 * window and stats.kv_blocks <= stats.reservation == reservation
+    assert stats.kv_bytes == stats.kv_blocks * engine.stats().kv_bytes_per_block and stats.position_base > 0
     # Plateau: the held blocks cover sinks + window, not the session's age.
     assert engine.scheduler.sessions[sid].live_blocks <= 1 + (window + 24) // 8 + 2
     engine.close_session(sid)
