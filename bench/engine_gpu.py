@@ -100,13 +100,23 @@ def roofline_ms(spec, n: int, prefill: int, decode: int, live_keys: int, hw: dic
             "floor_ms": max(bytes_total / hw["copy_bytes_per_s"], flops / hw["matmul_flops_per_s"]) * 1e3}
 
 
-def bench_metronome(spec, model, n, args, device) -> dict:
-    from metronome import Engine, EngineConfig, KVPolicy, StepInput
+def make_engine(model, args, device):
+    from metronome import Engine, EngineConfig, KVPolicy
 
     policy = KVPolicy(sinks=16, window=1024, block_size=16)
+    start = time.perf_counter()
     engine = Engine(EngineConfig(model="random", device=str(device), dtype="bfloat16", policy=policy,
-                                 attention=args.attention, kv_memory_fraction=0.85, max_chunk_tokens=256,
-                                 max_batch_tokens=16384), model=model)
+                                 attention=args.attention, cuda_graphs=not args.no_graphs, kv_memory_fraction=0.85,
+                                 max_chunk_tokens=256, max_batch_tokens=16384), model=model)
+    print(f"engine ready in {time.perf_counter() - start:.1f} s (graphs: {engine.runner.graphs is not None})",
+          flush=True)
+    return engine
+
+
+def bench_metronome(spec, engine, n, args) -> dict:
+    from metronome import StepInput
+
+    policy = engine.config.policy
     if engine.stats().capacity < n:
         return {"N": n, "skipped": f"KV pool holds {engine.stats().capacity} sessions"}
     gen = torch.Generator().manual_seed(n)
@@ -127,8 +137,8 @@ def bench_metronome(spec, model, n, args, device) -> dict:
                           "decode_ms": engine.last_timing.decode_ms})
     live = engine.scheduler.sessions[sids[0]]
     live_keys = min(live.num_tokens, policy.sinks + policy.window)
-    del engine
-    torch.cuda.empty_cache()
+    for s in sids:
+        engine.close_session(s)
     return {"N": n, "ticks": ticks, "median_ms": statistics.median(x["tick_ms"] for x in ticks),
             "live_keys": live_keys}
 
@@ -176,6 +186,7 @@ def main() -> None:
     p.add_argument("--decode", type=int, default=25)
     p.add_argument("--budget-ms", type=float, default=2000.0)
     p.add_argument("--attention", default="triton", choices=["triton", "torch"])
+    p.add_argument("--no-graphs", action="store_true", help="eager decode rounds (no CUDA graphs)")
     p.add_argument("--out", default="results/engine_gpu.json")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -187,14 +198,15 @@ def main() -> None:
                "torch": torch.__version__, "platform": platform.platform(), "date": time.strftime("%Y-%m-%d"),
                "metronome": [], "transformers": []}
     model = random_model(spec, device)
+    engine = make_engine(model, args, device)
     for n in [int(x) for x in args.sessions.split(",") if x]:
-        r = bench_metronome(spec, model, n, args, device)
+        r = bench_metronome(spec, engine, n, args)
         if "median_ms" in r:
             r["roofline"] = roofline_ms(spec, n, args.prefill, args.decode, r["live_keys"], hw)
             r["x_floor"] = r["median_ms"] / r["roofline"]["floor_ms"]
         results["metronome"].append(r)
         print(json.dumps({k: v for k, v in r.items() if k != "ticks"}), flush=True)
-    del model
+    del model, engine
     torch.cuda.empty_cache()
     for n in [int(x) for x in args.hf_sessions.split(",") if x]:
         r = bench_transformers(spec, n, args, device)

@@ -80,6 +80,7 @@ class EngineConfig:
     max_batch_tokens: int = 8192
     kv_memory_fraction: float = 0.25
     attention: str | None = None  # "torch" (reference) or "triton"; None: triton on CUDA, torch elsewhere
+    cuda_graphs: bool = True      # capture decode rounds as CUDA graphs (CUDA with Triton attention only)
     seed: int = 0
 
     def __post_init__(self) -> None:

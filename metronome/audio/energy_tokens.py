@@ -49,6 +49,7 @@ import numpy as np
 from metronome.audio.adapter import InteractionAdapter, PreparedInput, TickAudio
 from metronome.audio.chat import ChatTemplate
 from metronome.audio.detokenize import IncrementalDetokenizer
+from metronome.audio.turns import answer_close, default_stop_tokens
 from metronome.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -102,8 +103,7 @@ class EnergyTokenAdapter(InteractionAdapter):
         self.chat = ChatTemplate(tokenizer)
         self.bucket_tokens = np.array([_digit_token(tokenizer, d) for d in range(buckets)], dtype=np.int64)
         if stop_token_ids is None:
-            stops = [tokenizer.eos_token_id] + self.chat.assistant_suffix[:1]
-            stop_token_ids = tuple(dict.fromkeys(t for t in stops if t is not None))
+            stop_token_ids = default_stop_tokens(tokenizer, self.chat)
         self.stop_token_ids = tuple(stop_token_ids)
         self._sessions: dict[str, _Session] = {}
 
@@ -220,10 +220,7 @@ class EnergyTokenAdapter(InteractionAdapter):
             text += state.detok.flush()
             if state.mode == "turn" and state.responding:
                 state.responding = False
-                close = list(self.chat.assistant_suffix)
-                if token_ids and close[:1] == [token_ids[-1]]:
-                    close = close[1:]  # the stop token the model emitted opens the suffix already
-                state.close_next = close
+                state.close_next = answer_close(self.chat, token_ids)
         return text
 
     # ------------------------------------------------------------------ introspection (tests, metrics)

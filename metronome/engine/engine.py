@@ -108,6 +108,9 @@ class Engine:
                 f"the KV pool ({num_blocks - 1} blocks) cannot hold one session "
                 f"({self.scheduler.session_blocks} blocks); raise num_blocks or shrink the window")
         self.runner = ModelRunner(config, self.model, num_blocks)
+        if config.cuda_graphs and self.device.type == "cuda" and config.attention == "triton":
+            max_batch = min(1024, max(1, self.scheduler.capacity if policy.bounded else 256))
+            self.runner.capture_decode_graphs(max_batch, self.scheduler.session_blocks)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.last_timing = StepTiming(0.0, 0.0, 0, 0)
         log.info("engine ready: %s, %d KV blocks of %d tokens, %d blocks per session, capacity %d sessions",

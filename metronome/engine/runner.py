@@ -48,7 +48,10 @@ class ModelRunner:
         self.block_size = config.policy.block_size
         self.sink_blocks = sink_block_count(config.policy)
         self.num_blocks = num_blocks
-        shape = (num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        # One block past the pool is scratch: padded rows of captured decode graphs write their K/V there.
+        shape = (num_blocks + 1, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        self.scratch_slot = num_blocks * self.block_size
+        self.graphs = None
         # Uninitialised (zeroing gigabytes costs seconds at start-up): a block is only ever read after
         # its session wrote it, except the null block 0, which padded gathers read and must be zero.
         self.kv_caches = []
@@ -119,12 +122,20 @@ class ModelRunner:
                 parts.append(s.embeds.to(device=dev, dtype=self.dtype))
         return torch.cat(parts, 0)
 
+    def capture_decode_graphs(self, max_batch: int, table_width: int) -> None:
+        """CUDA + Triton only: replay captured graphs for decode rounds of up to ``max_batch`` sessions."""
+        from metronome.engine.cuda_graphs import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self, max_batch, table_width)
+
     @torch.inference_mode()
     def forward(self, segments: list[ForwardSegment]) -> torch.Tensor:
         """Write every segment's K/V and return final hidden states [T, hidden], segments back to back.
 
         Each session's block table must already cover its new tokens (the engine allocates first).
         """
+        if self.graphs is not None and self.graphs.fits(segments):
+            return self.graphs.run(segments)
         meta, positions = self._metadata(segments)
         plan = self.attention.prepare(meta)
         return self.model(self._inputs_embeds(segments), positions, self.kv_caches, self.attention, plan)

@@ -52,7 +52,7 @@ from metronome.serving.proto import worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-ADAPTERS = ("energy",)
+ADAPTERS = ("cascade", "energy")
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class WorkerConfig:
 
     engine: EngineConfig = field(default_factory=EngineConfig)
     budget_ms: float = 2000.0
-    adapter: str = "energy"
+    adapter: str = "cascade"
     max_input_tokens: int | None = None
     host: str = "127.0.0.1"
     port: int = 50051
@@ -92,6 +92,10 @@ class WorkerConfig:
 
 def make_adapter(config: WorkerConfig, tokenizer) -> InteractionAdapter:
     """The adapter ``config.adapter`` names, built over the engine's tokenizer."""
+    if config.adapter == "cascade":
+        from metronome.audio.cascade import CascadeAdapter   # loads Silero VAD + Whisper tiny.en (~1-2 s)
+
+        return CascadeAdapter(tokenizer, max_input_tokens=config.max_input_tokens)
     if config.adapter == "energy":
         return EnergyTokenAdapter(tokenizer, max_input_tokens=config.max_input_tokens)
     raise ConfigError(f"adapter must be one of {ADAPTERS}, got {config.adapter!r}")

@@ -1,0 +1,288 @@
+"""The cascade adapter: speech → VAD → Whisper → user turns of the LLM's chat template → streamed text.
+
+The embedded default a person can talk to. Per session a streaming Silero VAD (``audio/vad.py``) cuts
+the incoming audio into utterances, so words are never split at tick boundaries; per tick the finished
+utterances of ALL sessions are transcribed in one ``WhisperAsr.transcribe_batch`` call (``audio/asr.py``;
+its cost lands in the worker's ``frontend_ms``). Each recognised utterance enters its session as a user
+turn of the model's chat template (``audio/chat.py``), the system header first on the session's first
+tick, exactly as the energy adapter frames its turns.
+
+Modes:
+
+* ``"turn"`` (default; request/response): a recognised utterance (or typed ``text``) is a complete
+  user turn plus the generation prompt; the answer is decoded ``max_tokens`` per tick over the
+  following ticks until the model's stop token (``finished=True``); the next tick closes the assistant
+  turn. A new utterance while an answer is streaming barges in: the answer ends there (the assistant
+  turn is closed) and the new question is answered. ``cancel`` ends the answer. An answer that reaches
+  ``max_response_tokens`` without a stop token is ended by the adapter (no runaway decode). Silence,
+  noise and empty or whitespace-only transcripts add nothing and decode nothing.
+* ``"free_running"`` (full duplex, as the paper's sessions): the session decodes ``max_tokens`` every
+  tick and hears itself; utterances are inserted as user turns (closing whatever the model was saying
+  with the assistant suffix first) followed by the generation prompt.
+
+``new_turn`` (the client committed its audio) flushes the VAD: the utterance in progress ends now and
+is transcribed this tick. A commit with nothing heard does nothing.
+
+Per-session state is bounded: the VAD stream (≤ ``max_utterance_s`` of audio, 15 s by default), the
+detokeniser's window, and a few flags. Transcripts enter the context truncated to
+``max_transcript_tokens`` per tick. ``transcript`` of the prepared input is the text recognised this
+tick (every utterance is final when it is reported; the gateway turns it into the Realtime API's
+transcription ``delta`` and ``completed`` events).
+
+One conversation, as ticks (turn mode, SmolLM2, B = 2 s, 8 tokens per tick)::
+
+    tick 1: 1.5 s silence, "What is the" ...   -> header                                  decode 0
+    tick 2: "...capital of France?", 0.6 s silence -> VAD ends the utterance; Whisper: "What is the
+            capital of France?" -> [<|im_start|>user\\n What is ... ?<|im_end|>\\n<|im_start|>assistant\\n]
+                                                                                         decode 8: "The capital of France is Paris"
+    tick 3: silence                              -> []                                    decode 8: "." <|im_end|>: finished
+    tick 4: silence                              -> ["\\n"] (closes the answer)           decode 0
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from metronome.audio.adapter import InteractionAdapter, PreparedInput, TickAudio
+from metronome.audio.chat import ChatTemplate
+from metronome.audio.detokenize import IncrementalDetokenizer
+from metronome.audio.turns import answer_close, default_stop_tokens
+from metronome.audio.vad import SAMPLE_RATE, SileroVad, VadConfig, VadStream
+from metronome.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+MODES = ("turn", "free_running")
+
+# Whisper marks non-speech with bracketed tags ("[BLANK_AUDIO]", "(music)"); they are not words said.
+_NON_SPEECH = re.compile(r"\[[^\]]*\]|\([^)]*\)|\*[^*]*\*")
+
+
+def clean_transcript(text: str) -> str:
+    """``text`` without Whisper's non-speech tags and surrounding/duplicated whitespace ("" if nothing is left).
+
+    >>> clean_transcript("  [BLANK_AUDIO] ")
+    ''
+    >>> clean_transcript(" What is the capital of France? ")
+    'What is the capital of France?'
+    """
+    return " ".join(_NON_SPEECH.sub(" ", text).split())
+
+
+@dataclass
+class CascadeTiming:
+    """What the last ``prepare`` spent, for benchmarks and logs (the worker times it as a whole)."""
+
+    sessions: int = 0
+    vad_ms: float = 0.0
+    asr_ms: float = 0.0
+    utterances: int = 0
+    speech_s: float = 0.0
+
+
+@dataclass
+class _Session:
+    mode: str
+    header: list[int]                     # emitted on the first tick, then cleared
+    vad: VadStream
+    detok: IncrementalDetokenizer
+    responding: bool = False              # turn mode: an answer is being decoded
+    response_tokens: int = 0              # turn mode: tokens decoded for the current answer
+    close_next: list[int] = field(default_factory=list)   # turn mode: closes the answer that ended
+    last_decoded: list[int] = field(default_factory=list)  # free running: tail of the output since the last turn
+    utterances: int = 0                   # recognised utterances (introspection)
+
+
+class CascadeAdapter(InteractionAdapter):
+    """Silero VAD + Whisper tiny.en in front of the engine's chat model.
+
+    ``vad`` / ``asr``: shared model instances (built here when not given; ~1 s each). ``vad_config``:
+    the per-session segmentation (``VadConfig()``: 500 ms of silence ends an utterance).
+    ``max_input_tokens`` bounds one session's input per tick (typed text beyond it is refused with an
+    error and the session is left as it was). ``max_response_tokens`` caps one turn-mode answer.
+    """
+
+    name = "cascade"
+    modes = MODES
+    sample_rate = SAMPLE_RATE
+
+    def __init__(self, tokenizer, *, vad: SileroVad | None = None, asr=None, vad_config: VadConfig | None = None,
+                 max_input_tokens: int = 1024, max_transcript_tokens: int = 128, max_response_tokens: int = 256,
+                 stop_token_ids: tuple[int, ...] | None = None, default_mode: str = "turn",
+                 asr_threads: int = 0) -> None:
+        if default_mode not in MODES:
+            raise ConfigError(f"default_mode must be one of {MODES}, got {default_mode!r}")
+        if max_transcript_tokens < 1 or max_response_tokens < 1:
+            raise ConfigError("max_transcript_tokens and max_response_tokens must be >= 1")
+        self.tokenizer = tokenizer
+        self.chat = ChatTemplate(tokenizer)
+        self.default_mode = default_mode
+        self.max_input_tokens = max_input_tokens
+        self.max_transcript_tokens = max_transcript_tokens
+        self.max_response_tokens = max_response_tokens
+        self.stop_token_ids = tuple(stop_token_ids) if stop_token_ids is not None else \
+            default_stop_tokens(tokenizer, self.chat)
+        self.vad_config = vad_config or VadConfig()
+        self.vad = vad if vad is not None else SileroVad()
+        if asr is None:
+            from metronome.audio.asr import WhisperAsr
+
+            asr = WhisperAsr(cpu_threads=asr_threads)
+        self.asr = asr
+        self.last_timing = CascadeTiming()
+        self._sessions: dict[str, _Session] = {}
+
+    # ------------------------------------------------------------------ sessions
+    def open_session(self, session_id: str, mode: str, instructions: str) -> None:
+        mode = self.resolve_mode(mode)
+        if session_id in self._sessions:
+            raise ValueError(f"session {session_id!r} is already open")
+        header = self.chat.header(instructions)
+        limit = self.max_input_tokens // 2  # leave room for the first tick's turn
+        if len(header) > limit:
+            raise ValueError(f"instructions are {len(header)} tokens with their chat framing; at most {limit} fit")
+        self._sessions[session_id] = _Session(mode, header, self.vad.open(self.vad_config),
+                                              IncrementalDetokenizer(self.tokenizer))
+
+    def close_session(self, session_id: str) -> None:
+        self._sessions.pop(session_id, None)
+
+    def input_tokens_per_tick(self, budget_ms: float) -> int:
+        # A tick of steady speech adds at most one user turn of max_transcript_tokens (the utterances of
+        # one tick are joined), after closing the previous answer.
+        chat = self.chat
+        return (self.max_transcript_tokens + len(chat.user_prefix) + len(chat.user_suffix)
+                + len(chat.generation_prompt) + len(chat.assistant_suffix))
+
+    # ------------------------------------------------------------------ ticks
+    def prepare(self, batch: list[TickAudio]) -> list[PreparedInput]:
+        out: list[PreparedInput | None] = [None] * len(batch)
+        live: list[int] = []
+        for i, tick in enumerate(batch):
+            if tick.session_id not in self._sessions:
+                out[i] = PreparedInput(error=f"session {tick.session_id!r} is not open in the {self.name} adapter")
+            else:
+                live.append(i)
+        timing = CascadeTiming(sessions=len(live))
+
+        # 1. VAD over every session's new audio, batched across sessions.
+        t0 = time.perf_counter()
+        states = [self._sessions[batch[i].session_id] for i in live]
+        events = self.vad.feed_many([s.vad for s in states], [batch[i].pcm for i in live]) if live else []
+        utterances: list[tuple[int, np.ndarray]] = []   # (position in `live`, audio)
+        for k, (i, ev) in enumerate(zip(live, events)):
+            utterances += [(k, u.audio) for u in ev.utterances]
+            if batch[i].new_turn:
+                u = states[k].vad.flush()
+                if u is not None:
+                    utterances.append((k, u.audio))
+        timing.vad_ms = (time.perf_counter() - t0) * 1e3
+
+        # 2. One ASR call for every utterance that ended this tick, in any session.
+        heard: list[list[str]] = [[] for _ in live]
+        if utterances:
+            t1 = time.perf_counter()
+            texts = self.asr.transcribe_batch([a for _, a in utterances])
+            timing.asr_ms = (time.perf_counter() - t1) * 1e3
+            timing.utterances = len(utterances)
+            timing.speech_s = sum(a.size for _, a in utterances) / SAMPLE_RATE
+            for (k, _), text in zip(utterances, texts):
+                text = clean_transcript(text)
+                if text:
+                    heard[k].append(text)
+        self.last_timing = timing
+
+        # 3. Turns and decode budgets per session.
+        for k, i in enumerate(live):
+            tick, state = batch[i], states[k]
+            transcript = self._bounded(" ".join(heard[k]))
+            new = copy.copy(state)
+            tokens = self._advance(new, tick, transcript)
+            if len(tokens) > self.max_input_tokens:
+                out[i] = PreparedInput(transcript=transcript, error=(
+                    f"this tick's input is {len(tokens)} tokens; at most {self.max_input_tokens} fit in one tick "
+                    "(send shorter text)"))
+                continue
+            self._sessions[tick.session_id] = new
+            if new.mode == "free_running":
+                max_new, stops = max(0, tick.max_tokens), ()
+            else:
+                left = self.max_response_tokens - new.response_tokens
+                max_new, stops = (min(max(0, tick.max_tokens), left) if new.responding else 0), self.stop_token_ids
+            out[i] = PreparedInput(token_ids=tokens or None, max_new_tokens=max_new, stop_token_ids=stops,
+                                   transcript=transcript)
+        return out  # type: ignore[return-value]
+
+    def _bounded(self, text: str) -> str:
+        """``text`` cut to ``max_transcript_tokens`` tokens (a 15 s utterance is rarely near it)."""
+        if not text:
+            return ""
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) <= self.max_transcript_tokens:
+            return text
+        return self.tokenizer.decode(ids[:self.max_transcript_tokens], skip_special_tokens=True).strip()
+
+    def _advance(self, s: _Session, tick: TickAudio, transcript: str) -> list[int]:
+        chat = self.chat
+        tokens = s.header + s.close_next
+        s.header, s.close_next = [], []
+        if transcript:
+            s.utterances += 1
+        turns = [t for t in (transcript, tick.text) if t and t.strip()]
+
+        if s.mode == "free_running":
+            if turns:
+                if s.last_decoded:   # close what the model was saying before the user's turn
+                    tokens += answer_close(chat, s.last_decoded)
+                    s.last_decoded = []
+                for n, text in enumerate(turns):
+                    tokens += chat.user_turn(text, respond=n == len(turns) - 1)
+            return tokens
+
+        if s.responding and (tick.cancel or turns or s.response_tokens >= self.max_response_tokens):
+            if not (tick.cancel or turns):
+                log.info("session %s: answer cut at %d tokens (max_response_tokens)", tick.session_id,
+                         s.response_tokens)
+            tokens += chat.assistant_suffix   # the answer stops here (barge-in, cancel or the cap)
+            s.responding = False
+            s.detok = IncrementalDetokenizer(self.tokenizer)
+        if turns:
+            for n, text in enumerate(turns):
+                tokens += chat.user_turn(text, respond=n == len(turns) - 1)
+            s.responding = True
+            s.response_tokens = 0
+        return tokens
+
+    def on_output(self, session_id: str, token_ids: list[int], finished: bool) -> str:
+        state = self._sessions.get(session_id)
+        if state is None:
+            return ""
+        text = state.detok.push(token_ids)
+        if state.mode == "free_running":
+            if token_ids:
+                state.last_decoded = [int(token_ids[-1])]
+            return text
+        state.response_tokens += len(token_ids)
+        if finished:
+            text += state.detok.flush()
+            if state.responding:
+                state.responding = False
+                state.close_next = answer_close(self.chat, token_ids)
+        return text
+
+    # ------------------------------------------------------------------ introspection (tests, metrics)
+    def session_state(self, session_id: str) -> dict:
+        s = self._sessions[session_id]
+        return {"mode": s.mode, "responding": s.responding, "response_tokens": s.response_tokens,
+                "speaking": s.vad.speaking, "utterances": s.utterances, "detok_held": s.detok.held,
+                "vad_pending_samples": s.vad.pending_samples}
+
+    @property
+    def sessions(self) -> int:
+        return len(self._sessions)

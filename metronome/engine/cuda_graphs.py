@@ -1,0 +1,145 @@
+"""CUDA graphs for decode rounds: one captured forward per batch-size bucket, replayed every round.
+
+A decode round feeds exactly one token per session, so its shapes depend only on the batch size.
+Each bucket's graph reads static device buffers (token ids, positions, KV slots, compact block
+tables, window offsets, the Triton kernel's work items) that the host refills before every replay;
+Python and kernel-launch overhead leave the round. Rows past the live batch are padding: their
+K/V go to a scratch block outside the pool and their attention work items are empty.
+
+Buckets are captured from the largest down so they share one memory pool (as vLLM does).
+
+Example (on CUDA): ``graphs = DecodeGraphs(runner, max_batch=256)`` then, for a round of 37 sessions,
+``hidden = graphs.run(segments)`` replays the 48-row graph and returns the first 37 rows.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from metronome.attention.metadata import PagedAttentionMetadata
+from metronome.engine.scheduler import ForwardSegment
+
+log = logging.getLogger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
+
+
+@dataclass
+class _Graph:
+    batch: int
+    graph: torch.cuda.CUDAGraph
+    plan: object
+    hidden: torch.Tensor  # [batch, hidden] output of the captured forward
+
+
+class DecodeGraphs:
+    def __init__(self, runner, max_batch: int, table_width: int) -> None:
+        from metronome.attention.triton_paged import TritonLaunch, TritonPlan, choose_splits, live_tiles
+
+        self.runner = runner
+        dev = runner.device
+        self.buckets = [b for b in BUCKETS if b <= max_batch] or [1]
+        if self.buckets[-1] < max_batch:
+            self.buckets.append(max_batch)
+        n = self.buckets[-1]
+        self.width = table_width
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.zeros(n, dtype=torch.long, device=dev)
+        self.block_tables = torch.full((n, table_width), -1, dtype=torch.int32, device=dev)
+        self.window_first = torch.zeros(n, dtype=torch.long, device=dev)
+        self.items = torch.zeros((n, 4), dtype=torch.int32, device=dev)
+        self.query_start = torch.arange(n + 1, dtype=torch.long, device=dev)
+        self.context_lens = torch.ones(n, dtype=torch.long, device=dev)
+        # One pinned host staging area, copied in a single transfer per replay.
+        self.staging = torch.zeros((n, 8 + table_width), dtype=torch.long).pin_memory()
+        spec, policy = runner.spec, runner.policy
+        attention = runner.attention
+        self.graphs: dict[int, _Graph] = {}
+        pool = torch.cuda.graph_pool_handle()
+        full_tiles = live_tiles(max(1, spec.max_position_embeddings - 1), 1, policy.sinks if policy.bounded else 0,
+                                policy.window, attention.options["block_n"])
+        g = spec.num_heads // spec.num_kv_heads
+        block_m = max(attention.options["decode_block_m"], 1 << (g - 1).bit_length())
+        with torch.inference_mode():
+            for batch in reversed(self.buckets):
+                meta = PagedAttentionMetadata(
+                    block_size=runner.block_size, sinks=policy.sinks if policy.bounded else 0, window=policy.window,
+                    sink_blocks=runner.sink_blocks, query_lens=[1] * batch, context_lens=[1] * batch,
+                    query_start=self.query_start[:batch + 1], context_lens_t=self.context_lens[:batch],
+                    block_tables=self.block_tables[:batch], window_first=self.window_first[:batch],
+                    slot_mapping=self.slot_mapping[:batch])
+                splits = choose_splits(batch * spec.num_kv_heads, full_tiles,
+                                       target_programs=4 * attention.options["num_sms"])
+                launch = TritonLaunch(block_m, self.items[:batch], batch, splits, full_tiles)
+                plan = TritonPlan(meta, spec.num_heads, spec.num_kv_heads, attention.options["block_n"], [launch],
+                                  attention.options["num_warps"], attention.options["num_stages"])
+                self._pad(0, batch)
+                forward = self._forward_fn(batch, plan)
+                forward()  # compile and warm up outside the capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    hidden = forward()
+                self.graphs[batch] = _Graph(batch, graph, plan, hidden)
+        torch.cuda.synchronize()
+        log.info("captured decode graphs for batch sizes %s", self.buckets)
+
+    def _forward_fn(self, batch: int, plan):
+        model, runner = self.runner.model, self.runner
+
+        def forward() -> torch.Tensor:
+            embeds = model.embed(self.input_ids[:batch])
+            return model(embeds, self.positions[:batch], runner.kv_caches, runner.attention, plan)
+
+        return forward
+
+    def _pad(self, start: int, end: int) -> None:
+        """Rows [start, end) do nothing: scratch KV slot, empty attention work items."""
+        if end <= start:
+            return
+        self.input_ids[start:end] = 0
+        self.positions[start:end] = 0
+        self.slot_mapping[start:end] = self.runner.scratch_slot
+        self.block_tables[start:end] = -1
+        self.window_first[start:end] = 0
+        rows = torch.arange(start, end, dtype=torch.int32, device=self.items.device)
+        self.items[start:end, 0] = rows
+        self.items[start:end, 1] = rows
+        self.items[start:end, 2:] = 0
+
+    def fits(self, segments: list[ForwardSegment]) -> bool:
+        return (len(segments) <= self.buckets[-1]
+                and all(len(s.token_ids) == 1 and s.embeds is None for s in segments)
+                and all(len(s.session.sink_blocks) + len(s.session.window_blocks) <= self.width for s in segments))
+
+    def run(self, segments: list[ForwardSegment]) -> torch.Tensor:
+        """Hidden states [len(segments), hidden] of one decode round (a fresh tensor, not the graph's)."""
+        b = len(segments)
+        bucket = next(x for x in self.buckets if x >= b)
+        bs, sink_blocks, width = self.runner.block_size, self.runner.sink_blocks, self.width
+        rows = []
+        for i, seg in enumerate(segments):
+            s = seg.session
+            t = s.num_tokens
+            row = s.table_row()
+            logical = t // bs
+            column = logical if logical < sink_blocks else sink_blocks + logical - s.window_first
+            rows.append([seg.token_ids[0], t - s.position_base, row[column] * bs + t % bs, s.window_first,
+                         i, i, 1, t, *row] + [-1] * (width - len(row)))
+        stage = self.staging[:b]
+        stage.copy_(torch.tensor(rows, dtype=torch.long))
+        gpu = stage.to(self.runner.device, non_blocking=True)
+        self.input_ids[:b] = gpu[:, 0]
+        self.positions[:b] = gpu[:, 1]
+        self.slot_mapping[:b] = gpu[:, 2]
+        self.window_first[:b] = gpu[:, 3]
+        self.items[:b] = gpu[:, 4:8].to(torch.int32)
+        self.block_tables[:b] = gpu[:, 8:].to(torch.int32)
+        self._pad(b, bucket)
+        g = self.graphs[bucket]
+        g.graph.replay()
+        return g.hidden[:b].clone()
