@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from metronome import Engine, EngineConfig, KVPolicy, StepInput
-from tests.engine.oracle import hf_greedy, hf_windowed_logprobs
+from tests.engine.oracle import Transcript, hf_greedy
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -22,27 +22,15 @@ def test_cuda_engine_matches_the_windowed_oracle(checkpoints, attention):
                                  policy=KVPolicy(sinks=sinks, window=window, block_size=16, positions="absolute")))
     sids = [engine.open_session() for _ in range(3)]
     rng = random.Random(5)
-    tokens = {s: [] for s in sids}
-    checks = {s: [] for s in sids}
+    transcripts = {s: Transcript() for s in sids}
     for _ in range(10):
         chunks = {s: [rng.randrange(128) for _ in range(rng.randint(1, 30))] for s in sids}
         outs = engine.step([StepInput(s, token_ids=chunks[s], max_new_tokens=3, prompt_logprobs=True) for s in sids])
         for s, out in zip(sids, outs):
             assert out.error is None
-            checks[s].extend((len(tokens[s]) + i, t, lp) for i, (t, lp) in
-                             enumerate(zip(chunks[s], out.prompt_logprobs)))
-            tokens[s].extend(chunks[s])
-            checks[s].extend((len(tokens[s]) + i, t, None) for i, t in enumerate(out.token_ids))
-            tokens[s].extend(out.token_ids)
-    for s in sids:
-        ref = hf_windowed_logprobs(model, tokens[s], sinks, window)
-        for pos, token, lp in checks[s]:
-            if pos == 0:
-                continue
-            if lp is None:
-                assert ref[pos - 1].argmax().item() == token
-            else:
-                assert lp == pytest.approx(ref[pos - 1, token].item(), abs=1e-3)
+            transcripts[s].record(chunks[s], out)
+    for transcript in transcripts.values():
+        transcript.assert_matches(model, sinks, window, abs=1e-3)
 
 
 def test_cuda_bf16_engine_follows_generate(checkpoints):

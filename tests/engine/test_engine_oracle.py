@@ -10,7 +10,7 @@ import torch
 
 from metronome import Engine, EngineConfig, KVPolicy, StepInput
 from tests.conftest import FAMILIES
-from tests.engine.oracle import hf_greedy, hf_windowed_logprobs
+from tests.engine.oracle import Transcript, hf_greedy
 
 
 def engine_for(path, **policy):
@@ -61,28 +61,16 @@ def test_windowed_absolute_logits_equal_masked_forward(checkpoints, sinks, windo
     engine = engine_for(path, sinks=sinks, window=window, block_size=block_size, positions="absolute")
     sid, other = engine.open_session(), engine.open_session()
     rng = random.Random(sinks * 1000 + window)
-    tokens, logprobs = [], []
+    transcript = Transcript()
     for step in range(20):
         chunk = [rng.randrange(128) for _ in range(rng.randint(1, 23))]
-        n_out = rng.choice([0, 0, 3])
-        out, _ = engine.step([StepInput(sid, token_ids=chunk, max_new_tokens=n_out, prompt_logprobs=True),
+        out, _ = engine.step([StepInput(sid, token_ids=chunk, max_new_tokens=rng.choice([0, 0, 3]),
+                                        prompt_logprobs=True),
                               StepInput(other, token_ids=[rng.randrange(128) for _ in range(5)], max_new_tokens=1)])
         assert out.error is None
-        start = len(tokens)
-        tokens.extend(chunk)
-        logprobs.extend((start + i, t, lp) for i, (t, lp) in enumerate(zip(chunk, out.prompt_logprobs)))
-        gen_start = len(tokens)
-        tokens.extend(out.token_ids)
-        logprobs.extend((gen_start + i, t, "greedy") for i, t in enumerate(out.token_ids))
-    assert len(tokens) > 4 * window  # far beyond the window, across many block boundaries
-    ref = hf_windowed_logprobs(model, tokens, sinks, window)
-    for pos, token, lp in logprobs:
-        if pos == 0:
-            continue
-        if lp == "greedy":
-            assert ref[pos - 1].argmax().item() == token
-        else:
-            assert lp == pytest.approx(ref[pos - 1, token].item(), abs=2e-4)
+        transcript.record(chunk, out)
+    assert len(transcript.tokens) > 4 * window  # far beyond the window, across many block boundaries
+    transcript.assert_matches(model, sinks, window, abs=2e-4)
 
 
 def test_rebased_equals_absolute_without_sinks(checkpoints):

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from metronome import Engine, EngineConfig, KVPolicy, StepInput
-from tests.engine.oracle import hf_greedy, hf_windowed_logprobs
+from tests.engine.oracle import Transcript, hf_greedy
 
 pytest.importorskip("triton")
 
@@ -20,24 +20,14 @@ def test_triton_engine_matches_the_windowed_oracle(checkpoints):
                                  policy=KVPolicy(sinks=sinks, window=window, block_size=4, positions="absolute")))
     sid, other = engine.open_session(), engine.open_session()
     rng = random.Random(11)
-    tokens, checks = [], []
+    transcript = Transcript()
     for _ in range(7):
         chunk = [rng.randrange(128) for _ in range(rng.randint(1, 12))]
         out, _ = engine.step([StepInput(sid, token_ids=chunk, max_new_tokens=2, prompt_logprobs=True),
                               StepInput(other, token_ids=[rng.randrange(128)], max_new_tokens=1)])
-        checks.extend((len(tokens) + i, t, lp) for i, (t, lp) in enumerate(zip(chunk, out.prompt_logprobs)))
-        tokens.extend(chunk)
-        checks.extend((len(tokens) + i, t, None) for i, t in enumerate(out.token_ids))
-        tokens.extend(out.token_ids)
-    assert len(tokens) > 3 * window
-    ref = hf_windowed_logprobs(model, tokens, sinks, window)
-    for pos, token, lp in checks:
-        if pos == 0:
-            continue
-        if lp is None:
-            assert ref[pos - 1].argmax().item() == token
-        else:
-            assert lp == pytest.approx(ref[pos - 1, token].item(), abs=2e-4)
+        transcript.record(chunk, out)
+    assert len(transcript.tokens) > 3 * window
+    transcript.assert_matches(model, sinks, window, abs=2e-4)
 
 
 def test_triton_engine_greedy_equals_generate(checkpoints):
