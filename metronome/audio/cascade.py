@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -59,6 +60,7 @@ from metronome.errors import ConfigError
 log = logging.getLogger(__name__)
 
 MODES = ("turn", "free_running")
+SPEECH_TOKENS_PER_S = 6   # fast speech (~200 words/min) in SmolLM2 tokens, with margin
 
 # Whisper marks non-speech with bracketed tags ("[BLANK_AUDIO]", "(music)"); they are not words said.
 _NON_SPEECH = re.compile(r"\[[^\]]*\]|\([^)]*\)|\*[^*]*\*")
@@ -154,10 +156,11 @@ class CascadeAdapter(InteractionAdapter):
         self._sessions.pop(session_id, None)
 
     def input_tokens_per_tick(self, budget_ms: float) -> int:
-        # A tick of steady speech adds at most one user turn of max_transcript_tokens (the utterances of
-        # one tick are joined), after closing the previous answer.
+        # Steady speech is ~3 words/s, ~4-5 tokens/s, entering as one user turn per utterance (after closing
+        # the previous answer). An utterance is a burst (up to max_transcript_tokens at once, when it ends);
+        # the worker prefills bursts beyond max_chunk_tokens in pieces, up to max_input_tokens.
         chat = self.chat
-        return (self.max_transcript_tokens + len(chat.user_prefix) + len(chat.user_suffix)
+        return (math.ceil(budget_ms / 1000.0 * SPEECH_TOKENS_PER_S) + len(chat.user_prefix) + len(chat.user_suffix)
                 + len(chat.generation_prompt) + len(chat.assistant_suffix))
 
     # ------------------------------------------------------------------ ticks

@@ -1,6 +1,7 @@
 """``metronome serve | worker | gateway``: run the serving parts together or apart.
 
-    metronome serve                              # worker(s) + gateway on the embedded default model
+    metronome serve                              # worker(s) + gateway: talk to the embedded speech assistant
+    metronome serve --adapter energy             # the deterministic loudness-token stand-in instead
     metronome worker --port 50051                # one gRPC worker
     metronome gateway --workers 127.0.0.1:50051  # the WebSocket gateway in front of workers
 """
@@ -37,6 +38,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None, help="KV pool size (default: from free memory)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    p.add_argument("--adapter", default="cascade", choices=["cascade", "energy"],
+                   help="audio front end: 'cascade' = VAD + Whisper tiny.en into the chat model (default); "
+                        "'energy' = deterministic loudness tokens (a stand-in for tests and benchmarks)")
 
 
 def _budget_args(p: argparse.ArgumentParser) -> None:
@@ -96,7 +100,7 @@ def run_worker_cmd(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     engine = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, policy=_policy(args),
                           num_blocks=args.num_blocks)
-    run_worker(WorkerConfig(engine, budget_ms=args.budget_ms, host=args.host, port=args.port))
+    run_worker(WorkerConfig(engine, budget_ms=args.budget_ms, adapter=args.adapter, host=args.host, port=args.port))
     return 0
 
 
@@ -140,13 +144,14 @@ def run_serve(args: argparse.Namespace) -> int:
         cmd = [sys.executable, "-m", "metronome.cli.main", "--log-level", args.log_level, "worker",
                "--model", args.model, "--device", args.device, "--dtype", args.dtype, "--sinks", str(args.sinks),
                "--window", str(args.window), "--block-size", str(args.block_size), "--budget-ms", str(args.budget_ms),
-               "--host", "127.0.0.1", "--port", str(port), "--threads", str(threads)]
+               "--host", "127.0.0.1", "--port", str(port), "--threads", str(threads), "--adapter", args.adapter]
         if args.num_blocks:
             cmd += ["--num-blocks", str(args.num_blocks)]
         procs.append(subprocess.Popen(cmd))
         addresses.append(address)
     try:
-        print(f"starting {args.workers} worker(s) with {args.model} (the first run converts the packaged model)...",
+        print(f"starting {args.workers} worker(s) with {args.model}, adapter {args.adapter} "
+              "(the first run converts the packaged model)...",
               flush=True)
         for address, proc in zip(addresses, procs):
             asyncio.run(_wait_ready(address, proc, timeout_s=600))

@@ -260,7 +260,16 @@ class Gateway:
         if out.error:
             self._client_error(session, "session_failed", out.error)
         if out.transcript:
-            session.send({"type": "conversation.item.input_audio_transcription.delta", "delta": out.transcript})
+            # Adapters report whole utterances (the cascade transcribes VAD-delimited utterances), so each
+            # transcript is final: a delta with all of it, then `completed`. A user turn that arrives while
+            # a response streams ends that response (barge-in; the adapter closed the answer already).
+            item_id = f"item_{uuid.uuid4().hex[:16]}"
+            session.send({"type": "conversation.item.input_audio_transcription.delta", "item_id": item_id,
+                          "content_index": 0, "delta": out.transcript})
+            session.send({"type": "conversation.item.input_audio_transcription.completed", "item_id": item_id,
+                          "content_index": 0, "transcript": out.transcript})
+            if session.response_id:
+                self._finish_response(session, "completed" if session.mode == "free_running" else "cancelled")
         if out.text or out.tokens:
             if session.response_id is None:
                 rid = session.start_response()

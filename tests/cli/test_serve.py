@@ -34,7 +34,7 @@ def test_serve_then_client(chat_checkpoint, tmp_path):
     serve = subprocess.Popen(
         [sys.executable, "-m", "metronome.cli.main", "serve", "--model", chat_checkpoint, "--port", str(port),
          "--worker-port", str(worker_port), "--budget-ms", "200", "--tokens-per-tick", "4", "--window", "64",
-         "--sinks", "4", "--num-blocks", "300", "--api-key", "k"],
+         "--sinks", "4", "--num-blocks", "300", "--api-key", "k", "--adapter", "energy"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         banner = ""

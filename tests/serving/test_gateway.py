@@ -34,7 +34,7 @@ def chunks(pcm: bytes, rate: int = 16000, ms: int = 20):
 async def start_worker(checkpoint: str, port: int = 0):
     engine = EngineConfig(model=checkpoint, policy=KVPolicy(sinks=4, window=64, block_size=8), num_blocks=400,
                           max_chunk_tokens=64)
-    return await serve_worker(WorkerConfig(engine, budget_ms=BUDGET_MS, port=port))
+    return await serve_worker(WorkerConfig(engine, budget_ms=BUDGET_MS, adapter="energy", port=port))
 
 
 @asynccontextmanager

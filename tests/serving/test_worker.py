@@ -45,7 +45,8 @@ def config(checkpoint: str, **overrides) -> WorkerConfig:
     engine_fields = {k: overrides.pop(k) for k in list(overrides) if k in EngineConfig.__dataclass_fields__}
     engine = EngineConfig(**{**dict(model=checkpoint, policy=POLICY, num_blocks=81, max_chunk_tokens=CHUNK,
                                     max_batch_tokens=512), **engine_fields})
-    return WorkerConfig(engine, **{**dict(max_input_tokens=256, budget_ms=2000.0, port=0), **overrides})
+    return WorkerConfig(engine, **{**dict(adapter="energy", max_input_tokens=256, budget_ms=2000.0, port=0),
+                                   **overrides})
 
 
 @pytest.fixture(scope="module")
