@@ -54,8 +54,11 @@ class DecodeGraphs:
         self.items = torch.zeros((n, 4), dtype=torch.int32, device=dev)
         self.query_start = torch.arange(n + 1, dtype=torch.long, device=dev)
         self.context_lens = torch.ones(n, dtype=torch.long, device=dev)
-        # One pinned host staging area, copied in a single transfer per replay.
-        self.staging = torch.zeros((n, 8 + table_width), dtype=torch.long).pin_memory()
+        # Pinned host staging areas, one transfer per replay. A ring, because the host may run a few
+        # rounds ahead of the GPU: a slot is rewritten only after its previous copy has executed.
+        self.staging = [torch.zeros((n, 8 + table_width), dtype=torch.long).pin_memory() for _ in range(4)]
+        self.staging_done: list[torch.cuda.Event | None] = [None] * len(self.staging)
+        self.round = 0
         spec, policy = runner.spec, runner.policy
         attention = runner.attention
         self.graphs: dict[int, _Graph] = {}
@@ -116,8 +119,12 @@ class DecodeGraphs:
                 and all(len(s.token_ids) == 1 and s.embeds is None for s in segments)
                 and all(len(s.session.sink_blocks) + len(s.session.window_blocks) <= self.width for s in segments))
 
-    def run(self, segments: list[ForwardSegment]) -> torch.Tensor:
-        """Hidden states [len(segments), hidden] of one decode round (a fresh tensor, not the graph's)."""
+    def run(self, segments: list[ForwardSegment], input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [len(segments), hidden] of one decode round (a fresh tensor, not the graph's).
+
+        ``input_ids`` (on the device) replaces the segments' token ids, so the tokens sampled last
+        round never have to visit the host.
+        """
         b = len(segments)
         bucket = next(x for x in self.buckets if x >= b)
         bs, sink_blocks, width = self.runner.block_size, self.runner.sink_blocks, self.width
@@ -130,10 +137,16 @@ class DecodeGraphs:
             column = logical if logical < sink_blocks else sink_blocks + logical - s.window_first
             rows.append([seg.token_ids[0], t - s.position_base, row[column] * bs + t % bs, s.window_first,
                          i, i, 1, t, *row] + [-1] * (width - len(row)))
-        stage = self.staging[:b]
+        slot = self.round % len(self.staging)
+        self.round += 1
+        if self.staging_done[slot] is not None:
+            self.staging_done[slot].synchronize()
+        stage = self.staging[slot][:b]
         stage.copy_(torch.tensor(rows, dtype=torch.long))
         gpu = stage.to(self.runner.device, non_blocking=True)
-        self.input_ids[:b] = gpu[:, 0]
+        self.staging_done[slot] = torch.cuda.Event()
+        self.staging_done[slot].record()
+        self.input_ids[:b] = gpu[:, 0] if input_ids is None else input_ids
         self.positions[:b] = gpu[:, 1]
         self.slot_mapping[:b] = gpu[:, 2]
         self.window_first[:b] = gpu[:, 3]

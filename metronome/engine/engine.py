@@ -26,7 +26,7 @@ from metronome.engine.blocks import BlockPool
 from metronome.engine.request import SamplingParams, StepInput, StepOutput
 from metronome.engine.runner import DTYPES, ModelRunner, available_memory_bytes
 from metronome.engine.sampling import sample
-from metronome.engine.scheduler import ForwardSegment, Scheduler
+from metronome.engine.scheduler import ForwardSegment, InvariantError, Scheduler
 from metronome.engine.session import Session, SessionStatus
 from metronome.errors import ConfigError, MetronomeError
 from metronome.models.llama import LlamaFamilyForCausalLM
@@ -199,7 +199,8 @@ class Engine:
         return None
 
     # ------------------------------------------------------------------ forwards
-    def _forward(self, segments: list[ForwardSegment], works: dict[int, _Work]) -> tuple[list[ForwardSegment], torch.Tensor]:
+    def _forward(self, segments: list[ForwardSegment], works: dict[int, _Work],
+                 input_ids: torch.Tensor | None = None) -> tuple[list[ForwardSegment], torch.Tensor]:
         """Rebase, allocate, run, commit. Segments of preempted sessions are dropped (and reported)."""
         for seg in segments:
             delta = self.scheduler.rebase_delta(seg.session)
@@ -213,11 +214,17 @@ class Engine:
                 work.remaining = 0
         if not kept:
             return kept, torch.empty(0)
-        hidden = self.runner.forward(kept)
+        if input_ids is not None and len(kept) != len(segments):
+            raise InvariantError("a pipelined decode round lost a segment")
+        hidden = self.runner.forward(kept, input_ids)
         self.scheduler.commit(kept)
-        # One indexing op for the whole batch (per-row indexing costs microseconds each, per round).
-        ends = torch.tensor([len(seg) for seg in kept], device=hidden.device).cumsum(0) - 1
-        for seg, row in zip(kept, hidden.index_select(0, ends).unbind(0)):
+        # One op for the whole batch (per-row indexing costs microseconds each, every round).
+        if len(hidden) == len(kept):
+            rows = hidden.unbind(0)
+        else:
+            ends = torch.tensor([len(seg) for seg in kept]).cumsum(0).sub_(1).to(hidden.device, non_blocking=True)
+            rows = hidden.index_select(0, ends).unbind(0)
+        for seg, row in zip(kept, rows):
             seg.session.last_hidden = row
         self._forwards += 1
         return kept, hidden
@@ -319,10 +326,58 @@ class Engine:
         self.last_timing = StepTiming((t1 - t0) * 1e3, (perf_counter() - t1) * 1e3, self._forwards, rounds)
         return outputs
 
+    def _pipelinable(self, active: list[_Work]) -> bool:
+        """Greedy rounds with no stop tokens on the decode graphs need no host sync until the step ends."""
+        graphs = self.runner.graphs
+        return (graphs is not None and self.config.policy.bounded and len(active) <= graphs.buckets[-1]
+                and all(w.inp.sampling.greedy and not w.inp.sampling.stop_token_ids for w in active))
+
+    def _decode_pipelined(self, active: list[_Work]) -> int:
+        """Decode rounds whose sampled ids stay on the GPU and feed the next round's graph directly.
+
+        The host still does all bookkeeping (positions, blocks, rebasing) each round, since none of it
+        depends on token values; it reads the tokens once, at the end.
+        """
+        ids = self.runner.compute_logits(torch.stack([w.first_hidden for w in active])).argmax(-1)
+        sampled: list[tuple[list[_Work], torch.Tensor]] = [(active, ids)]
+        current, rounds = active, 0
+        for w in active:
+            w.remaining -= 1
+        while True:
+            nxt = [w for w in current if w.remaining > 0 and w.session.status is SessionStatus.ACTIVE]
+            segments = []
+            for w in nxt:
+                seg = ForwardSegment(w.session, [0])
+                error = self.scheduler.position_error(w.session, 1)
+                if error:
+                    self._fail(w, error)
+                    continue
+                segments.append(seg)
+            live = [w for w in nxt if w.session.status is SessionStatus.ACTIVE]
+            if not live:
+                break
+            if len(live) != len(current):
+                keep = [i for i, w in enumerate(current) if w.remaining > 0 and w.session.status is SessionStatus.ACTIVE]
+                ids = ids.index_select(0, torch.tensor(keep).to(ids.device, non_blocking=True))
+            _, hidden = self._forward(segments, {}, input_ids=ids)
+            rounds += 1
+            ids = self.runner.compute_logits(hidden).argmax(-1)
+            sampled.append((live, ids))
+            for w in live:
+                w.remaining -= 1
+            current = live
+        for works, tokens in sampled:  # the step's one device->host sync
+            for w, token in zip(works, tokens.tolist()):
+                w.output.token_ids.append(token)
+                w.last_token = token
+        return rounds
+
     def _decode(self, works: list[_Work]) -> int:
         """Sample the first token from each session's last hidden state, then decode in shared rounds."""
         active = [w for w in works if w.remaining > 0 and w.first_hidden is not None
                   and w.session.status is SessionStatus.ACTIVE]
+        if active and self._pipelinable(active):
+            return self._decode_pipelined(active)
         if active:
             logits = self.runner.compute_logits(torch.stack([w.first_hidden for w in active]))
             self._emit(active, logits)

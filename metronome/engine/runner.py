@@ -129,13 +129,16 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self, max_batch, table_width)
 
     @torch.inference_mode()
-    def forward(self, segments: list[ForwardSegment]) -> torch.Tensor:
+    def forward(self, segments: list[ForwardSegment], input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Write every segment's K/V and return final hidden states [T, hidden], segments back to back.
 
         Each session's block table must already cover its new tokens (the engine allocates first).
+        ``input_ids`` (decode graphs only): this round's tokens as a device tensor, one per segment.
         """
         if self.graphs is not None and self.graphs.fits(segments):
-            return self.graphs.run(segments)
+            return self.graphs.run(segments, input_ids)
+        if input_ids is not None:
+            raise ValueError("device-side input ids need the decode graphs")
         meta, positions = self._metadata(segments)
         plan = self.attention.prepare(meta)
         return self.model(self._inputs_embeds(segments), positions, self.kv_caches, self.attention, plan)

@@ -68,3 +68,28 @@ def test_decode_graphs_replay_what_eager_computes(checkpoints):
         for a, b in zip(a_step, b_step):
             assert a.token_ids == b.token_ids
             assert a.prompt_logprobs == pytest.approx(b.prompt_logprobs, abs=1e-4, nan_ok=True)
+
+
+def test_graph_rounds_with_stop_tokens_and_sampling_match_eager(checkpoints):
+    """Stop tokens and temperature sampling take the per-round (host-synchronised) graph path."""
+    from metronome import SamplingParams
+
+    path, _ = checkpoints["llama"]
+
+    def run(graphs: bool):
+        engine = Engine(EngineConfig(model=path, device="cuda", attention="triton", cuda_graphs=graphs, seed=7,
+                                     num_blocks=300, max_chunk_tokens=32, max_batch_tokens=256,
+                                     policy=KVPolicy(sinks=4, window=40, block_size=16)))
+        rng = random.Random(9)
+        sids = [engine.open_session() for _ in range(4)]
+        params = [SamplingParams(stop_token_ids=(s,)) for s in range(100, 128)]
+        outs = []
+        for step in range(8):
+            outs.append(engine.step([StepInput(s, token_ids=[rng.randrange(128) for _ in range(5)], max_new_tokens=6,
+                                               sampling=params[(step + i) % len(params)])
+                                     for i, s in enumerate(sids)]))
+        return outs
+
+    for a_step, b_step in zip(run(False), run(True)):
+        assert [o.token_ids for o in a_step] == [o.token_ids for o in b_step]
+        assert [o.finished for o in a_step] == [o.finished for o in b_step]
