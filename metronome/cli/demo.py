@@ -4,12 +4,22 @@ Each tick every session's new input is prefilled and a few tokens are decoded fo
 shared rounds; answers stream out tick by tick. After answering, the sessions keep decoding
 free-running (full duplex: the model hears itself), and the KV they hold stays flat once the
 window is full: that is the bounded state Metronome is about.
+
+``metronome demo --speech`` talks instead: it starts a worker with the speech assistant (Silero VAD →
+Whisper tiny.en → SmolLM2, the ``cascade`` adapter) and the WebSocket gateway in this process, streams
+the bundled spoken questions (``metronome/audio/samples/*.wav``) through a real Realtime session in
+20 ms chunks at real time (``--speed`` to go faster), and prints what was heard and what was said.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import base64
+import json
 import time
+import wave
+from importlib import resources
 
 from metronome import Engine, EngineConfig, KVPolicy, SamplingParams, StepInput
 
@@ -33,6 +43,10 @@ def add_parser(sub) -> None:
     p.add_argument("--sinks", type=int, default=16)
     p.add_argument("--window", type=int, default=128, help="KV window in tokens (small, so the plateau shows)")
     p.add_argument("--free-run-ticks", type=int, default=30, help="ticks of free-running decode after the answers")
+    p.add_argument("--speech", action="store_true",
+                   help="talk to the speech assistant: stream the bundled spoken questions through a served session")
+    p.add_argument("--budget-ms", type=float, default=2000.0, help="--speech: frame budget B per tick")
+    p.add_argument("--speed", type=float, default=1.0, help="--speech: audio pacing (1 = real time, 0 = no pacing)")
     p.set_defaults(run=run)
 
 
@@ -44,6 +58,8 @@ def _prompt(tokenizer, question: str) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     if args.sessions < 1 or args.tokens_per_tick < 1:
         raise SystemExit("--sessions and --tokens-per-tick must be >= 1")
+    if args.speech:
+        return asyncio.run(run_speech(args))
     print(f"loading {args.model} on {args.device} (the first run converts the packaged model once)...", flush=True)
     t0 = time.perf_counter()
     engine = Engine(EngineConfig(model=args.model, device=args.device,
@@ -98,3 +114,102 @@ def run(args: argparse.Namespace) -> int:
     for sid in sids:
         engine.close_session(sid)
     return 0
+
+
+# ---------------------------------------------------------------------------------------------- speech
+def sample_conversation() -> list[tuple[str, bytes, int]]:
+    """The bundled spoken questions: (name, PCM16 mono bytes, sample rate), in order."""
+    out = []
+    for entry in sorted(resources.files("metronome.audio").joinpath("samples").iterdir(), key=lambda e: e.name):
+        if entry.name.endswith(".wav"):
+            with resources.as_file(entry) as path, wave.open(str(path), "rb") as w:
+                if w.getsampwidth() != 2 or w.getnchannels() != 1:
+                    raise SystemExit(f"{entry.name}: the samples must be 16-bit mono WAV")
+                out.append((entry.name, w.readframes(w.getnframes()), w.getframerate()))
+    if not out:
+        raise SystemExit("no bundled samples found under metronome/audio/samples/")
+    return out
+
+
+async def run_speech(args: argparse.Namespace) -> int:
+    import aiohttp
+    from aiohttp import web
+
+    from metronome.config import AimdConfig, GatewayConfig
+    from metronome.serving.gateway import Gateway
+    from metronome.serving.worker import WorkerConfig, serve_worker
+
+    samples = sample_conversation()
+    print(f"loading {args.model} + Silero VAD + Whisper tiny.en (the first run converts the packaged model once)...",
+          flush=True)
+    t0 = time.perf_counter()
+    engine = EngineConfig(model=args.model, device=args.device,
+                          policy=KVPolicy(sinks=args.sinks, window=args.window, block_size=16), num_blocks=None)
+    worker = await serve_worker(WorkerConfig(engine, budget_ms=args.budget_ms, adapter="cascade", port=0))
+    gateway = Gateway(GatewayConfig(workers=(worker.address,), port=0, budget_ms=args.budget_ms,
+                                    tokens_per_tick=args.tokens_per_tick,
+                                    aimd=AimdConfig(budget_ms=args.budget_ms, initial_cap=4, min_cap=1)))
+    runner = web.AppRunner(gateway.app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"ws://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1/realtime"
+    print(f"ready in {time.perf_counter() - t0:.1f}s; one session at {url}, B = {args.budget_ms:g} ms\n", flush=True)
+    ticks: list[dict] = []
+    try:
+        async with aiohttp.ClientSession() as http, http.ws_connect(url) as ws:
+            answered = asyncio.Event()
+            answer: list[str] = []
+
+            async def read() -> None:
+                async for msg in ws:
+                    if msg.type != aiohttp.WSMsgType.TEXT:
+                        break
+                    event = json.loads(msg.data)
+                    kind = event["type"]
+                    if kind == "conversation.item.input_audio_transcription.completed":
+                        print(f"  heard: {event['transcript']}", flush=True)
+                    elif kind == "response.output_text.delta":
+                        if not answer:
+                            print("  said:  ", end="", flush=True)
+                        answer.append(event["delta"])
+                        print(event["delta"], end="", flush=True)
+                    elif kind == "response.done":
+                        print(flush=True)
+                        answer.clear()
+                        answered.set()
+                    elif kind == "metronome.tick":
+                        ticks.append(event)
+                    elif kind == "error":
+                        print(f"  error: {event['error']['message']}", flush=True)
+
+            reader = asyncio.create_task(read())
+            for name, pcm, rate in samples:
+                print(f"> {name} ({len(pcm) / 2 / rate:.1f} s of speech at {rate} Hz)", flush=True)
+                answered.clear()
+                silence = bytes(2 * rate)   # 1 s of silence after the question: the VAD ends the utterance
+                await _stream(ws, pcm + silence, rate, args.speed)
+                try:
+                    await asyncio.wait_for(answered.wait(), timeout=60)
+                except asyncio.TimeoutError:
+                    print("  (no answer within 60 s)", flush=True)
+            reader.cancel()
+    finally:
+        await runner.cleanup()
+        await worker.stop()
+    if ticks:
+        lat = sorted(t["latency_ms"] for t in ticks)
+        missed = sum(not t["deadline_met"] for t in ticks)
+        print(f"\n{len(ticks)} ticks: median {lat[len(lat) // 2]:.0f} ms, max {lat[-1]:.0f} ms of B = "
+              f"{args.budget_ms:g} ms ({missed} deadline misses; ticks that ran Whisper are the slow ones)")
+    return 0
+
+
+async def _stream(ws, pcm: bytes, rate: int, speed: float, ms: int = 20) -> None:
+    step = rate * 2 * ms // 1000
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    for k, i in enumerate(range(0, len(pcm), step)):
+        await ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm[i:i + step]).decode()})
+        if speed > 0:
+            await asyncio.sleep(max(0.0, start + (k + 1) * ms / 1000 / speed - loop.time()))
