@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 # The CPU build (lies on disk here). On a CUDA machine: make install TORCH_SPEC='torch>=2.5'
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install run test bench-cpu proto clean
+.PHONY: install run demo test bench-cpu proto clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ install: $(VENV)/.installed
 # The main job on the embedded default: SmolLM2-135M on the CPU, several concurrent bounded sessions.
 run: install
 	$(VENV)/bin/metronome demo
+
+# Talk to the embedded speech assistant: the bundled spoken questions through a real session.
+demo: install
+	$(VENV)/bin/metronome demo --speech
 
 test: install
 	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc

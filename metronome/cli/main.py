@@ -1,8 +1,10 @@
 """The ``metronome`` command.
 
     metronome demo                      # the embedded default on the CPU: concurrent bounded sessions
+    metronome demo --speech             # talk to it: bundled spoken questions, heard (Whisper) and answered
     metronome demo --model /path/to/hf_checkpoint --sessions 8
-    metronome serve                     # worker + WebSocket gateway; prints where to connect
+    metronome serve                     # worker + WebSocket gateway: the speech assistant; prints where to connect
+    metronome serve --adapter energy    # the deterministic loudness-token stand-in instead
     metronome client speech.wav         # stream a WAV file through a session
 """
 
