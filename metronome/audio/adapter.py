@@ -57,6 +57,9 @@ class PreparedInput:
     stop_token_ids: tuple[int, ...] = ()
     transcript: str = ""     # input transcription delta (empty for adapters without ASR)
     error: str | None = None
+    # The response ends after this tick's decode even without a stop token (the adapter's length cap):
+    # the worker reports it as finished, so clients get their response.done.
+    ends_response: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -218,8 +218,9 @@ class CascadeAdapter(InteractionAdapter):
             else:
                 left = self.max_response_tokens - new.response_tokens
                 max_new, stops = (min(max(0, tick.max_tokens), left) if new.responding else 0), self.stop_token_ids
+            ends = new.mode != "free_running" and new.responding and 0 < max_new >= left
             out[i] = PreparedInput(token_ids=tokens or None, max_new_tokens=max_new, stop_token_ids=stops,
-                                   transcript=transcript)
+                                   transcript=transcript, ends_response=ends)
         return out  # type: ignore[return-value]
 
     def _bounded(self, text: str) -> str:

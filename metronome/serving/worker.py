@@ -270,9 +270,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 self._session_error(request.tick, out, result.error)
                 continue
             out.tokens.extend(result.token_ids)
-            out.finished = result.finished
+            capped = job.prepared.ends_response and len(result.token_ids) >= job.prepared.max_new_tokens
+            out.finished = result.finished or capped
             out.preempted = job.preempted or result.preempted
-            out.text = self.adapter.on_output(out.sid, list(result.token_ids), result.finished)
+            out.text = self.adapter.on_output(out.sid, list(result.token_ids), out.finished)
         stats = self.engine.stats()
         self._health = self._snapshot()
         return pb.StepResponse(outputs=outputs, gpu_ms=prefill_ms + decode_ms, in_flight=len(self._sessions),

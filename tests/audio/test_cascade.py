@@ -60,6 +60,8 @@ class Conversation:
                                            max_new_tokens=prepared.max_new_tokens,
                                            sampling=SamplingParams(stop_token_ids=prepared.stop_token_ids))])
         assert out.error is None, out.error
+        # As the worker does: an answer that reaches the adapter's cap ends with this tick.
+        out.finished = out.finished or (prepared.ends_response and len(out.token_ids) >= prepared.max_new_tokens)
         text = self.adapter.on_output(self.sid, list(out.token_ids), out.finished)
         self.said += text
         if self.answers:
@@ -214,8 +216,10 @@ def test_an_answer_is_capped_and_typed_text_is_a_turn_too(engine, adapter):
     try:
         p, o = c.tick(text="Tell me a long story about a dragon.")
         assert p.max_new_tokens == 2 and len(o.token_ids) == 2
+        assert not p.ends_response and not o.finished
         p, o = c.tick()
-        assert p.max_new_tokens == 1                    # 3 - 2 left
+        assert p.max_new_tokens == 1 and p.ends_response  # 3 - 2 left: this tick ends the answer
+        assert o.finished and not capped.session_state("capped")["responding"]
         p, o = c.tick()                                 # the cap: the adapter closes the answer itself
         assert p.token_ids == capped.chat.assistant_suffix and p.max_new_tokens == 0 and not o.token_ids
         for _ in range(3):
