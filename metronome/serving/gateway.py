@@ -282,7 +282,8 @@ class Gateway:
             self._finish_response(session, "completed")
         session.send({"type": "metronome.tick", "tick": report.tick, "latency_ms": round(report.latency_ms, 3),
                       "budget_ms": self.config.budget_ms, "deadline_met": report.deadline_met,
-                      "batch": report.batch, "drift_ms": round(report.drift_ms, 3), "preempted": out.preempted})
+                      "batch": report.batch, "drift_ms": round(report.drift_ms, 3), "preempted": out.preempted,
+                      "input_dbfs": round(out.input_dbfs, 1), "input_clipping": round(out.input_clipping, 4)})
 
     def _finish_response(self, session: ClientSession, status: str) -> None:
         session.send({"type": "response.done", "response": {"id": session.response_id, "object": "realtime.response",

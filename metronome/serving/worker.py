@@ -45,7 +45,7 @@ import torch
 from metronome import AdmissionError, Engine, EngineConfig, KVPolicy, SamplingParams, StepInput, StepOutput
 from metronome.audio.adapter import InteractionAdapter, PreparedInput, TickAudio
 from metronome.audio.energy_tokens import EnergyTokenAdapter
-from metronome.audio.pcm import Resampler, check_sample_rate, decode_pcm16
+from metronome.audio.pcm import SILENCE_DBFS, Resampler, check_sample_rate, decode_pcm16, levels
 from metronome.errors import ConfigError
 from metronome.serving.proto import worker_pb2 as pb
 from metronome.serving.proto import worker_pb2_grpc
@@ -216,14 +216,19 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         for sid in list(self._sessions):
             self._close(sid)
 
-    def _tick_audio(self, inp, default_tokens: int) -> TickAudio:
-        """One session's SessionInput → TickAudio at the adapter's rate; ValueError for bad input."""
+    def _tick_audio(self, inp, default_tokens: int, out: pb.SessionOutput) -> TickAudio:
+        """One session's SessionInput → TickAudio at the adapter's rate; ValueError for bad input.
+
+        Level checks (RMS, clipping) of the audio as sent go on the session's output for the client."""
         if inp.sid not in self._sessions:
             raise ValueError(f"unknown session {inp.sid!r}")
         pcm = np.zeros(0, np.float32)
+        out.input_dbfs = SILENCE_DBFS
         if inp.audio_pcm16:
             check_sample_rate(inp.sample_rate)
             pcm = decode_pcm16(inp.audio_pcm16)
+            lv = levels(pcm, inp.sample_rate)
+            out.input_dbfs, out.input_clipping = lv.rms_dbfs, lv.clipping
             resampler = self._resamplers.get(inp.sid)
             if resampler is None or resampler.in_rate != inp.sample_rate:
                 resampler = self._resamplers[inp.sid] = Resampler(inp.sample_rate, self.adapter.sample_rate)
@@ -242,7 +247,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 if inp.sid in seen:
                     raise ValueError(f"session {inp.sid!r} appears more than once in one step")
                 seen.add(inp.sid)
-                ticks.append(self._tick_audio(inp, request.tokens_per_tick))
+                ticks.append(self._tick_audio(inp, request.tokens_per_tick, outputs[i]))
                 indices.append(i)
             except ValueError as exc:
                 self._session_error(request.tick, outputs[i], str(exc))

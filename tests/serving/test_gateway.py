@@ -285,3 +285,16 @@ async def test_the_openai_sdk_realtime_client_drives_a_session(worker):
                         text.append(event.delta)
                         break
             assert text
+
+
+async def test_tick_events_carry_input_level_checks(worker):
+    async with running_gateway([worker]) as (gateway, addr), aiohttp.ClientSession() as http:
+        async with http.ws_connect(f"ws://{addr}/v1/realtime") as ws:
+            await recv_until(ws, of_type("session.created"))
+            clipped = (np.sign(np.sin(np.arange(1600) / 5.0)) * 32767).astype("<i2").tobytes()  # full-scale square
+            await ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(clipped).decode()})
+            tick = (await recv_until(ws, lambda e: e["type"] == "metronome.tick" and e["input_dbfs"] > -120))[-1]
+            assert tick["input_clipping"] > 0.9 and tick["input_dbfs"] > -1.0
+            await ws.send_json({"type": "input_audio_buffer.append", "audio": next(chunks(tone(0.1, amplitude=0.2)))})
+            tick = (await recv_until(ws, lambda e: e["type"] == "metronome.tick" and e["input_dbfs"] > -120))[-1]
+            assert tick["input_clipping"] == 0.0 and -18.5 < tick["input_dbfs"] < -15.5  # 0.2 sine: -17 dBFS
