@@ -20,13 +20,12 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 install: $(VENV)/.installed
 
-# The main job on the embedded default: SmolLM2-135M on the CPU, several concurrent bounded sessions.
+# The main job on the embedded default (CPU, packaged models): the speech assistant answers the bundled
+# spoken questions through a real gateway session (VAD -> Whisper tiny.en -> SmolLM2-135M, bounded KV).
 run: install
-	$(VENV)/bin/metronome demo
-
-# Talk to the embedded speech assistant: the bundled spoken questions through a real session.
-demo: install
 	$(VENV)/bin/metronome demo --speech
+
+demo: run
 
 test: install
 	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
