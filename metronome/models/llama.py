@@ -7,6 +7,7 @@ Face state dict loads as is.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -34,6 +35,16 @@ def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
     return fused.requires_grad_(False)
 
 
+@dataclass(frozen=True)
+class RopeInputs:
+    """What every layer needs to rotate q and k: the positions, and cos/sin tables on the eager path."""
+
+    positions: torch.Tensor
+    rotary: Rotary
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -41,6 +52,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:  # one fused kernel instead of eight (they dominate a captured decode round's small ops)
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -65,7 +78,7 @@ class Attention(nn.Module):
         self.qkv_proj = _fused_linear([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x: torch.Tensor, rope: RopeInputs, kv: tuple[torch.Tensor, torch.Tensor],
                 attention: AttentionBackend, plan: Any) -> torch.Tensor:
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -75,7 +88,12 @@ class Attention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin)
+        if rope.cos is None:
+            from metronome.models.rope_triton import rope_qk_
+
+            rope_qk_(q, k, rope.positions, rope.rotary.inv_freq, rope.rotary.attention_scaling)
+        else:
+            q, k = Rotary.apply(q, rope.cos, rope.sin), Rotary.apply(k, rope.cos, rope.sin)
         o = attention(q, k, v, kv[0], kv[1], plan)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
@@ -104,8 +122,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv, attention, plan):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, attention, plan)
+    def forward(self, x, rope, kv, attention, plan):
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv, attention, plan)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -143,10 +161,13 @@ class LlamaFamilyForCausalLM(nn.Module):
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], attention: AttentionBackend,
                 plan: Any) -> torch.Tensor:
-        cos, sin = self.rotary.cos_sin(positions)
+        if inputs_embeds.is_cuda:  # fused Triton RoPE computes its angles in the kernel
+            rope = RopeInputs(positions, self.rotary)
+        else:
+            rope = RopeInputs(positions, self.rotary, *self.rotary.cos_sin(positions))
         x = inputs_embeds
         for layer, kv in zip(self.model.layers, kv_caches):
-            x = layer(x, cos, sin, kv, attention, plan)
+            x = layer(x, rope, kv, attention, plan)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
