@@ -14,7 +14,7 @@ import argparse
 import logging
 import sys
 
-from metronome.cli import client, demo, serving
+from metronome.cli import bench, client, demo, serving
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_parser(sub)
     serving.add_parsers(sub)
     client.add_parser(sub)
+    bench.add_parser(sub)
     return parser
 
 

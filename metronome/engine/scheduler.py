@@ -56,7 +56,13 @@ class Scheduler:
     # ------------------------------------------------------------------ admission
     @property
     def capacity(self) -> int:
-        """Sessions the pool holds at their worst case (the memory cap reported upstream)."""
+        """The memory cap reported upstream: sessions the pool holds at their worst case.
+
+        The Unbounded baseline admits the way today's engines do, so its cap is the sessions whose
+        first chunk fits (it overcommits on purpose: that is the failure it reproduces).
+        """
+        if not self.policy.bounded:
+            return self.pool.usable // cdiv(self.max_chunk_tokens + 1, self.policy.block_size)
         return self.pool.usable // self.session_blocks
 
     def admit(self, positions: str | None = None) -> Session:

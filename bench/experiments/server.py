@@ -1,0 +1,72 @@
+"""One data point's server: a FRESH worker (engine + energy adapter) and a gateway, in one process.
+
+Started by the sweep as ``python -m bench.experiments.server '<json>'``; prints one JSON line
+``{"gateway": host:port, "worker": host:port}`` when ready and serves until stdin closes. A new
+process per data point keeps every point clean (the paper: a reused worker contaminated sweeps).
+
+The Unbounded arm is admitted the way vLLM admits: the engine reports, for an unbounded policy, the
+sessions whose first chunk fits as its memory cap, so the gateway admits all N and the pool is allowed
+to run dry (that is the point).
+The AIMD controller is pinned open (``initial_cap = min_cap = N``, ``target_fraction = 1``): the
+cliff experiment measures a fixed N.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+from aiohttp import web
+
+from metronome.config import AimdConfig, EngineConfig, GatewayConfig, KVPolicy
+from metronome.engine.engine import Engine
+from metronome.serving.gateway import Gateway
+from metronome.serving.worker import WorkerConfig, serve_worker
+
+
+async def start(spec: dict):
+    """Start the worker and the gateway in this process; returns (worker, gateway runner, gateway host:port)."""
+    policy = KVPolicy(sinks=spec["sinks"], window=spec["window"], block_size=spec["block_size"])
+    engine_cfg = EngineConfig(model=spec["model"], policy=policy, device=spec["device"], dtype=spec["dtype"],
+                              num_blocks=spec["num_blocks"], max_chunk_tokens=spec["max_chunk_tokens"],
+                              seed=spec.get("seed", 0))
+    config = WorkerConfig(engine_cfg, adapter="energy", budget_ms=spec["budget_ms"], port=0)
+    loop = asyncio.get_running_loop()
+    engine = await loop.run_in_executor(None, Engine, engine_cfg)
+    worker = await serve_worker(config, engine=engine)
+    n = spec["sessions"]
+    gw_cfg = GatewayConfig(workers=(worker.address,), port=0, budget_ms=spec["budget_ms"],
+                           tokens_per_tick=spec["tokens_per_tick"], max_buffered_audio_s=60.0,
+                           aimd=AimdConfig(initial_cap=n + 2, min_cap=n + 2, target_fraction=1.0))
+    gateway = Gateway(gw_cfg)
+    runner = web.AppRunner(gateway.app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    return worker, runner, f"127.0.0.1:{port}"
+
+
+async def main(spec: dict) -> None:
+    loop = asyncio.get_running_loop()
+    worker, runner, gateway = await start(spec)
+    print(json.dumps({"gateway": gateway, "worker": worker.address}), flush=True)
+    try:
+        await loop.run_in_executor(None, sys.stdin.read)   # the sweep closes stdin to stop us
+    finally:
+        await runner.cleanup()
+        await worker.stop(0)
+
+
+if __name__ == "__main__":
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("metronome.engine").setLevel(logging.WARNING)
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(main(json.loads(sys.argv[1])))
