@@ -39,6 +39,9 @@ class GatewayMetrics:
                                    registry=r)
         self.client_errors = Counter("metronome_client_errors", "Error events sent to clients", ["code"], registry=r)
         self.worker_up = Gauge("metronome_worker_up", "1 when the worker answers", ["worker"], registry=r)
+        self.time_to_wall = Gauge("metronome_kv_time_to_wall_seconds",
+                                  "Seconds until the KV pool runs dry at the recent fill rate (+Inf: not filling)",
+                                  ["worker"], registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

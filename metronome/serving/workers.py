@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
 
 from metronome.config import GatewayConfig
+from metronome.monitor.fill import live_time_to_wall
 from metronome.serving.admission import AimdController
 from metronome.serving.client_session import ClientSession
 from metronome.serving.metrics import GatewayMetrics
@@ -25,6 +27,7 @@ from metronome.serving.proto import worker_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 HEALTH_INTERVAL_S = 1.0
+FILL_SAMPLES = 120  # ticks of KV usage behind the live time-to-wall estimate
 
 
 @dataclass
@@ -48,6 +51,7 @@ class WorkerHandle:
     health: pb.HealthResponse | None = None
     ticks: int = 0
     last_tick: TickReport | None = None
+    kv_fill: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=FILL_SAMPLES))
 
     @property
     def live(self) -> int:
@@ -204,6 +208,10 @@ class WorkerPool:
         m.worker_time.labels(name, "decode").inc(response.decode_ms / 1e3)
         m.kv_blocks_used.labels(name).set(response.kv_blocks_used)
         m.kv_blocks_total.labels(name).set(response.kv_blocks_total)
+        if response.kv_blocks_total:
+            handle.kv_fill.append((started, response.kv_blocks_used / response.kv_blocks_total))
+            t, rho = zip(*handle.kv_fill)
+            m.time_to_wall.labels(name).set(live_time_to_wall(t, rho))
         by_sid = {s.sid: s for s in sessions}
         for output in response.outputs:
             session = by_sid.get(output.sid)

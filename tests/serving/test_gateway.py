@@ -226,7 +226,8 @@ async def test_http_endpoints(worker):
             metrics = await (await http.get(f"http://{addr}/metrics")).text()
             for name in ("metronome_sessions_live", "metronome_admission_cap", "metronome_tick_latency_seconds_bucket",
                          "metronome_deadline_misses_total", "metronome_kv_blocks_used",
-                         "metronome_worker_time_seconds_total", "metronome_sessions_rejected_total"):
+                         "metronome_worker_time_seconds_total", "metronome_sessions_rejected_total",
+                         "metronome_kv_time_to_wall_seconds"):
                 assert name in metrics, name
             assert f'le="{BUDGET_MS / 1000}"' in metrics  # histogram buckets reach B
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from bench.experiments.fill_model import fit_fill, plateau, time_to_wall
+from metronome.monitor.fill import fit_fill, live_time_to_wall, plateau, time_to_wall
 
 
 def unbounded_trace(n=96, r=0.0000694, rho0=0.03, t_end=200.0, ramp_s=12.0, noise=0.004, seed=0):
@@ -62,3 +62,13 @@ def test_time_to_wall_gauge():
     assert time_to_wall(0.8, 0.01) == pytest.approx(20.0)
     assert time_to_wall(1.2, 0.01) == 0.0
     assert time_to_wall(0.5, 0.0) == float("inf")
+
+
+def test_live_time_to_wall_tracks_an_unbounded_fill_and_ignores_a_plateau():
+    t, rho = unbounded_trace(noise=0.0)
+    window = slice(40, 80)  # mid-fill: the estimate from the last samples points at the real stall
+    stall = float(t[np.argmax(rho >= 1.0)])
+    eta = live_time_to_wall(t[window], rho[window])
+    assert abs((t[window][-1] + eta) - stall) < 0.05 * stall
+    assert live_time_to_wall(np.arange(50.0), np.full(50, 0.4)) == float("inf")
+    assert live_time_to_wall([0.0, 1.0], [0.1, 0.2]) == float("inf")  # too few samples to say
