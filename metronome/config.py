@@ -160,6 +160,7 @@ class GatewayConfig:
     max_messages_per_s: float = 250.0     # sustained client event rate (20 ms chunks are 50/s)
     step_timeout_s: float = 30.0
     aimd: AimdConfig = field(default_factory=AimdConfig)
+    controller: str = "aimd"  # "aimd" (robust) or "paper" (the prototype's single-sample rule, for experiments)
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -170,5 +171,7 @@ class GatewayConfig:
             raise ConfigError(f"max_sessions must be >= 0, got {self.max_sessions}")
         if self.max_message_bytes < 1024 or self.send_queue_events < 8 or self.max_messages_per_s <= 0:
             raise ConfigError("max_message_bytes >= 1024, send_queue_events >= 8, max_messages_per_s > 0")
+        if self.controller not in ("aimd", "paper"):
+            raise ConfigError(f"controller must be 'aimd' or 'paper', got {self.controller!r}")
         if self.aimd.budget_ms != self.budget_ms:
             object.__setattr__(self, "aimd", replace(self.aimd, budget_ms=self.budget_ms))

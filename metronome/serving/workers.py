@@ -18,7 +18,7 @@ import grpc
 
 from metronome.config import GatewayConfig
 from metronome.monitor.fill import live_time_to_wall
-from metronome.serving.admission import AimdController
+from metronome.serving.admission import AimdController, PaperAimdController
 from metronome.serving.client_session import ClientSession
 from metronome.serving.metrics import GatewayMetrics
 from metronome.serving.proto import worker_pb2 as pb
@@ -44,7 +44,7 @@ class WorkerHandle:
     address: str
     channel: grpc.aio.Channel
     stub: pb_grpc.WorkerStub
-    controller: AimdController | None = None  # made once the worker's memory capacity is known
+    controller: AimdController | PaperAimdController | None = None  # made once memory capacity is known
     sessions: dict[str, ClientSession] = field(default_factory=dict)
     pending: int = 0                 # admitted at the gateway, OpenSession in flight
     healthy: bool = False
@@ -129,8 +129,9 @@ class WorkerPool:
         handle.health = health
         handle.healthy = health.ready
         if handle.controller is None:
-            handle.controller = AimdController(self.config.aimd, memory_cap=health.capacity_sessions,
-                                               static_cap=self.config.max_sessions, name=handle.address)
+            controller = PaperAimdController if self.config.controller == "paper" else AimdController
+            handle.controller = controller(self.config.aimd, memory_cap=health.capacity_sessions,
+                                           static_cap=self.config.max_sessions, name=handle.address)
         else:
             handle.controller.set_memory_cap(health.capacity_sessions)
         m = self.metrics
