@@ -37,7 +37,8 @@ class _Graph:
 
 class DecodeGraphs:
     def __init__(self, runner, max_batch: int, table_width: int) -> None:
-        from metronome.attention.triton_paged import TritonLaunch, TritonPlan, choose_splits, live_tiles
+        from metronome.attention.triton_paged import (PROGRAMS_PER_SM, TritonLaunch, TritonPlan, choose_splits,
+                                                      live_tiles)
 
         self.runner = runner
         dev = runner.device
@@ -76,7 +77,7 @@ class DecodeGraphs:
                     block_tables=self.block_tables[:batch], window_first=self.window_first[:batch],
                     slot_mapping=self.slot_mapping[:batch])
                 splits = choose_splits(batch * spec.num_kv_heads, full_tiles,
-                                       target_programs=4 * attention.options["num_sms"])
+                                       target_programs=PROGRAMS_PER_SM * attention.options["num_sms"])
                 launch = TritonLaunch(block_m, self.items[:batch], batch, splits, full_tiles)
                 plan = TritonPlan(meta, spec.num_heads, spec.num_kv_heads, attention.options["block_n"], [launch],
                                   attention.options["num_warps"], attention.options["num_stages"])
