@@ -53,7 +53,7 @@ import numpy as np
 from metronome.audio.adapter import InteractionAdapter, PreparedInput, TickAudio
 from metronome.audio.chat import ChatTemplate
 from metronome.audio.detokenize import IncrementalDetokenizer
-from metronome.audio.turns import answer_close, default_stop_tokens
+from metronome.audio.turns import answer_close, default_stop_tokens, session_header
 from metronome.audio.vad import SAMPLE_RATE, SileroVad, VadConfig, VadStream
 from metronome.errors import ConfigError
 
@@ -145,10 +145,7 @@ class CascadeAdapter(InteractionAdapter):
         mode = self.resolve_mode(mode)
         if session_id in self._sessions:
             raise ValueError(f"session {session_id!r} is already open")
-        header = self.chat.header(instructions)
-        limit = self.max_input_tokens // 2  # leave room for the first tick's turn
-        if len(header) > limit:
-            raise ValueError(f"instructions are {len(header)} tokens with their chat framing; at most {limit} fit")
+        header = session_header(self.chat, instructions, self.max_input_tokens)
         self._sessions[session_id] = _Session(mode, header, self.vad.open(self.vad_config),
                                               IncrementalDetokenizer(self.tokenizer))
 

@@ -49,7 +49,7 @@ import numpy as np
 from metronome.audio.adapter import InteractionAdapter, PreparedInput, TickAudio
 from metronome.audio.chat import ChatTemplate
 from metronome.audio.detokenize import IncrementalDetokenizer
-from metronome.audio.turns import answer_close, default_stop_tokens
+from metronome.audio.turns import answer_close, default_stop_tokens, session_header
 from metronome.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -112,10 +112,7 @@ class EnergyTokenAdapter(InteractionAdapter):
         mode = self.resolve_mode(mode)
         if session_id in self._sessions:
             raise ValueError(f"session {session_id!r} is already open")
-        header = self.chat.header(instructions)
-        limit = self.max_input_tokens // 2  # leave room for the first tick's audio and text
-        if len(header) > limit:
-            raise ValueError(f"instructions are {len(header)} tokens with their chat framing; at most {limit} fit")
+        header = session_header(self.chat, instructions, self.max_input_tokens)
         self._sessions[session_id] = _Session(mode, header, IncrementalDetokenizer(self.tokenizer),
                                               deque(maxlen=self.max_held_tokens))
 

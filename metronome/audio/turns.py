@@ -28,3 +28,13 @@ def answer_close(chat, token_ids: Sequence[int]) -> list[int]:
     if token_ids and close[:1] == [int(token_ids[-1])]:
         close = close[1:]
     return close
+
+
+def session_header(chat, instructions: str, max_input_tokens: int) -> list[int]:
+    """The system turn a session starts with (what the sinks pin); ValueError when it would take more
+    than half of one tick's input (the rest is left for the first tick's own turn)."""
+    header = chat.header(instructions)
+    limit = max_input_tokens // 2
+    if len(header) > limit:
+        raise ValueError(f"instructions are {len(header)} tokens with their chat framing; at most {limit} fit")
+    return header

@@ -133,10 +133,9 @@ def sample_conversation() -> list[tuple[str, bytes, int]]:
 
 async def run_speech(args: argparse.Namespace) -> int:
     import aiohttp
-    from aiohttp import web
 
     from metronome.config import AimdConfig, GatewayConfig
-    from metronome.serving.gateway import Gateway
+    from metronome.serving.gateway import serve_gateway
     from metronome.serving.worker import WorkerConfig, serve_worker
 
     samples = sample_conversation()
@@ -146,14 +145,10 @@ async def run_speech(args: argparse.Namespace) -> int:
     engine = EngineConfig(model=args.model, device=args.device,
                           policy=KVPolicy(sinks=args.sinks, window=args.window, block_size=16), num_blocks=None)
     worker = await serve_worker(WorkerConfig(engine, budget_ms=args.budget_ms, adapter="cascade", port=0))
-    gateway = Gateway(GatewayConfig(workers=(worker.address,), port=0, budget_ms=args.budget_ms,
-                                    tokens_per_tick=args.tokens_per_tick,
-                                    aimd=AimdConfig(budget_ms=args.budget_ms, initial_cap=4, min_cap=1)))
-    runner = web.AppRunner(gateway.app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"ws://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1/realtime"
+    gateway = await serve_gateway(GatewayConfig(workers=(worker.address,), port=0, budget_ms=args.budget_ms,
+                                                tokens_per_tick=args.tokens_per_tick,
+                                                aimd=AimdConfig(budget_ms=args.budget_ms, initial_cap=4, min_cap=1)))
+    url = gateway.url
     print(f"ready in {time.perf_counter() - t0:.1f}s; one session at {url}, B = {args.budget_ms:g} ms\n", flush=True)
     ticks: list[dict] = []
     try:
@@ -195,7 +190,7 @@ async def run_speech(args: argparse.Namespace) -> int:
                     print("  (no answer within 60 s)", flush=True)
             reader.cancel()
     finally:
-        await runner.cleanup()
+        await gateway.stop()
         await worker.stop()
     if ticks:
         lat = sorted(t["latency_ms"] for t in ticks)

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import secrets
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -293,6 +294,38 @@ class Gateway:
     def _worker_failed(self, handle: WorkerHandle, session: ClientSession, code: str) -> None:
         self._client_error(session, code, f"worker {handle.address} failed; this session has ended")
         session.close(code)
+
+
+@dataclass
+class GatewayServer:
+    """A started gateway: ``url`` is where Realtime clients connect."""
+
+    gateway: Gateway
+    runner: web.AppRunner
+    host: str
+    port: int
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"ws://{self.address}/v1/realtime"
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+
+async def serve_gateway(config: GatewayConfig) -> GatewayServer:
+    """Start the gateway on the running loop and return at once (``port=0``: an ephemeral port)."""
+    gateway = Gateway(config)
+    runner = web.AppRunner(gateway.app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    return GatewayServer(gateway, runner, config.host, port)
 
 
 def run_gateway(config: GatewayConfig) -> None:

@@ -12,10 +12,9 @@ import aiohttp
 import numpy as np
 import pytest
 import pytest_asyncio
-from aiohttp import web
 
 from metronome.config import AimdConfig, EngineConfig, GatewayConfig, KVPolicy
-from metronome.serving.gateway import Gateway
+from metronome.serving.gateway import serve_gateway
 from metronome.serving.worker import WorkerConfig, serve_worker
 from tests.audio.speech import silence, synth, trim
 
@@ -41,17 +40,12 @@ async def gateway_for(worker):
     config = GatewayConfig(workers=(worker.address,), port=0, budget_ms=BUDGET_MS, tokens_per_tick=TOKENS_PER_TICK,
                            # Admission is tested elsewhere; ASR ticks on a slow CI box must not shrink the cap.
                            aimd=AimdConfig(initial_cap=4, min_cap=4, target_fraction=1.0))
-    gateway = Gateway(config)
-    runner = web.AppRunner(gateway.app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    server = await serve_gateway(config)
     try:
-        async with aiohttp.ClientSession() as http, http.ws_connect(f"ws://127.0.0.1:{port}/v1/realtime") as ws:
+        async with aiohttp.ClientSession() as http, http.ws_connect(server.url) as ws:
             yield ws
     finally:
-        await runner.cleanup()
+        await server.stop()
 
 
 def pcm16(samples: np.ndarray) -> bytes:

@@ -11,10 +11,9 @@ from contextlib import asynccontextmanager
 import aiohttp
 import numpy as np
 import pytest
-from aiohttp import web
 
 from metronome.config import AimdConfig, EngineConfig, GatewayConfig, KVPolicy
-from metronome.serving.gateway import Gateway
+from metronome.serving.gateway import serve_gateway
 from metronome.serving.worker import WorkerConfig, serve_worker
 
 BUDGET_MS = 150.0
@@ -43,16 +42,11 @@ async def running_gateway(workers, **overrides):
                            tokens_per_tick=4, **overrides,
                            # Admission control is tested on its own; here a slow CI box must not shrink the cap.
                            aimd=AimdConfig(initial_cap=8, min_cap=8, target_fraction=1.0))
-    gateway = Gateway(config)
-    runner = web.AppRunner(gateway.app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    server = await serve_gateway(config)
     try:
-        yield gateway, f"127.0.0.1:{port}"
+        yield server.gateway, server.address
     finally:
-        await runner.cleanup()
+        await server.stop()
 
 
 @pytest.fixture

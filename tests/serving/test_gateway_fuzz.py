@@ -8,12 +8,11 @@ import json
 import threading
 
 import pytest
-from aiohttp import web
 from hypothesis import HealthCheck, given, settings, strategies as st
 from websockets.sync.client import connect
 
 from metronome.config import AimdConfig, EngineConfig, GatewayConfig, KVPolicy
-from metronome.serving.gateway import Gateway
+from metronome.serving.gateway import serve_gateway
 from metronome.serving.worker import WorkerConfig, serve_worker
 
 BUDGET_MS = 100.0
@@ -42,14 +41,11 @@ class Stack:
                                max_message_bytes=8192,
                                # Admission is not under test here: keep the cap from shrinking below 8.
                                aimd=AimdConfig(initial_cap=64, min_cap=8, target_fraction=1.0))
-        self.runner = web.AppRunner(Gateway(config).app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"ws://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1/realtime"
+        self.gateway = await serve_gateway(config)
+        self.url = self.gateway.url
 
     async def _stop(self) -> None:
-        await self.runner.cleanup()
+        await self.gateway.stop()
         await self.worker.stop()
 
     def __enter__(self) -> Stack:
