@@ -1,4 +1,8 @@
-"""``python -m bench.experiments <cliff|fill-model> --preset cpu|gpu`` (also ``metronome bench ...``)."""
+"""``python -m bench.experiments <cliff|fill-model> --preset cpu|gpu`` (also ``metronome bench ...``).
+
+The admission ramp has its own entry point: ``python -m bench.experiments.admission`` or
+``metronome bench admission``.
+"""
 
 from __future__ import annotations
 

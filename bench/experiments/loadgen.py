@@ -104,10 +104,17 @@ class LoadRun:
             return
         async with ws:
             msg = await ws.receive()
-            if msg.type != aiohttp.WSMsgType.TEXT:
+            if msg.type == aiohttp.WSMsgType.BINARY:   # the refusal (server_overloaded) comes as a binary frame
+                try:
+                    first = json.loads(msg.data)
+                except ValueError:
+                    tr.refused = "closed before session.created: BINARY"
+                    return
+            elif msg.type != aiohttp.WSMsgType.TEXT:
                 tr.refused = f"closed before session.created: {msg.type.name}"
                 return
-            first = json.loads(msg.data)
+            else:
+                first = json.loads(msg.data)
             if first.get("type") != "session.created":
                 tr.refused = first.get("error", {}).get("type", first.get("type"))
                 return

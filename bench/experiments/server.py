@@ -36,9 +36,15 @@ async def start(spec: dict):
     engine = await loop.run_in_executor(None, Engine, engine_cfg)
     worker = await serve_worker(config, engine=engine)
     n = spec["sessions"]
+    aimd = AimdConfig(initial_cap=n + 2, min_cap=n + 2, target_fraction=1.0)
+    controller = "aimd"
+    if spec.get("admission"):   # the admission experiment: the controller runs free (see admission.py)
+        adm = dict(spec["admission"])
+        controller = adm.pop("controller", "aimd")
+        aimd = AimdConfig(**adm)
     gw_cfg = GatewayConfig(workers=(worker.address,), port=0, budget_ms=spec["budget_ms"],
                            tokens_per_tick=spec["tokens_per_tick"], max_buffered_audio_s=60.0,
-                           aimd=AimdConfig(initial_cap=n + 2, min_cap=n + 2, target_fraction=1.0))
+                           aimd=aimd, controller=controller)
     gateway = Gateway(gw_cfg)
     runner = web.AppRunner(gateway.app)
     await runner.setup()

@@ -8,6 +8,8 @@ Equivalent without the CLI: ``python -m bench.experiments cliff --preset cpu`` a
 
     metronome bench cliff --preset cpu            # ~9 min on 2 CPU cores; results/experiments/cliff-cpu-<stamp>/
     metronome bench fill-model --preset cpu
+    metronome bench admission --preset cpu        # ~5 min; AIMD admission ramp (experiment 3)
+    metronome bench admission --preset cpu --profiles ramp,step,spike --arms robust-sink_window,paper-sink_window
     metronome bench cliff --from results/experiments/<run>/raw.json   # re-analyse without running
 """
 
@@ -18,7 +20,7 @@ import os
 import sys
 from pathlib import Path
 
-EXPERIMENTS = ("cliff", "fill-model")
+EXPERIMENTS = ("cliff", "fill-model", "admission")
 
 
 def find_repo() -> Path | None:
@@ -42,11 +44,12 @@ def _harness(repo: Path):
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="run an experiment (cliff, fill-model) from a source checkout",
+    p = sub.add_parser("bench", help="run an experiment (cliff, fill-model, admission) from a source checkout",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     repo = find_repo()
     if repo is not None:
         _harness(repo).add_arguments(p)
+        _add_admission(p)
     else:  # keep `metronome --help` working in an installed package; running explains what is missing
         p.add_argument("experiment", choices=EXPERIMENTS)
         p.add_argument("rest", nargs=argparse.REMAINDER)
@@ -59,4 +62,23 @@ def run(args: argparse.Namespace) -> int:
         print("metronome bench needs a source checkout (the bench/experiments folder is not installed with the "
               "package): run it inside the repository, or set METRONOME_REPO=/path/to/checkout", file=sys.stderr)
         return 2
-    return _harness(repo).run(args)
+    harness = _harness(repo)
+    if args.experiment == "admission":
+        from bench.experiments import admission
+
+        return admission.run(args)
+    return harness.run(args)
+
+
+def _add_admission(p: argparse.ArgumentParser) -> None:
+    """Let the harness's parser take ``admission`` too, with its extra options (--arms, --profiles, --offered)."""
+    try:
+        from bench.experiments import admission
+    except ImportError:  # an older checkout without the admission experiment
+        return
+    for action in p._actions:
+        if action.dest == "experiment" and action.choices is not None and "admission" not in action.choices:
+            action.choices = tuple(action.choices) + ("admission",)
+    known = {opt for action in p._actions for opt in action.option_strings}
+    if "--arms" not in known:
+        admission.add_arguments(p)

@@ -119,8 +119,8 @@ class Gateway:
     async def _refuse(self, ws: web.WebSocketResponse, why: str) -> web.WebSocketResponse:
         self.metrics.sessions_rejected.labels("server_overloaded").inc()
         log.info("connection refused: %s", why)
-        await ws.send_bytes(encode(error_event("server_overloaded", f"server overloaded: {why}",
-                                               type="server_overloaded")))
+        await ws.send_str(encode(error_event("server_overloaded", f"server overloaded: {why}",
+                                             type="server_overloaded")).decode())  # a text frame, as clients expect
         await ws.close(code=1013, message=b"server overloaded")  # 1013: try again later
         return ws
 

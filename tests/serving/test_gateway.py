@@ -113,7 +113,9 @@ async def test_the_cap_refuses_overflow_with_server_overloaded(worker):
         await recv_until(a, of_type("session.created"))
         await recv_until(b, of_type("session.created"))
         c = await http.ws_connect(f"ws://{addr}/v1/realtime")
-        event = json.loads((await c.receive()).data)
+        refusal = await c.receive()
+        assert refusal.type == aiohttp.WSMsgType.TEXT
+        event = json.loads(refusal.data)
         assert event["type"] == "error" and event["error"]["type"] == "server_overloaded"
         closing = await c.receive()
         assert closing.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED) and c.close_code == 1013
