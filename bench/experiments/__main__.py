@@ -7,7 +7,6 @@ The admission ramp has its own entry point: ``python -m bench.experiments.admiss
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -36,12 +35,9 @@ def run(args: argparse.Namespace) -> int:
 
     preset = PRESETS[args.preset]
     if args.from_raw:
-        if str(args.from_raw).endswith(".gz"):
-            import gzip
+        from bench.experiments.report import load_raw
 
-            raw = json.loads(gzip.decompress(Path(args.from_raw).read_bytes()))
-        else:
-            raw = json.loads(Path(args.from_raw).read_text())
+        raw = load_raw(args.from_raw)
         out = args.out or Path(args.from_raw).parent
     else:
         from bench.experiments.sweep import run_sweep

@@ -341,12 +341,9 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     preset = PRESETS[args.preset]
     if getattr(args, "from_raw", None):
-        if str(args.from_raw).endswith(".gz"):
-            import gzip
+        from bench.experiments.report import load_raw
 
-            raw = json.loads(gzip.decompress(Path(args.from_raw).read_bytes()))
-        else:
-            raw = json.loads(Path(args.from_raw).read_text())
+        raw = load_raw(args.from_raw)
         out = args.out or Path(args.from_raw).parent
     else:
         for a in args.arms or ():

@@ -231,3 +231,13 @@ def write_report(raw: dict, out: Path, focus: str = "cliff") -> str:
     text = markdown(raw, analysis, plots, focus)
     (out / "summary.md").write_text(text)
     return text
+
+
+def load_raw(path) -> dict:
+    """A saved run's raw results (``raw.json`` or ``raw.json.gz``), for ``--from`` re-analysis."""
+    import gzip
+    import json
+    from pathlib import Path
+
+    data = Path(path).read_bytes()
+    return json.loads(gzip.decompress(data) if str(path).endswith(".gz") else data)
