@@ -118,7 +118,7 @@ class DecodeGraphs:
     def fits(self, segments: list[ForwardSegment]) -> bool:
         return (len(segments) <= self.buckets[-1]
                 and all(len(s.token_ids) == 1 and s.embeds is None for s in segments)
-                and all(len(s.session.sink_blocks) + len(s.session.window_blocks) <= self.width for s in segments))
+                and all(s.session.live_blocks <= self.width for s in segments))
 
     def run(self, segments: list[ForwardSegment], input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states [len(segments), hidden] of one decode round (a fresh tensor, not the graph's).
@@ -128,15 +128,13 @@ class DecodeGraphs:
         """
         b = len(segments)
         bucket = next(x for x in self.buckets if x >= b)
-        bs, sink_blocks, width = self.runner.block_size, self.runner.sink_blocks, self.width
+        bs, width = self.runner.block_size, self.width
         rows = []
         for i, seg in enumerate(segments):
             s = seg.session
             t = s.num_tokens
             row = s.table_row()
-            logical = t // bs
-            column = logical if logical < sink_blocks else sink_blocks + logical - s.window_first
-            rows.append([seg.token_ids[0], t - s.position_base, row[column] * bs + t % bs, s.window_first,
+            rows.append([seg.token_ids[0], t - s.position_base, s.physical(t // bs) * bs + t % bs, s.window_first,
                          i, i, 1, t, *row] + [-1] * (width - len(row)))
         slot = self.round % len(self.staging)
         self.round += 1

@@ -344,20 +344,19 @@ class Engine:
         for w in active:
             w.remaining -= 1
         while True:
-            nxt = [w for w in current if w.remaining > 0 and w.session.status is SessionStatus.ACTIVE]
-            segments = []
-            for w in nxt:
-                seg = ForwardSegment(w.session, [0])
-                error = self.scheduler.position_error(w.session, 1)
-                if error:
-                    self._fail(w, error)
+            live, keep, segments = [], [], []
+            for i, w in enumerate(current):
+                if w.remaining <= 0 or w.session.status is not SessionStatus.ACTIVE:
                     continue
-                segments.append(seg)
-            live = [w for w in nxt if w.session.status is SessionStatus.ACTIVE]
+                # The token stays on the GPU; [0] only holds its place (bounded: no history is kept).
+                seg = self._segment(w, [0])
+                if seg is not None:
+                    live.append(w)
+                    keep.append(i)
+                    segments.append(seg)
             if not live:
                 break
             if len(live) != len(current):
-                keep = [i for i, w in enumerate(current) if w.remaining > 0 and w.session.status is SessionStatus.ACTIVE]
                 ids = ids.index_select(0, torch.tensor(keep).to(ids.device, non_blocking=True))
             _, hidden = self._forward(segments, {}, input_ids=ids)
             rounds += 1
