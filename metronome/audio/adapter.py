@@ -20,9 +20,30 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import torch
+
+
+@dataclass(frozen=True)
+class AdapterContext:
+    """What an adapter may use of the worker's engine (the audio layer never imports the engine).
+
+    ``embed`` maps token ids [n] (long, on ``device``) to the decoder's input embeddings [n, hidden],
+    so adapters can splice audio-encoder outputs between embedded text tokens. ``checkpoint`` is the
+    model's directory (omni adapters load their audio encoders from it); ``None`` for models built in
+    memory.
+    """
+
+    tokenizer: Any
+    checkpoint: Path | None
+    embed: Callable[[torch.Tensor], torch.Tensor]
+    device: torch.device
+    dtype: torch.dtype
+    max_input_tokens: int
+    budget_ms: float
 
 
 @dataclass

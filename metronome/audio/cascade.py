@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from metronome.audio.adapter import InteractionAdapter, PreparedInput, TickAudio
+from metronome.audio.adapter import AdapterContext, InteractionAdapter, PreparedInput, TickAudio
 from metronome.audio.chat import ChatTemplate
 from metronome.audio.detokenize import IncrementalDetokenizer
 from metronome.audio.turns import answer_close, default_stop_tokens, session_header
@@ -113,6 +113,10 @@ class CascadeAdapter(InteractionAdapter):
     name = "cascade"
     modes = MODES
     sample_rate = SAMPLE_RATE
+
+    @classmethod
+    def from_context(cls, context: AdapterContext) -> "CascadeAdapter":
+        return cls(context.tokenizer, max_input_tokens=context.max_input_tokens)
 
     def __init__(self, tokenizer, *, vad: SileroVad | None = None, asr=None, vad_config: VadConfig | None = None,
                  max_input_tokens: int = 1024, max_transcript_tokens: int = 128, max_response_tokens: int = 256,

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from metronome.audio.adapter import InteractionAdapter, PreparedInput, TickAudio
+from metronome.audio.adapter import AdapterContext, InteractionAdapter, PreparedInput, TickAudio
 from metronome.audio.chat import ChatTemplate
 from metronome.audio.detokenize import IncrementalDetokenizer
 from metronome.audio.turns import answer_close, default_stop_tokens, session_header
@@ -79,6 +79,10 @@ class EnergyTokenAdapter(InteractionAdapter):
 
     name = "energy"
     modes = MODES
+
+    @classmethod
+    def from_context(cls, context: AdapterContext) -> "EnergyTokenAdapter":
+        return cls(context.tokenizer, max_input_tokens=context.max_input_tokens)
 
     def __init__(self, tokenizer, *, frame_ms: float = 80.0, sample_rate: int = 16000, buckets: int = 10,
                  floor_dbfs: float = -60.0, max_input_tokens: int = 1024, max_held_tokens: int = 128,

@@ -19,6 +19,7 @@ import time
 
 import grpc
 
+from metronome.audio.registry import ADAPTERS
 from metronome.config import AimdConfig, EngineConfig, GatewayConfig, KVPolicy
 
 log = logging.getLogger(__name__)
@@ -38,9 +39,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None, help="KV pool size (default: from free memory)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
-    p.add_argument("--adapter", default="cascade", choices=["cascade", "energy"],
+    p.add_argument("--adapter", default="cascade", choices=list(ADAPTERS),
                    help="audio front end: 'cascade' = VAD + Whisper tiny.en into the chat model (default); "
-                        "'energy' = deterministic loudness tokens (a stand-in for tests and benchmarks)")
+                        "'energy' = deterministic loudness tokens (a stand-in for tests and benchmarks); "
+                        "the others are the interaction models' own audio encoders (use with their checkpoint)")
 
 
 def _budget_args(p: argparse.ArgumentParser) -> None:

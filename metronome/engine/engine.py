@@ -175,6 +175,8 @@ class Engine:
             return f"max_new_tokens must be an integer >= 0, got {inp.max_new_tokens!r}"
         if inp.token_ids is not None and inp.embeds is not None:
             return "give token_ids or embeds, not both"
+        if inp.return_hidden and inp.max_new_tokens:
+            return "return_hidden needs max_new_tokens=0 (the hidden state of the last input position)"
         n = 0
         if inp.token_ids is not None:
             ids = inp.token_ids
@@ -312,6 +314,9 @@ class Engine:
                 work.first_hidden = rows[-1]
                 if work.output.prompt_logprobs is not None:
                     self._fill_prompt_logprobs(work, rows)
+        for work in works.values():
+            if work.inp.return_hidden and work.first_hidden is not None:
+                work.output.hidden = work.first_hidden.clone()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t1 = perf_counter()

@@ -50,6 +50,9 @@ class StepInput:
     max_new_tokens: int = 0
     prompt_logprobs: bool = False
     sampling: SamplingParams = GREEDY
+    # Return the final-normed hidden state of the last input position (for models whose own heads
+    # run outside the engine, e.g. Moshi's depth transformer); with max_new_tokens=0.
+    return_hidden: bool = False
 
 
 @dataclass
@@ -62,6 +65,7 @@ class StepOutput:
     finished: bool = False   # a stop token ended this step's decode
     preempted: bool = False  # Unbounded baseline: the KV pool ran dry, the session is waiting for room
     error: str | None = None
+    hidden: torch.Tensor | None = None  # [hidden_size] when StepInput.return_hidden
 
     @property
     def ok(self) -> bool:

@@ -32,6 +32,7 @@ True
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import signal
 from concurrent.futures import ThreadPoolExecutor
@@ -43,16 +44,16 @@ import numpy as np
 import torch
 
 from metronome import AdmissionError, Engine, EngineConfig, KVPolicy, SamplingParams, StepInput, StepOutput
-from metronome.audio.adapter import InteractionAdapter, PreparedInput, TickAudio
-from metronome.audio.energy_tokens import EnergyTokenAdapter
+from metronome.audio.adapter import AdapterContext, InteractionAdapter, PreparedInput, TickAudio
+from metronome.audio.registry import ADAPTERS
 from metronome.audio.pcm import SILENCE_DBFS, Resampler, check_sample_rate, decode_pcm16, levels
+from metronome.engine.runner import DTYPES
 from metronome.errors import ConfigError
 from metronome.serving.proto import worker_pb2 as pb
 from metronome.serving.proto import worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-ADAPTERS = ("cascade", "energy")
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ class WorkerConfig:
         if self.budget_ms <= 0:
             raise ConfigError(f"budget_ms must be > 0, got {self.budget_ms}")
         if self.adapter not in ADAPTERS:
-            raise ConfigError(f"adapter must be one of {ADAPTERS}, got {self.adapter!r}")
+            raise ConfigError(f"adapter must be one of {tuple(ADAPTERS)}, got {self.adapter!r}")
         chunk = self.engine.max_chunk_tokens
         if self.max_input_tokens is None:
             object.__setattr__(self, "max_input_tokens", max(1024, chunk))
@@ -90,15 +91,22 @@ class WorkerConfig:
 
 
 
-def make_adapter(config: WorkerConfig, tokenizer) -> InteractionAdapter:
-    """The adapter ``config.adapter`` names, built over the engine's tokenizer."""
-    if config.adapter == "cascade":
-        from metronome.audio.cascade import CascadeAdapter   # loads Silero VAD + Whisper tiny.en (~1-2 s)
+def adapter_context(config: WorkerConfig, engine: Engine) -> AdapterContext:
+    return AdapterContext(
+        tokenizer=engine.tokenizer, checkpoint=engine.checkpoint, embed=engine.model.embed,
+        device=engine.device, dtype=DTYPES[engine.config.dtype],
+        max_input_tokens=config.max_input_tokens, budget_ms=config.budget_ms)
 
-        return CascadeAdapter(tokenizer, max_input_tokens=config.max_input_tokens)
-    if config.adapter == "energy":
-        return EnergyTokenAdapter(tokenizer, max_input_tokens=config.max_input_tokens)
-    raise ConfigError(f"adapter must be one of {ADAPTERS}, got {config.adapter!r}")
+
+def make_adapter(config: WorkerConfig, engine: Engine) -> InteractionAdapter:
+    """The adapter ``config.adapter`` names, built over the engine's tokenizer and embeddings."""
+    if config.adapter not in ADAPTERS:
+        raise ConfigError(f"adapter must be one of {tuple(ADAPTERS)}, got {config.adapter!r}")
+    module, _, attr = ADAPTERS[config.adapter].partition(":")
+    factory = importlib.import_module(module)
+    for part in attr.split("."):
+        factory = getattr(factory, part)
+    return factory(adapter_context(config, engine))
 
 
 def policy_name(policy: KVPolicy) -> str:
@@ -355,7 +363,7 @@ async def serve_worker(config: WorkerConfig, *, engine: Engine | None = None,
         if engine is None:
             engine = await loop.run_in_executor(executor, Engine, config.engine)
         if adapter is None:
-            adapter = await loop.run_in_executor(executor, make_adapter, config, engine.tokenizer)
+            adapter = await loop.run_in_executor(executor, make_adapter, config, engine)
         service = WorkerService(engine, adapter, config, executor)
         size = config.max_message_bytes
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", size),

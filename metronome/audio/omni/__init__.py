@@ -1,0 +1,1 @@
+"""Adapters of the interaction (omni) models: their audio encoders and prompt layouts."""

@@ -1,0 +1,1 @@
+"""Decoders of the interaction (omni) models, loaded from their checkpoints by ``models.loader``."""
