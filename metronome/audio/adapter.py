@@ -81,6 +81,9 @@ class PreparedInput:
     # The response ends after this tick's decode even without a stop token (the adapter's length cap):
     # the worker reports it as finished, so clients get their response.done.
     ends_response: bool = False
+    # Ask the engine for the last input position's hidden state (``InteractionAdapter.on_hidden``):
+    # for models whose own output heads run in the adapter, e.g. Moshi's depth transformer.
+    return_hidden: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -126,6 +129,18 @@ class InteractionAdapter(ABC):
     def input_tokens_per_tick(self, budget_ms: float) -> int:
         """Tokens one tick of steady audio produces (audio plus turn framing; not the first tick's
         system prompt or typed text). The worker checks that the engine's ``max_chunk_tokens`` covers it."""
+
+    # Sample rate of the audio the adapter speaks (``take_audio``); 0: text only.
+    output_sample_rate: int = 0
+
+    def on_hidden(self, batch: list[tuple[str, torch.Tensor]]) -> None:
+        """Hidden states ([hidden]) of the sessions whose ``PreparedInput.return_hidden`` was set, one
+        call per tick, before their ``on_output``. Adapters that never ask for them need not override."""
+        raise NotImplementedError(f"the {self.name} adapter does not take hidden states")
+
+    def take_audio(self, session_id: str) -> bytes:
+        """PCM16 mono at ``output_sample_rate`` produced for the session this tick (b"" if none)."""
+        return b""
 
     def resolve_mode(self, mode: str) -> str:
         """``mode`` or the default; ``ValueError`` if this adapter does not support it."""

@@ -14,6 +14,7 @@ sustained flood, a client that stops reading) closes the socket.
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import secrets
 import uuid
@@ -279,6 +280,15 @@ class Gateway:
             session.send({"type": "response.output_text.delta", "response_id": session.response_id,
                           "item_id": f"item_{session.response_id}", "output_index": 0, "content_index": 0,
                           "delta": out.text})
+        if out.audio_pcm16:
+            if session.response_id is None:
+                rid = session.start_response()
+                session.send({"type": "response.created", "response": {"id": rid, "object": "realtime.response",
+                                                                       "status": "in_progress"}})
+            session.send({"type": "response.output_audio.delta", "response_id": session.response_id,
+                          "item_id": f"item_{session.response_id}", "output_index": 0, "content_index": 0,
+                          "delta": base64.b64encode(out.audio_pcm16).decode("ascii"),
+                          "sample_rate": out.audio_sample_rate})
         if out.finished and session.response_id:
             self._finish_response(session, "completed")
         session.send({"type": "metronome.tick", "tick": report.tick, "latency_ms": round(report.latency_ms, 3),

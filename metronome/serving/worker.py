@@ -276,6 +276,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             else:
                 jobs.append(_Job(i, self._sessions[request.sessions[i].sid], prep, _split(prep, chunk)))
         prefill_ms, decode_ms = self._run_engine(jobs)
+        hidden = [(outputs[job.index].sid, job.output.hidden) for job in jobs
+                  if job.prepared.return_hidden and not job.output.error and job.output.hidden is not None]
+        if hidden:
+            self.adapter.on_hidden(hidden)
 
         for job in jobs:
             out, result = outputs[job.index], job.output
@@ -287,6 +291,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             out.finished = result.finished or capped
             out.preempted = job.preempted or result.preempted
             out.text = self.adapter.on_output(out.sid, list(result.token_ids), out.finished)
+            audio = self.adapter.take_audio(out.sid)
+            if audio:
+                out.audio_pcm16, out.audio_sample_rate = audio, self.adapter.output_sample_rate
         stats = self.engine.stats()
         self._health = self._snapshot()
         return pb.StepResponse(outputs=outputs, gpu_ms=prefill_ms + decode_ms, in_flight=len(self._sessions),
@@ -310,7 +317,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 ids, embeds = job.pieces[r - (rounds - len(job.pieces))]
                 inputs.append(StepInput(job.session_id, token_ids=ids, embeds=embeds,
                                         max_new_tokens=job.prepared.max_new_tokens if last else 0,
-                                        sampling=SamplingParams(stop_token_ids=job.prepared.stop_token_ids)))
+                                        sampling=SamplingParams(stop_token_ids=job.prepared.stop_token_ids),
+                                        return_hidden=job.prepared.return_hidden and last))
             results = self.engine.step(inputs)
             timing = self.engine.last_timing
             prefill_ms += timing.prefill_ms

@@ -65,7 +65,7 @@ class StepRequest(_message.Message):
     def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInput, _Mapping]]] = ..., tokens_per_tick: _Optional[int] = ..., tick: _Optional[int] = ...) -> None: ...
 
 class SessionOutput(_message.Message):
-    __slots__ = ("sid", "tokens", "text", "finished", "error", "preempted", "transcript", "input_dbfs", "input_clipping")
+    __slots__ = ("sid", "tokens", "text", "finished", "error", "preempted", "transcript", "input_dbfs", "input_clipping", "audio_pcm16", "audio_sample_rate")
     SID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,8 @@ class SessionOutput(_message.Message):
     TRANSCRIPT_FIELD_NUMBER: _ClassVar[int]
     INPUT_DBFS_FIELD_NUMBER: _ClassVar[int]
     INPUT_CLIPPING_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_PCM16_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
     sid: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -84,7 +86,9 @@ class SessionOutput(_message.Message):
     transcript: str
     input_dbfs: float
     input_clipping: float
-    def __init__(self, sid: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., error: _Optional[str] = ..., preempted: _Optional[bool] = ..., transcript: _Optional[str] = ..., input_dbfs: _Optional[float] = ..., input_clipping: _Optional[float] = ...) -> None: ...
+    audio_pcm16: bytes
+    audio_sample_rate: int
+    def __init__(self, sid: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., error: _Optional[str] = ..., preempted: _Optional[bool] = ..., transcript: _Optional[str] = ..., input_dbfs: _Optional[float] = ..., input_clipping: _Optional[float] = ..., audio_pcm16: _Optional[bytes] = ..., audio_sample_rate: _Optional[int] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("outputs", "gpu_ms", "in_flight", "frontend_ms", "prefill_ms", "decode_ms", "kv_blocks_used", "kv_blocks_total")
