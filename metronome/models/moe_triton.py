@@ -1,0 +1,191 @@
+"""Grouped GEMM for a sparse MoE block in Triton: every expert's tokens in one launch per projection.
+
+A decode round of N sessions routes N·k (token, expert) assignments over E experts; with E = 128 and
+k = 8 most experts see a handful of rows each. One small matmul per expert would be 128 launches per
+layer (and a host sync to learn which experts are used); here the assignments are sorted by expert and
+two kernels walk the sorted rows tile by tile, each tile reading its own expert's weights:
+
+1. ``_gate_up_act``: rows of ``x`` gathered by token id × ``w_gate_up[e]`` ([2I, H]) → ``silu(gate)·up``
+   ([M, I], in sorted order). Gate and up share the A tile: two fp32 accumulators per program.
+2. ``_down``: those rows × ``w_down[e]`` ([H, I]) → scaled by the routing weight, written to the
+   assignment's own row of an [M, H] fp32 buffer (no atomics), then summed over the k assignments of
+   each token. Deterministic: the same input gives the same bits, whatever the routing.
+
+Routing metadata (``route``) is built with torch ops of static shape and no host synchronisation,
+so a decode round that uses it can be captured in a CUDA graph: the grid has an upper bound of
+``cdiv(M, BLOCK_M) + min(E, M)`` row tiles (each expert's rows are padded to whole tiles); the tiles
+past the real ones find the sentinel expert ``E`` and return at once.
+
+CPU: the kernels run under ``TRITON_INTERPRET=1`` (tests). The interpreter mishandles bf16 in
+``tl.dot`` (see ``attention/triton_paged.py``), so when interpreting the operands are upcast to fp32.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@dataclass(frozen=True)
+class Routing:
+    """The assignments of one forward sorted by expert, and how row tiles map to experts.
+
+    ``order[j]``: the flat assignment index (token · k + slot) of the j-th row in expert order.
+    ``start[e]`` / ``count[e]``: expert ``e``'s rows in that order. ``tile_expert[b]``: the expert of
+    row tile ``b`` (``E`` past the last real tile); ``tile_start[e]``: the first tile of expert ``e``.
+    """
+
+    order: torch.Tensor        # [M] int32
+    start: torch.Tensor        # [E] int32
+    count: torch.Tensor        # [E] int32
+    tile_expert: torch.Tensor  # [num_tiles] int32
+    tile_start: torch.Tensor   # [E] int32
+    block_m: int
+
+
+def max_row_tiles(num_assignments: int, num_experts: int, block_m: int) -> int:
+    """Upper bound on the row tiles: each used expert wastes less than one tile to padding."""
+    return triton.cdiv(num_assignments, block_m) + min(num_experts, num_assignments)
+
+
+def route(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Routing:
+    """Sort the [T, k] expert choices by expert (stable) and lay out the row tiles."""
+    flat = topk_ids.reshape(-1)
+    m = flat.numel()
+    order = torch.argsort(flat, stable=True).to(torch.int32)
+    count = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
+    count.scatter_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.int32))
+    start = torch.cumsum(count, 0, dtype=torch.int32) - count
+    tiles = (count + block_m - 1) // block_m
+    tile_end = torch.cumsum(tiles, 0, dtype=torch.int32)
+    tile_ids = torch.arange(max_row_tiles(m, num_experts, block_m), dtype=torch.int32, device=flat.device)
+    tile_expert = torch.searchsorted(tile_end, tile_ids, right=True).to(torch.int32)
+    return Routing(order, start, count, tile_expert, tile_end - tiles, block_m)
+
+
+@triton.jit
+def _tile_rows(tile_expert_ptr, tile_start_ptr, start_ptr, count_ptr, order_ptr, pid_m, BLOCK_M: tl.constexpr):
+    """The expert of this row tile, the tile's rows in sorted order, their assignment ids and a mask."""
+    e = tl.load(tile_expert_ptr + pid_m)  # a real expert: the caller returned for the sentinel
+    local = (pid_m - tl.load(tile_start_ptr + e)) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = local < tl.load(count_ptr + e)
+    sorted_row = tl.load(start_ptr + e) + local
+    assign = tl.load(order_ptr + sorted_row, mask=row_mask, other=0)
+    return e, sorted_row, assign, row_mask
+
+
+@triton.jit
+def _gate_up_act(x_ptr, w_ptr, act_ptr, order_ptr, start_ptr, count_ptr, tile_expert_ptr, tile_start_ptr,
+                 H, I, TOPK, NUM_EXPERTS,
+                 stride_x, stride_we, stride_wn, stride_act,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if tl.load(tile_expert_ptr + pid_m) >= NUM_EXPERTS:
+        return
+    e, sorted_row, assign, row_mask = _tile_rows(tile_expert_ptr, tile_start_ptr, start_ptr, count_ptr,
+                                                 order_ptr, pid_m, BLOCK_M)
+    token = (assign // TOPK).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < H
+        a = tl.load(x_ptr + token[:, None] * stride_x + offs_k[None, :],
+                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w_mask = k_mask[:, None] & n_mask[None, :]
+        g = tl.load(w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
+        u = tl.load(w_base + (offs_n[None, :] + I).to(tl.int64) * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
+        if DOT_F32:
+            a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
+        acc_gate = tl.dot(a, g, acc_gate)
+        acc_up = tl.dot(a, u, acc_up)
+    h = acc_gate * tl.sigmoid(acc_gate) * acc_up
+    out = act_ptr + sorted_row[:, None].to(tl.int64) * stride_act + offs_n[None, :]
+    tl.store(out, h.to(act_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _down(act_ptr, w_ptr, out_ptr, weight_ptr, order_ptr, start_ptr, count_ptr, tile_expert_ptr, tile_start_ptr,
+          H, I, NUM_EXPERTS,
+          stride_act, stride_we, stride_wn, stride_out,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if tl.load(tile_expert_ptr + pid_m) >= NUM_EXPERTS:
+        return
+    e, sorted_row, assign, row_mask = _tile_rows(tile_expert_ptr, tile_start_ptr, start_ptr, count_ptr,
+                                                 order_ptr, pid_m, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < H
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < I
+        a = tl.load(act_ptr + sorted_row[:, None].to(tl.int64) * stride_act + offs_k[None, :],
+                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None],
+                    mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if DOT_F32:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+    weight = tl.load(weight_ptr + assign, mask=row_mask, other=0.0).to(tl.float32)
+    acc = acc * weight[:, None]
+    out = out_ptr + assign[:, None].to(tl.int64) * stride_out + offs_n[None, :]
+    tl.store(out, acc, mask=row_mask[:, None] & n_mask[None, :])
+
+
+def _block_m(num_assignments: int, num_experts: int) -> int:
+    """Row-tile height from the mean rows per expert: small tiles for decode, larger for prefill."""
+    mean = num_assignments / num_experts
+    return 16 if mean <= 16 else 32 if mean <= 48 else 64
+
+
+def grouped_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor, *, block_m: int | None = None, block_n: int = 64,
+                block_k: int = 64) -> torch.Tensor:
+    """``sum_j topk_weights[t, j] · expert_{topk_ids[t, j]}(x[t])`` for every token ``t``.
+
+    ``x`` [T, H]; ``w_gate_up`` [E, 2I, H] (gate rows first, then up); ``w_down`` [E, H, I];
+    ``topk_ids`` [T, k] (int); ``topk_weights`` [T, k]. Returns [T, H] in ``x``'s dtype.
+    """
+    t, h = x.shape
+    e, two_i, h_w = w_gate_up.shape
+    inter = two_i // 2
+    if h_w != h or tuple(w_down.shape) != (e, h, inter):
+        raise ValueError(f"expert weights {tuple(w_gate_up.shape)} / {tuple(w_down.shape)} do not fit hidden {h}")
+    k = topk_ids.shape[1]
+    m = t * k
+    if t == 0:
+        return x.new_zeros((0, h))
+    x = x.contiguous()
+    w_gate_up, w_down = w_gate_up.contiguous(), w_down.contiguous()
+    bm = block_m or _block_m(m, e)
+    routing = route(topk_ids, e, bm)
+    act = torch.empty((m, inter), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, h), dtype=torch.float32, device=x.device)
+    weights = topk_weights.reshape(-1).contiguous()
+    interp = _interpreting() or not x.is_cuda
+    tiles = routing.tile_expert.numel()
+    meta = (routing.order, routing.start, routing.count, routing.tile_expert, routing.tile_start)
+    _gate_up_act[(tiles, triton.cdiv(inter, block_n))](
+        x, w_gate_up, act, *meta, h, inter, k, e,
+        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0),
+        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, DOT_F32=interp)
+    _down[(tiles, triton.cdiv(h, block_n))](
+        act, w_down, out, weights, *meta, h, inter, e,
+        act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
+        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, DOT_F32=interp)
+    return out.view(t, k, h).sum(1).to(x.dtype)
