@@ -30,7 +30,8 @@ def tiny_thinker_config(vocab: int = 256, **text_overrides):
                   fullatt_block_indexes=[0])
     return Qwen2_5OmniThinkerConfig(text_config=text, audio_config=audio, vision_config=vision,
                                     audio_token_index=AUDIO, audio_start_token_id=AUDIO_START,
-                                    audio_end_token_id=AUDIO_END, image_token_index=253, video_token_index=254)
+                                    audio_end_token_id=AUDIO_END, image_token_index=253, video_token_index=254,
+                                    vision_start_token_id=249)  # published configs carry it; get_rope_index reads it
 
 
 def perturb(model) -> None:
@@ -127,8 +128,6 @@ def test_tmrope_positions_of_audio_and_text_are_one_dimensional(full):
     mask = torch.ones_like(ids)
     lengths = torch.tensor([c.shape[1] for c in clips])
     expected = torch.arange(ids.shape[1]).expand(3, 1, -1)
-    # Published thinker configs carry it (tiny ones built in code do not); no vision token is in the prompt.
-    thinker.model.config.vision_start_token_id = 9999
     plain, _ = thinker.model.get_rope_index(ids, None, None, mask, False, lengths)
     assert torch.equal(plain, expected)
     multimodal, delta = thinker.model.get_rope_index(ids, torch.zeros(0, 3, dtype=torch.long), None, mask, False,
