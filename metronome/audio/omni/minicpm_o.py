@@ -1,0 +1,548 @@
+"""The MiniCPM-o 4.5 adapter: 1-s audio chunks → Whisper-medium → projection → pooling → spliced embeddings.
+
+Everything here follows OpenBMB's published code for MiniCPM-o 4.5 (``modeling_minicpmo.py``,
+``processing_minicpmo.py``, ``configuration_minicpmo.py``); it is not part of transformers.
+
+**Audio path** (``MiniCPMO.get_audio_embedding``), per 1-s chunk of 16 kHz audio:
+
+1. Log-mel features: Whisper's front end (n_fft 400, hop 160, 80 mel bins, log10 floored at the
+   clip's max - 8 dB, ``(x + 4) / 4``), which is what MiniCPM-o's ``MiniCPMAAudioProcessor`` computes
+   for a clip by default: 16 000 samples → 100 frames.
+2. ``apm``, a Whisper encoder (Whisper-medium: 24 layers, d_model 1024): conv1 → GELU → conv2 (stride 2)
+   → GELU, + ``embed_positions[:50]``, the layers, the final ``layer_norm`` → [50, 1024]. transformers'
+   own ``WhisperEncoder`` module holds the weights (``apm.*``), but its ``forward`` insists on 30 s of
+   input, so the chunk runs through its submodules here exactly as MiniCPM-o's encoder subclass does.
+3. ``audio_projection_layer`` (``MultiModalProjector``: linear1 → ReLU → linear2, 1024 → 4096 → 4096),
+   THEN ``AvgPool1d(audio_pool_step=5)`` over time: [50, 4096] → [10, 4096]. (The published code
+   projects before it pools; ReLU makes the order matter.)
+
+So one second of audio is 10 LLM positions. The prompt places them like the processor's chunked
+placeholder (``get_audio_placeholder(chunk_input=True)``): one ``<|audio_start|>`` + 10 ``<unk>`` +
+``<|audio_end|>`` per 1-s chunk; the ``<unk>`` rows are replaced by the audio embeddings
+(``get_omni_embedding``), so a tick of audio is 12 positions.
+
+**Chat layout** (``MiniCPMO.streaming_prefill`` / ``streaming_generate``, text output only)::
+
+    header      <|im_start|>system\\n{instructions}<|im_end|>\\n      (what the attention sinks pin)
+    user turn   <|im_start|>user\\n [audio chunk][audio chunk]... {typed text}
+    respond     <|im_end|>\\n<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n
+    answer      ... <|im_end|>   (stop tokens: <|im_end|>, <|tts_eos|>, <|endoftext|>)
+    close       \\n              (the <|im_end|> the model emitted is fed back by the engine)
+
+The default instructions are the published default system prompt. ``<|tts_bos|>`` is left out of
+the assistant prefix: this path produces text, not speech.
+
+Modes (as the cascade and energy adapters):
+
+* ``"free_running"`` (the paper's sessions): the first tick is header + user turn with the first
+  audio + ``instruction`` + the assistant prefix; from then on every tick appends its audio chunks to
+  the context (the model keeps hearing) and decodes ``max_tokens``. Typed ``text`` becomes a user turn
+  (closing what the model was saying) followed by the assistant prefix.
+* ``"turn"`` (default): audio opens/extends a user turn and decodes nothing; ``new_turn`` closes the
+  turn (a trailing part-second of audio is zero-padded to a whole chunk) and starts the response,
+  decoded ``max_tokens`` per tick until a stop token; the next tick closes the answer. ``text`` is a
+  user turn that starts a response too; ``new_turn``/``text``/``cancel`` during a response end it
+  first (barge-in). Audio heard while a response runs is held (at most ``max_held_chunks`` chunks of
+  embeddings, oldest dropped) and opens the next user turn.
+
+**Bounded state.** Per session: < 1 s of PCM carry, the held chunks (turn mode), a detokeniser and a
+few flags. Each chunk is encoded on its own (Whisper positions 0..49, attention within the chunk),
+batched across every session's chunks in one encoder call per tick. The published *streaming* path
+instead keeps a per-session Whisper KV cache of up to 30 s (reset when full) and computes the mel over
+a growing 30-s buffer; that history is deliberately not kept here, so a multi-second utterance's
+later chunks do not see the earlier ones inside the encoder (the LLM still sees them all). For a
+single 1-s clip the two are the same computation.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from metronome.audio.adapter import AdapterContext, InteractionAdapter, PreparedInput, TickAudio
+from metronome.audio.detokenize import IncrementalDetokenizer
+from metronome.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+MODES = ("turn", "free_running")
+SAMPLE_RATE = 16000
+HOP_LENGTH = 160
+DEFAULT_SYSTEM = "You are a helpful assistant. You can accept audio and text input and output voice and text."
+THINK_OFF = "<think>\n\n</think>\n\n"   # MiniCPMO.think_str: Qwen3's "thinking disabled" prefix
+STOP_TOKENS = ("<|im_end|>", "<|tts_eos|>", "<|endoftext|>")
+AUDIO_PREFIXES = ("apm.", "audio_projection_layer.")
+
+
+# ------------------------------------------------------------------------------------------ audio tower
+@dataclass(frozen=True)
+class AudioSpec:
+    """The audio facts of a ``minicpmo`` config.json."""
+
+    whisper: dict            # audio_config (a WhisperConfig as a dict)
+    pool_step: int           # audio_pool_step (5)
+    chunk_s: float           # audio_chunk_length (1.0)
+    hidden_size: int         # the LLM's hidden size (the projection's output)
+
+    @classmethod
+    def from_config(cls, config: dict) -> "AudioSpec":
+        if "audio_config" not in config or "hidden_size" not in config:
+            raise ConfigError("the minicpmo config.json has no audio_config/hidden_size; is it a MiniCPM-o checkpoint?")
+        spec = cls(dict(config["audio_config"]), int(config.get("audio_pool_step", 5)),
+                   float(config.get("audio_chunk_length", 1.0)), int(config["hidden_size"]))
+        if spec.pool_step < 1 or spec.chunk_s <= 0:
+            raise ConfigError(f"audio_pool_step {spec.pool_step} / audio_chunk_length {spec.chunk_s} are invalid")
+        return spec
+
+    @property
+    def chunk_samples(self) -> int:
+        return int(round(self.chunk_s * SAMPLE_RATE))
+
+    @property
+    def chunk_frames(self) -> int:
+        """Mel frames of one chunk (100 for 1 s)."""
+        return self.chunk_samples // HOP_LENGTH
+
+    @property
+    def tokens_per_chunk(self) -> int:
+        """LLM positions one chunk's audio fills: conv stride 2, then pooling (10 for 1 s, pool 5)."""
+        encoder_frames = (self.chunk_frames - 1) // 2 + 1
+        return (encoder_frames - self.pool_step) // self.pool_step + 1
+
+
+class MultiModalProjector(nn.Module):
+    """``audio_projection_layer``: linear1 → ReLU → linear2 (names as published)."""
+
+    def __init__(self, in_dim: int, out_dim: int) -> None:
+        super().__init__()
+        self.linear1 = nn.Linear(in_dim, out_dim)
+        self.relu = nn.ReLU()
+        self.linear2 = nn.Linear(out_dim, out_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear2(self.relu(self.linear1(x)))
+
+
+class AudioTower(nn.Module):
+    """``apm`` (transformers' WhisperEncoder) + ``audio_projection_layer`` + ``AvgPool1d``, per chunk."""
+
+    def __init__(self, spec: AudioSpec) -> None:
+        super().__init__()
+        from transformers import WhisperConfig
+        from transformers.models.whisper.modeling_whisper import WhisperEncoder
+
+        fields = {k: v for k, v in spec.whisper.items() if k not in ("transformers_version", "architectures")}
+        config = WhisperConfig(**fields)
+        config._attn_implementation = "sdpa"   # as MiniCPMO.init_audio_module
+        self.spec = spec
+        self.apm = WhisperEncoder(config)
+        # MiniCPMO: audio_output_dim = encoder_ffn_dim // 4 (= d_model for every Whisper size)
+        self.audio_projection_layer = MultiModalProjector(config.encoder_ffn_dim // 4, spec.hidden_size)
+        self.audio_avg_pooler = nn.AvgPool1d(spec.pool_step, stride=spec.pool_step)
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint: Path, config: dict, dtype: torch.dtype,
+                        device: torch.device | str) -> "AudioTower":
+        from metronome.models.loader import fill_weights
+
+        tower = cls(AudioSpec.from_config(config)).to(device=device, dtype=dtype)
+        fill_weights(tower, checkpoint, lambda name: name if name.startswith(AUDIO_PREFIXES) else None)
+        return tower.eval().requires_grad_(False)
+
+    def encode(self, mel: torch.Tensor) -> torch.Tensor:
+        """Whisper over whole chunks: [n, mel_bins, frames] → last hidden state [n, frames/2, d_model].
+
+        MiniCPMWhisperEncoder.forward without cache: positions from 0, full attention within the chunk.
+        """
+        apm = self.apm
+        mel = mel.to(dtype=apm.conv1.weight.dtype, device=apm.conv1.weight.device)
+        x = nn.functional.gelu(apm.conv1(mel))
+        x = nn.functional.gelu(apm.conv2(x)).permute(0, 2, 1)
+        if x.shape[1] > apm.embed_positions.weight.shape[0]:
+            raise ValueError(f"{x.shape[1]} encoder frames exceed Whisper's {apm.embed_positions.weight.shape[0]}")
+        x = x + apm.embed_positions.weight[:x.shape[1]]
+        for layer in apm.layers:
+            x = layer(x, None)
+        return apm.layer_norm(x)
+
+    def forward(self, mel: torch.Tensor) -> torch.Tensor:
+        """[n, mel_bins, frames] → LLM input rows [n, tokens_per_chunk, hidden]: project, then pool."""
+        x = self.audio_projection_layer(self.encode(mel))
+        return self.audio_avg_pooler(x.transpose(1, 2)).transpose(1, 2)
+
+
+class LogMel:
+    """Whisper's log-mel front end on whole chunks, as MiniCPM-o's processor computes it for a short clip.
+
+    ``MiniCPMOProcessor.process_audio`` zero-pads a clip to 30 s, extracts (transformers'
+    ``WhisperFeatureExtractor`` formula: the max - 8 dB floor is taken over every frame) and keeps the
+    clip's own frames. Frames past the clip's end + n_fft are pure padding and never raise the max, so
+    padding with ``PAD`` zeros instead gives the same numbers for a fraction of the work.
+    """
+
+    PAD = 400   # n_fft: every frame that overlaps the clip is computed over the same zeros as with 30 s
+
+    def __init__(self, mel_bins: int, device: torch.device | str = "cpu") -> None:
+        from transformers import WhisperFeatureExtractor
+
+        self.extractor = WhisperFeatureExtractor(feature_size=mel_bins, sampling_rate=SAMPLE_RATE,
+                                                 hop_length=HOP_LENGTH, n_fft=400)
+        self.device = "cuda" if torch.device(device).type == "cuda" else "cpu"
+
+    def __call__(self, chunks: list[np.ndarray]) -> torch.Tensor:
+        """n equal-length chunks → [n, mel_bins, samples / hop]."""
+        frames = chunks[0].size // HOP_LENGTH
+        padded = [np.concatenate([c, np.zeros(self.PAD, np.float32)]) for c in chunks]
+        feats = self.extractor(padded, sampling_rate=SAMPLE_RATE, padding="longest", return_tensors="pt",
+                               device=self.device)
+        return feats.input_features[:, :, :frames]
+
+
+# ------------------------------------------------------------------------------------------ prompt pieces
+@dataclass(frozen=True)
+class Layout:
+    """Token ids of the prompt pieces (module docstring), resolved once from the tokenizer."""
+
+    audio_start: int
+    audio_end: int
+    placeholder: int             # <unk>: the rows the audio replaces
+    user_prefix: list[int]       # <|im_start|>user\n
+    respond: list[int]           # <|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n
+    close: list[int]             # <|im_end|>\n   (closes an assistant turn)
+    stop_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer) -> "Layout":
+        def one(token: str) -> int:
+            ids = tokenizer.encode(token, add_special_tokens=False)
+            if len(ids) != 1:
+                raise ConfigError(f"the tokenizer has no single token {token!r}; the minicpm_o adapter needs "
+                                  "MiniCPM-o's tokenizer")
+            return int(ids[0])
+
+        def enc(text: str) -> list[int]:
+            return list(tokenizer.encode(text, add_special_tokens=False))
+
+        for token in ("<|im_start|>", "<|im_end|>", "<think>", "</think>"):
+            one(token)
+        stops = tuple(one(t) for t in STOP_TOKENS if len(tokenizer.encode(t, add_special_tokens=False)) == 1)
+        return cls(one("<|audio_start|>"), one("<|audio_end|>"), one("<unk>"), enc("<|im_start|>user\n"),
+                   enc("<|im_end|>\n<|im_start|>assistant\n" + THINK_OFF), enc("<|im_end|>\n"), stops)
+
+    def header(self, tokenizer, instructions: str) -> list[int]:
+        return list(tokenizer.encode(f"<|im_start|>system\n{instructions or DEFAULT_SYSTEM}<|im_end|>\n",
+                                     add_special_tokens=False))
+
+    def close_after(self, decoded: list[int]) -> list[int]:
+        """Closes an assistant turn whose last decoded token is ``decoded[-1]`` (the engine feeds that one)."""
+        close = list(self.close)
+        return close[1:] if decoded and decoded[-1] == close[0] else close
+
+
+# ------------------------------------------------------------------------------------------ sessions
+AUDIO = None  # marker in a session's piece list: "the next audio chunk's embeddings go here"
+
+
+@dataclass
+class _Session:
+    mode: str
+    header: list[int]                                 # emitted on the first tick, then cleared
+    detok: IncrementalDetokenizer
+    held: deque                                       # turn mode: chunk embeddings heard during a response
+    carry: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # < one chunk of PCM
+    started: bool = False                             # free running: the first tick's turn was emitted
+    user_open: bool = False                           # turn mode: a user turn is open
+    responding: bool = False
+    response_tokens: int = 0
+    close_next: list[int] = field(default_factory=list)
+    last_decoded: list[int] = field(default_factory=list)   # free running: last token decoded
+
+
+@dataclass
+class MiniCpmoTiming:
+    """What the last ``prepare`` spent (benchmarks, logs)."""
+
+    sessions: int = 0
+    chunks: int = 0
+    mel_ms: float = 0.0
+    encoder_ms: float = 0.0
+
+
+class MiniCpmoAdapter(InteractionAdapter):
+    """MiniCPM-o 4.5's speech understanding on the engine (see the module docstring).
+
+    ``instruction``: text after the first tick's audio in free-running sessions (the paper's layout:
+    header, first audio, instruction, assistant prefix). ``max_input_tokens`` bounds a session's input
+    per tick; a tick beyond it is refused (``PreparedInput.error``) and the session is left as it was.
+    """
+
+    name = "minicpm_o"
+    modes = MODES
+    sample_rate = SAMPLE_RATE
+
+    def __init__(self, tokenizer, tower: AudioTower, embed, *, max_input_tokens: int = 1024,
+                 instruction: str = "", max_response_tokens: int = 256, max_held_chunks: int = 8,
+                 max_chunks_per_tick: int = 4, default_mode: str = "turn") -> None:
+        if default_mode not in MODES:
+            raise ConfigError(f"default_mode must be one of {MODES}, got {default_mode!r}")
+        if max_response_tokens < 1 or max_held_chunks < 0 or max_chunks_per_tick < 1:
+            raise ConfigError("max_response_tokens and max_chunks_per_tick must be >= 1, max_held_chunks >= 0")
+        self.tokenizer = tokenizer
+        self.tower = tower
+        self.embed = embed
+        self.spec = tower.spec
+        self.layout = Layout.from_tokenizer(tokenizer)
+        self.mel = LogMel(int(tower.apm.config.num_mel_bins), tower.apm.conv1.weight.device)
+        self.max_input_tokens = max_input_tokens
+        self.instruction_ids = list(tokenizer.encode(instruction, add_special_tokens=False)) if instruction else []
+        self.max_response_tokens = max_response_tokens
+        self.max_held_chunks = max_held_chunks
+        self.max_chunks_per_tick = max_chunks_per_tick
+        self.default_mode = default_mode
+        self.stop_token_ids = self.layout.stop_token_ids
+        self.last_timing = MiniCpmoTiming()
+        self._sessions: dict[str, _Session] = {}
+
+    @classmethod
+    def from_context(cls, context: AdapterContext, **kwargs) -> "MiniCpmoAdapter":
+        if context.checkpoint is None:
+            raise ConfigError("the minicpm_o adapter loads its audio encoder from the checkpoint directory")
+        from metronome.models.loader import read_config
+
+        tower = AudioTower.from_checkpoint(context.checkpoint, read_config(context.checkpoint), context.dtype,
+                                           context.device)
+        return cls(context.tokenizer, tower, context.embed, max_input_tokens=context.max_input_tokens, **kwargs)
+
+    # ------------------------------------------------------------------ sessions
+    def open_session(self, session_id: str, mode: str, instructions: str) -> None:
+        mode = self.resolve_mode(mode)
+        if session_id in self._sessions:
+            raise ValueError(f"session {session_id!r} is already open")
+        header = self.layout.header(self.tokenizer, instructions)
+        if len(header) > self.max_input_tokens // 2:
+            raise ValueError(f"instructions are {len(header)} tokens with their chat framing; at most "
+                             f"{self.max_input_tokens // 2} fit")
+        self._sessions[session_id] = _Session(mode, header, IncrementalDetokenizer(self.tokenizer),
+                                              deque(maxlen=self.max_held_chunks))
+
+    def close_session(self, session_id: str) -> None:
+        self._sessions.pop(session_id, None)
+
+    def input_tokens_per_tick(self, budget_ms: float) -> int:
+        # The carry can complete one more chunk than the tick's own audio.
+        chunks = math.ceil(budget_ms / 1000.0 / self.spec.chunk_s) + 1
+        lay = self.layout
+        framing = len(lay.close) + len(lay.user_prefix) + len(lay.respond) + len(self.instruction_ids)
+        return chunks * (self.spec.tokens_per_chunk + 2) + framing
+
+    # ------------------------------------------------------------------ ticks
+    def prepare(self, batch: list[TickAudio]) -> list[PreparedInput]:
+        out: list[PreparedInput | None] = [None] * len(batch)
+        plans: list[tuple[int, _Session, list, list[np.ndarray]]] = []
+        for i, tick in enumerate(batch):
+            state = self._sessions.get(tick.session_id)
+            if state is None:
+                out[i] = PreparedInput(error=f"session {tick.session_id!r} is not open in the {self.name} adapter")
+                continue
+            try:
+                pcm = _checked_pcm(tick.pcm)
+            except ValueError as exc:
+                out[i] = PreparedInput(error=str(exc))
+                continue
+            new = copy.copy(state)   # a refused tick leaves the session exactly as it was
+            new.held = deque(state.held, maxlen=state.held.maxlen)
+            chunks = self._chunks(new, pcm, flush=tick.new_turn and new.mode == "turn")
+            if len(chunks) > self.max_chunks_per_tick:
+                out[i] = PreparedInput(error=f"this tick holds {len(chunks)} s of audio; at most "
+                                             f"{self.max_chunks_per_tick} chunks are encoded per tick")
+                continue
+            pieces = self._advance(new, tick, len(chunks))
+            n = sum(self.spec.tokens_per_chunk if p is AUDIO else 1 for p in pieces)
+            if n > self.max_input_tokens:
+                out[i] = PreparedInput(error=f"this tick's input is {n} tokens; at most {self.max_input_tokens} "
+                                             "fit in one tick (send shorter text)")
+                continue
+            self._sessions[tick.session_id] = new
+            plans.append((i, new, pieces, chunks))
+
+        audio = self._encode([c for _, _, _, chunks in plans for c in chunks], len(plans))
+        k = 0
+        for i, state, pieces, chunks in plans:
+            tick = batch[i]
+            rows = list(audio[k:k + len(chunks)]) if chunks else []
+            k += len(chunks)
+            embeds, token_ids = self._assemble(state, pieces, rows)
+            ends = False
+            if state.mode == "free_running":
+                max_new, stops = max(0, tick.max_tokens), ()
+            else:
+                left = self.max_response_tokens - state.response_tokens
+                max_new = min(max(0, tick.max_tokens), left) if state.responding else 0
+                stops = self.stop_token_ids
+                ends = state.responding and 0 < max_new >= left
+            out[i] = PreparedInput(token_ids=token_ids, embeds=embeds, max_new_tokens=max_new,
+                                   stop_token_ids=stops, ends_response=ends)
+        return out  # type: ignore[return-value]
+
+    def _chunks(self, s: _Session, pcm: np.ndarray, flush: bool) -> list[np.ndarray]:
+        """Whole chunks of carry + pcm; the rest becomes the carry (zero-padded out on ``flush``)."""
+        samples = np.concatenate([s.carry, pcm]) if s.carry.size else pcm
+        size = self.spec.chunk_samples
+        n = samples.size // size
+        chunks = [samples[j * size:(j + 1) * size] for j in range(n)]
+        rest = samples[n * size:]
+        if flush and rest.size:
+            chunks.append(np.concatenate([rest, np.zeros(size - rest.size, np.float32)]))
+            rest = rest[:0]
+        s.carry = rest.copy()
+        return chunks
+
+    def _encode(self, chunks: list[np.ndarray], sessions: int) -> torch.Tensor | None:
+        """Every session's chunks in one mel + encoder call → [chunks, tokens_per_chunk, hidden]."""
+        timing = MiniCpmoTiming(sessions=sessions, chunks=len(chunks))
+        self.last_timing = timing
+        if not chunks:
+            return None
+        t0 = time.perf_counter()
+        mel = self.mel(chunks)
+        t1 = time.perf_counter()
+        with torch.inference_mode():
+            rows = self.tower(mel)
+        timing.mel_ms, timing.encoder_ms = (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
+        return rows
+
+    def _advance(self, s: _Session, tick: TickAudio, chunks: int) -> list:
+        """This tick's input as a list of token ids and ``AUDIO`` markers (one per chunk of embeddings).
+
+        Turn mode may route the tick's chunks into ``s.held`` instead: marked by ``("hold", n)``.
+        """
+        lay = self.layout
+        pieces: list = s.header + s.close_next
+        s.header, s.close_next = [], []
+        heard = [AUDIO] * chunks
+        text = list(self.tokenizer.encode(tick.text, add_special_tokens=False)) if tick.text.strip() else []
+
+        if s.mode == "free_running":
+            if not s.started:
+                if not heard and not text:
+                    return pieces   # nothing heard yet: the header alone
+                s.started = True
+                return pieces + lay.user_prefix + heard + text + self.instruction_ids + lay.respond
+            if text:
+                pieces += heard + lay.close_after(s.last_decoded) + lay.user_prefix   # close what it was saying
+                s.last_decoded = []
+                return pieces + text + lay.respond
+            return pieces + heard
+
+        starting = bool(text) or tick.new_turn
+        if s.responding and (tick.cancel or starting):
+            pieces += lay.close   # the answer stops here (barge-in or cancel)
+            s.responding = False
+            s.detok = IncrementalDetokenizer(self.tokenizer)
+        if s.responding:
+            if len(s.held) + chunks > self.max_held_chunks:
+                log.info("%d s of audio heard during a response dropped (hold limit %d chunks)",
+                         len(s.held) + chunks - self.max_held_chunks, self.max_held_chunks)
+            pieces.append(("hold", chunks))
+            return pieces
+        audio = [("held", j) for j in range(len(s.held))] + heard
+        if audio or text:
+            if not s.user_open:
+                pieces += lay.user_prefix
+                s.user_open = True
+            pieces += audio + text
+        if starting and s.user_open:
+            pieces += lay.respond
+            s.user_open = False
+            s.responding = True
+            s.response_tokens = 0
+        return pieces
+
+    def _assemble(self, s: _Session, pieces: list, rows: list[torch.Tensor]
+                  ) -> tuple[torch.Tensor | None, list[int] | None]:
+        """Token ids and chunk embeddings → one [n, hidden] tensor (or plain token ids if no audio)."""
+        held = list(s.held)
+        segments: list[torch.Tensor | list[int]] = []
+        fresh = iter(rows)
+        for p in pieces:
+            if isinstance(p, tuple) and p[0] == "hold":
+                for _ in range(p[1]):
+                    s.held.append(next(fresh))
+                continue
+            if isinstance(p, tuple):      # ("held", j): a chunk heard during the last response
+                row = held[p[1]]
+            elif p is AUDIO:
+                row = next(fresh)
+            else:
+                if segments and isinstance(segments[-1], list):
+                    segments[-1].append(p)
+                else:
+                    segments.append([p])
+                continue
+            segments += [[self.layout.audio_start], row, [self.layout.audio_end]]
+        if any(isinstance(p, tuple) and p[0] == "held" for p in pieces):
+            s.held.clear()
+        if not segments:
+            return None, None
+        if all(isinstance(seg, list) for seg in segments):
+            return None, [t for seg in segments for t in seg]
+        device = rows[0].device if rows else held[0].device
+        with torch.inference_mode():
+            parts = [self.embed(torch.tensor(seg, dtype=torch.long, device=device)) if isinstance(seg, list)
+                     else seg for seg in segments]
+            return torch.cat([p.to(parts[0].dtype) for p in parts]), None
+
+    def on_output(self, session_id: str, token_ids: list[int], finished: bool) -> str:
+        state = self._sessions.get(session_id)
+        if state is None:
+            return ""
+        text = state.detok.push(token_ids)
+        if state.mode == "free_running":
+            if token_ids:
+                state.last_decoded = [int(token_ids[-1])]
+            return text
+        state.response_tokens += len(token_ids)
+        if finished:
+            text += state.detok.flush()
+            if state.responding:
+                state.responding = False
+                state.close_next = self.layout.close_after([int(t) for t in token_ids])
+        elif state.responding and state.response_tokens >= self.max_response_tokens:
+            text += state.detok.flush()
+            state.responding = False
+            state.close_next = list(self.layout.close)
+        return text
+
+    # ------------------------------------------------------------------ introspection (tests, metrics)
+    def session_state(self, session_id: str) -> dict:
+        s = self._sessions[session_id]
+        return {"mode": s.mode, "carry_samples": int(s.carry.size), "held_chunks": len(s.held),
+                "user_open": s.user_open, "responding": s.responding, "started": s.started,
+                "detok_held": s.detok.held}
+
+    @property
+    def sessions(self) -> int:
+        return len(self._sessions)
+
+
+def _checked_pcm(pcm) -> np.ndarray:
+    pcm = np.asarray(pcm, dtype=np.float32)
+    if pcm.ndim != 1:
+        raise ValueError(f"audio must be mono samples (1-D), got shape {pcm.shape}")
+    if pcm.size and not np.isfinite(pcm).all():
+        raise ValueError("audio holds NaN or infinite samples")
+    return pcm
+
+
+def build_adapter(context: AdapterContext) -> MiniCpmoAdapter:
+    """The registry's entry point: the audio tower from ``context.checkpoint``, on the engine's device."""
+    return MiniCpmoAdapter.from_context(context)
