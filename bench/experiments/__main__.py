@@ -1,7 +1,8 @@
-"""``python -m bench.experiments <cliff|fill-model> --preset cpu|gpu`` (also ``metronome bench ...``).
+"""``python -m bench.experiments <experiment> --preset cpu|gpu`` (also ``metronome bench ...``).
 
-The admission ramp has its own entry point: ``python -m bench.experiments.admission`` or
-``metronome bench admission``.
+Experiments: ``cliff`` and ``fill-model`` (1, 2: one sweep, two analyses), ``admission`` (3),
+``recycling`` (4: application-level recycling vs SinkWindow), ``ablation`` (5: W and S),
+``quality`` (6: perplexity and the spoken-question probe with SmolLM2). ``--from raw.json`` re-analyses.
 """
 
 from __future__ import annotations
@@ -11,13 +12,17 @@ import sys
 import time
 from pathlib import Path
 
-EXPERIMENTS = ("cliff", "fill-model")
+EXPERIMENTS = ("cliff", "fill-model", "admission", "recycling", "ablation", "quality")
+NEW = {"recycling": "bench.experiments.recycling", "ablation": "bench.experiments.ablation",
+       "quality": "bench.experiments.quality"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("experiment", choices=EXPERIMENTS,
                    help="cliff: Unbounded vs SinkWindow walls; fill-model: ρ(t) fit and predicted stall "
-                        "(both run the same sweep and write both analyses)")
+                        "(both run the same sweep and write both analyses); admission: the AIMD ramp; recycling: "
+                        "application-level recycling vs SinkWindow; ablation: W and S; quality: perplexity and "
+                        "the spoken-question probe")
     p.add_argument("--preset", choices=("cpu", "gpu"), default="cpu")
     p.add_argument("--out", type=Path, default=None,
                    help="results folder (default results/experiments/<experiment>-<preset>-<timestamp>/)")
@@ -28,9 +33,50 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs", type=int, default=None, help="override R")
     p.add_argument("--duration-s", type=float, default=None, help="override the run length")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--parts", type=lambda s: tuple(s.split(",")), default=("perplexity", "probe"),
+                   help="quality: which parts to run (perplexity,probe)")
+    p.add_argument("--text-tokens", type=int, default=None, help="quality: override the perplexity text length")
+    p.add_argument("--probe-s", type=float, default=None, help="quality: override the probe session length")
+    from bench.experiments import admission
+
+    admission.add_arguments(p)      # --arms, --profiles, --offered
+
+
+def run_new(args: argparse.Namespace) -> int:
+    """Experiments 4-6: each module has PRESETS, a run function and write_report."""
+    import importlib
+
+    module = importlib.import_module(NEW[args.experiment])
+    preset = module.PRESETS[args.preset]
+    if args.from_raw:
+        from bench.experiments.report import load_raw
+
+        raw = load_raw(args.from_raw)
+        out = args.out or Path(args.from_raw).parent
+    else:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        out = args.out or Path("results/experiments") / f"{args.experiment}-{preset.name}-{stamp}"
+        progress = not args.no_progress
+        if args.experiment == "recycling":
+            raw = module.run_recycling(preset, out, sessions=args.sessions, runs=args.runs,
+                                       duration_s=args.duration_s, progress=progress)
+        elif args.experiment == "ablation":
+            raw = module.run_ablation(preset, out, runs=args.runs, duration_s=args.duration_s, progress=progress)
+        else:
+            raw = module.run_quality(preset, out, parts=args.parts, progress=progress,
+                                     text_tokens_override=args.text_tokens, session_s=args.probe_s)
+    print(module.write_report(raw, out))
+    print(f"\nresults in {out}/")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.experiment == "admission":
+        from bench.experiments import admission
+
+        return admission.run(args)
+    if args.experiment in NEW:
+        return run_new(args)
     from bench.experiments.presets import PRESETS
 
     preset = PRESETS[args.preset]

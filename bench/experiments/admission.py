@@ -59,6 +59,7 @@ class AdmissionPreset:
     scrape_s: float = 0.5
     sample_s: float = 0.5        # KV usage sampling (worker Health)
     tail_fraction: float = 0.25  # N* = median cap over this last part of the run
+    audio: str = "speech"        # "speech" (espeak-ng) or "noise" (loadgen.make_audio)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -70,7 +71,8 @@ class AdmissionPreset:
 # ~20-30 s at N ≈ 25, inside the run. 200 offered at 4/s: arrivals last 50 s of the 70-s run.
 CPU = AdmissionPreset(name="cpu", model="tiny-random", device="cpu", dtype="float32", budget_ms=250.0,
                       tokens_per_tick=4, offered=200, arrival_rate=4.0, duration_s=70.0, num_blocks=1024,
-                      block_size=16, sinks=4, window=64, max_chunk_tokens=32, max_position_embeddings=8192)
+                      block_size=16, sinks=4, window=64, max_chunk_tokens=32, max_position_embeddings=8192,
+                      audio="noise")   # noise: as in the documented run (docs/experiments/admission-cpu)
 
 # The paper's setting scaled to SmolLM2-135M on one H200 (defined, not run here): 512 offered at 8/s, B = 2 s.
 GPU = AdmissionPreset(name="gpu", model="smollm2-135m", device="cuda", dtype="bfloat16", budget_ms=2000.0,
@@ -183,7 +185,7 @@ async def run_point(gateway: str, worker: str, preset: AdmissionPreset, profile:
     offered = offered or preset.offered
     duration_s = duration_s or preset.duration_s
     load = LoadRun(gateway=gateway, worker=worker, sessions=offered, rate=preset.arrival_rate,
-                   duration_s=duration_s, sample_s=preset.sample_s, seed=seed)
+                   duration_s=duration_s, sample_s=preset.sample_s, seed=seed, audio=preset.audio)
     load.traces = [SessionTrace(i, t) for i, t in enumerate(arrival_times(profile, offered, preset.arrival_rate,
                                                                                duration_s))]
     load.n = len(load.traces)

@@ -7,8 +7,12 @@ is staggered across sessions (``(i · 20 ms / N) mod 20 ms``). A chunk more than
 and counted, never sent in a burst. Every ``metronome.tick`` (latency_ms, deadline_met, batch,
 preempted) and ``response.output_text.delta`` is recorded with its arrival time.
 
-Audio: seeded noise under a slowly varying loudness envelope, so the energy adapter (one token per
-80 ms by loudness) produces varied tokens. Times are ``time.monotonic()`` seconds since the first arrival.
+Audio (``audio=``, chosen by the preset): ``"speech"`` is real speech synthesised offline by espeak-ng
+(``speech.speech_stream``: read-aloud paragraphs of a public-domain manual with spoken questions between
+them, ~60 s looped; session i starts 0.74·i s into it); ``"noise"`` is seeded noise under a slowly
+varying loudness envelope. The energy adapter (one token per 80 ms by loudness) makes the same number of
+tokens from either. Times are ``time.monotonic()`` seconds since the first arrival (``t0_monotonic`` in
+the result converts other processes' monotonic clocks).
 """
 
 from __future__ import annotations
@@ -35,6 +39,23 @@ def synth_audio(seconds: float, seed: int) -> bytes:
     env = np.repeat(rng.uniform(0.01, 0.6, frames), 1280)[:n]
     pcm = rng.standard_normal(n) * env * 0.3
     return (np.clip(pcm, -1, 1) * 32767).astype("<i2").tobytes()
+
+
+SPEECH_LOOP_S = 60.0
+AUDIO_KINDS = ("speech", "noise")
+
+
+def make_audio(kind: str, seed: int) -> bytes:
+    """The PCM16 16 kHz stream the clients loop over: ``"speech"`` (espeak-ng) or ``"noise"``."""
+    if kind == "noise":
+        return synth_audio(8.0, seed)
+    if kind == "speech":
+        from metronome.audio.pcm import encode_pcm16
+
+        from bench.experiments.speech import speech_stream
+
+        return encode_pcm16(speech_stream(SPEECH_LOOP_S, seed))
+    raise ValueError(f"audio must be one of {AUDIO_KINDS}, got {kind!r}")
 
 
 def append_messages(pcm: bytes) -> list[str]:
@@ -69,7 +90,10 @@ class KVSample:
 
 class LoadRun:
     def __init__(self, gateway: str, worker: str, sessions: int, rate: float, duration_s: float,
-                 sample_s: float = 1.0, seed: int = 0, on_progress=None) -> None:
+                 sample_s: float = 1.0, seed: int = 0, on_progress=None, audio: str = "noise") -> None:
+        if audio not in AUDIO_KINDS:
+            raise ValueError(f"audio must be one of {AUDIO_KINDS}, got {audio!r}")
+        self.audio = audio
         self.gateway, self.worker = gateway, worker
         self.n, self.rate, self.duration_s, self.sample_s = sessions, rate, duration_s, sample_s
         self.seed = seed
@@ -82,7 +106,7 @@ class LoadRun:
         return time.monotonic() - self.t0
 
     async def run(self) -> dict:
-        audio = append_messages(synth_audio(8.0, self.seed))
+        audio = append_messages(make_audio(self.audio, self.seed))
         self.t0 = time.monotonic() + 0.2
         self.end = self.duration_s
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
@@ -93,7 +117,8 @@ class LoadRun:
             sampler.cancel()
             progress.cancel()
             await asyncio.gather(sampler, progress, return_exceptions=True)
-        return {"sessions": [asdict(t) for t in self.traces], "kv": [asdict(s) for s in self.kv]}
+        return {"sessions": [asdict(t) for t in self.traces], "kv": [asdict(s) for s in self.kv],
+                "audio": self.audio, "t0_monotonic": self.t0}
 
     async def _client(self, http: aiohttp.ClientSession, tr: SessionTrace, audio: list[str]) -> None:
         await asyncio.sleep(max(0.0, tr.arrival_s - self.now()))

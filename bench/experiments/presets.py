@@ -28,6 +28,7 @@ class Preset:
     bucket_s: float = 0.0           # 0: 5·B
     wall_ms: float = 0.0            # 0: 0.25·B
     quiet_fraction: float = 0.5     # "quiet wall": median preempted-frame fraction of the last 3 buckets above this
+    audio: str = "speech"           # what the clients stream: "speech" (espeak-ng) or "noise" (loadgen.make_audio)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -53,7 +54,7 @@ class Preset:
 CPU = Preset(name="cpu", model="tiny-random", device="cpu", dtype="float32", budget_ms=250.0, tokens_per_tick=4,
              sessions=(8, 16), runs=3, duration_s=36.0, arrival_rate=8.0, num_blocks=241, block_size=16,
              sinks=4, window=64, max_chunk_tokens=32, max_position_embeddings=4096, sample_s=0.5,
-             wall_ms=125.0)
+             wall_ms=125.0, audio="noise")   # noise: as in the documented run (docs/experiments/cliff-cpu)
 
 # The paper's setting, scaled to the packaged SmolLM2 on one H200 (defined, not yet run): B = 2 s,
 # τ = 25, N = 96 and 128, R = 20 five-minute runs, S = 16, W = 1024. num_blocks is chosen so 96 sessions

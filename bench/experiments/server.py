@@ -7,6 +7,8 @@ process per data point keeps every point clean (the paper: a reused worker conta
 The Unbounded arm is admitted the way vLLM admits: the engine reports, for an unbounded policy, the
 sessions whose first chunk fits as its memory cap, so the gateway admits all N and the pool is allowed
 to run dry (that is the point).
+With ``spec["recycle"]`` the worker drives the engine through ``recycling.RecyclingEngine`` (experiment
+4's application-level baseline: contexts ended every ``period_s`` and their tails re-prefilled).
 The AIMD controller is pinned open (``initial_cap = min_cap = N``, ``target_fraction = 1``): the
 cliff experiment measures a fixed N.
 """
@@ -34,6 +36,10 @@ async def start(spec: dict):
     config = WorkerConfig(engine_cfg, adapter="energy", budget_ms=spec["budget_ms"], port=0)
     loop = asyncio.get_running_loop()
     engine = await loop.run_in_executor(None, Engine, engine_cfg)
+    if spec.get("recycle"):   # experiment 4: application-level recycling over the same engine
+        from bench.experiments.recycling import RecyclingEngine
+
+        engine = RecyclingEngine(engine, **spec["recycle"])
     worker = await serve_worker(config, engine=engine)
     n = spec["sessions"]
     aimd = AimdConfig(initial_cap=n + 2, min_cap=n + 2, target_fraction=1.0)

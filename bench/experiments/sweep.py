@@ -106,6 +106,7 @@ def run_sweep(preset: Preset, out_dir: Path, *, sessions=None, runs=None, durati
             try:
                 load = LoadRun(gateway=server.addresses["gateway"], worker=server.addresses["worker"], sessions=n,
                                rate=preset.arrival_rate, duration_s=duration_s, sample_s=preset.sample_s, seed=r,
+                               audio=preset.audio,
                                on_progress=(lambda d: bar.set_postfix(d, refresh=True)) if progress else None)
                 import asyncio
 

@@ -1,4 +1,7 @@
-"""``metronome bench <experiment> --preset cpu|gpu``: the experiments of issue 6 (cliff, fill model).
+"""``metronome bench <experiment> --preset cpu|gpu``: the experiments of issue 6.
+
+cliff, fill-model (1, 2), admission (3), recycling (4: application-level recycling vs the in-engine
+window), ablation (5: W and S), quality (6: perplexity and the spoken-question probe with SmolLM2).
 
 The harness lives in the repository's ``bench/experiments/`` folder, which is not part of the
 installed package (the package never imports it), so this command works from a **source checkout**:
@@ -10,6 +13,10 @@ Equivalent without the CLI: ``python -m bench.experiments cliff --preset cpu`` a
     metronome bench fill-model --preset cpu
     metronome bench admission --preset cpu        # ~5 min; AIMD admission ramp (experiment 3)
     metronome bench admission --preset cpu --profiles ramp,step,spike --arms robust-sink_window,paper-sink_window
+    metronome bench recycling --preset cpu        # ~3 min; latency vs session age, recycled contexts vs SinkWindow
+    metronome bench ablation --preset cpu         # ~5 min; tick latency and KV memory over a W × S grid
+    metronome bench quality --preset cpu          # ~6 min; SmolLM2 perplexity per policy + spoken-question probe
+    metronome bench quality --preset cpu --parts perplexity --text-tokens 1024
     metronome bench cliff --from results/experiments/<run>/raw.json   # re-analyse without running
 """
 
@@ -20,7 +27,7 @@ import os
 import sys
 from pathlib import Path
 
-EXPERIMENTS = ("cliff", "fill-model", "admission")
+EXPERIMENTS = ("cliff", "fill-model", "admission", "recycling", "ablation", "quality")
 
 
 def find_repo() -> Path | None:
@@ -44,7 +51,8 @@ def _harness(repo: Path):
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="run an experiment (cliff, fill-model, admission) from a source checkout",
+    p = sub.add_parser("bench", help="run an experiment (cliff, fill-model, admission, recycling, ablation, quality) "
+                                     "from a source checkout",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     repo = find_repo()
     if repo is not None:
@@ -63,8 +71,8 @@ def run(args: argparse.Namespace) -> int:
               "package): run it inside the repository, or set METRONOME_REPO=/path/to/checkout", file=sys.stderr)
         return 2
     harness = _harness(repo)
-    if args.experiment == "admission":
-        from bench.experiments import admission
+    if args.experiment == "admission" and "admission" not in getattr(harness, "EXPERIMENTS", ()):
+        from bench.experiments import admission    # an older harness without the dispatch
 
         return admission.run(args)
     return harness.run(args)
