@@ -448,16 +448,7 @@ class Qwen25OmniAdapter(InteractionAdapter):
         return _Plan(tokens, clips)
 
     def _splice(self, tokens: list[int], audio: list[torch.Tensor]) -> torch.Tensor:
-        """Embed ``tokens`` with the decoder's table and put the encoder rows at the ``<|AUDIO|>`` places."""
-        device = self.frontend.device
-        ids = torch.tensor(tokens, dtype=torch.long, device=device)
-        embeds = self.embed(ids)
-        rows = torch.cat(audio, dim=0).to(embeds.dtype)
-        places = (ids == self.markers.pad).nonzero().squeeze(1)
-        if places.numel() != rows.shape[0]:
-            raise RuntimeError(f"{places.numel()} audio placeholders for {rows.shape[0]} encoder outputs")
-        embeds[places] = rows
-        return embeds
+        return splice(self.embed, tokens, self.markers.pad, audio, self.frontend.device)
 
     def on_output(self, session_id: str, token_ids: list[int], finished: bool) -> str:
         state = self._sessions.get(session_id)
@@ -486,6 +477,19 @@ class Qwen25OmniAdapter(InteractionAdapter):
     @property
     def sessions(self) -> int:
         return len(self._sessions)
+
+
+def splice(embed, tokens: list[int], pad: int, audio: list[torch.Tensor], device) -> torch.Tensor:
+    """Embed ``tokens`` with the decoder's table and put the encoder rows at the ``pad`` (``<|AUDIO|>``)
+    places, in order: what transformers' thinker does with ``masked_scatter``."""
+    ids = torch.tensor(tokens, dtype=torch.long)
+    places = (ids == pad).nonzero().squeeze(1)     # found on the host: no device sync per session
+    embeds = embed(ids.to(device))
+    rows = torch.cat(audio, dim=0).to(embeds.dtype)
+    if places.numel() != rows.shape[0]:
+        raise RuntimeError(f"{places.numel()} audio placeholders for {rows.shape[0]} encoder outputs")
+    embeds[places.to(device)] = rows
+    return embeds
 
 
 def _check_pcm(pcm) -> str | None:

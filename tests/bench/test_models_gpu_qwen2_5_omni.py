@@ -1,0 +1,39 @@
+"""The Qwen2.5-Omni GPU benchmark's code path, at tiny shapes on the CPU (``--smoke``)."""
+
+import json
+
+from bench.models_gpu_qwen2_5_omni import SHAPES, main, omni_config
+
+
+def test_smoke_run_reports_the_tick_split_and_writes_json(tmp_path, monkeypatch):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    results = main(["--smoke", "--sessions", "1,3"])
+    written = json.loads((tmp_path / "models_qwen2_5_omni.json").read_text())
+    assert written["capacity_at_0.3B"] == results["capacity_at_0.3B"] == 3
+    rows = written["rows"]
+    assert [r["N"] for r in rows] == [1, 3]
+    for r in rows:
+        assert r["input_rows"] == 52                       # <|audio_bos|> + 50 embeddings of 2 s + <|audio_eos|>
+        assert 0 < r["features_ms"] <= r["encoder_ms"] < r["tick_ms"]
+        assert r["prefill_ms"] > 0 and r["decode_ms"] > 0
+        assert r["tick_ms"] >= r["encoder_ms"] + r["prefill_ms"] * 0.5
+
+
+def test_the_real_shape_is_the_published_7b_thinker():
+    from metronome.models.omni.qwen2_5_omni import text_spec
+
+    spec = text_spec(omni_config("qwen2.5-omni-7b"))
+    assert (spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim) == (28, 3584, 28, 4, 128)
+    assert (spec.intermediate_size, spec.vocab_size, spec.qkv_bias, spec.tie_word_embeddings) == (18944, 152064, True, False)
+    audio = SHAPES["qwen2.5-omni-7b"]["audio"]
+    assert (audio["encoder_layers"], audio["d_model"], audio["encoder_attention_heads"], audio["encoder_ffn_dim"],
+            audio["num_mel_bins"], audio["output_dim"]) == (32, 1280, 20, 5120, 128, 3584)
+    # transformers documents its Qwen2.5-Omni config defaults as the 7B checkpoint's: a second source.
+    from transformers import Qwen2_5OmniAudioEncoderConfig, Qwen2_5OmniTextConfig
+
+    text, ours = Qwen2_5OmniTextConfig(), SHAPES["qwen2.5-omni-7b"]["text"]
+    assert all(getattr(text, k) == ours[k] for k in ("vocab_size", "hidden_size", "intermediate_size",
+                                                      "num_hidden_layers", "num_attention_heads", "num_key_value_heads"))
+    assert text.rope_parameters["rope_theta"] == ours["rope_theta"]
+    default_audio = Qwen2_5OmniAudioEncoderConfig()
+    assert all(getattr(default_audio, k) == v for k, v in audio.items())
