@@ -47,6 +47,9 @@ def make_moshi_checkpoint(path, seed: int = 0, tokenizer: bool = False):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+        for name, b in model.named_buffers():  # Mimi's codebooks start at zero: every code would be 0
+            if name.endswith("codebook.embed_sum"):
+                b.normal_()
     model.save_pretrained(path)
     if tokenizer:
         from tests.conftest import save_smollm2_tokenizer

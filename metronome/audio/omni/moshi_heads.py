@@ -1,0 +1,186 @@
+"""Moshi's per-frame heads, run by the adapter: the input embedding sum, the text head, the depth transformer.
+
+Loaded from the checkpoint's tensors the temporal decoder skips (``metronome/models/omni/moshi.py``):
+
+    embed_tokens.{0..2K-1}.weight   audio-codebook embeddings of the temporal transformer's input
+                                    (Moshi's K codebooks, then the user's K; row ``audio_vocab_size`` is
+                                    the "initial" token)
+    decoder.lm_head.weight          the text head (also in the engine's decoder; a second copy here,
+                                    because the adapter sees only the engine's ``embed``)
+    depth_decoder.*                 transformers' ``MoshiDepthDecoder`` (module reused for its weights)
+    audio_encoder.*                 transformers' ``MimiModel`` (``moshi_mimi.MimiCodec`` streams it)
+
+``DepthTransformer.generate`` is the depth decoder's per-frame loop for a batch of sessions: K steps,
+step k embeds the previous token (the text token at step 0, codebook k-1 after), adds the projection
+of the temporal hidden state by ``input_projections[k]``, runs the layers with codebook k's weights
+(transformers' ``MoshiFlexibleLinear``) over a per-frame KV of at most K positions, and picks codebook
+k from ``lm_heads[k]``. It is the arithmetic of transformers' ``MoshiDepthDecoder.forward`` with a
+cache, written out so that one frame for N sessions is K small batched steps with no generation
+machinery in between.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+
+from metronome.errors import ModelLoadError
+
+TEXT_HEAD = "decoder.lm_head.weight"
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Per-stream sampling: ``temperature`` 0 is greedy; ``top_k`` 0 keeps every token."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+
+    def pick(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """logits [N, V] → ids [N]."""
+        if self.temperature <= 0:
+            return logits.argmax(-1)
+        logits = logits.float() / self.temperature
+        if 0 < self.top_k < logits.shape[-1]:
+            cut = logits.topk(self.top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < cut, float("-inf"))
+        return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
+
+
+class DepthTransformer:
+    """Batched greedy/sampled depth decoding over a transformers ``MoshiDepthDecoder``'s weights."""
+
+    def __init__(self, depth: nn.Module) -> None:
+        self.depth = depth.eval()
+        cfg = depth.config
+        self.num_codebooks = cfg.num_codebooks
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.eps = cfg.rms_norm_eps
+        if cfg.hidden_act != "silu":
+            raise ModelLoadError(f"depth decoder hidden_act {cfg.hidden_act!r} is not supported (only silu)")
+        if cfg.sliding_window is not None and cfg.sliding_window < self.num_codebooks:
+            raise ModelLoadError("depth decoder sliding_window is shorter than one frame's codebooks")
+
+    @torch.no_grad()
+    def generate(self, hidden: torch.Tensor, text: torch.Tensor, sampling: Sampling = Sampling(),
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """hidden [N, H] (temporal transformer's last hidden), text [N] → audio codes [N, K]."""
+        d = self.depth
+        n, k_total = hidden.shape[0], self.num_codebooks
+        dtype = d.input_projections.weight.dtype
+        hidden = hidden.to(dtype)
+        kv = [(hidden.new_empty(n, self.num_kv_heads, k_total, self.head_dim),
+               hidden.new_empty(n, self.num_kv_heads, k_total, self.head_dim)) for _ in d.layers]
+        token = text
+        out = []
+        for k in range(k_total):
+            table = d.text_embed_tokens if k == 0 else d.embed_tokens[k - 1]
+            x = table(token) + hidden @ d.input_projections.weight[k].t()
+            for layer, cache in zip(d.layers, kv):
+                x = x + self._attention(layer.self_attn, _rms_norm(x, layer.input_layernorm.weight, self.eps), k, cache)
+                h = _rms_norm(x, layer.post_attention_layernorm.weight, self.eps)
+                gate, up = (h @ layer.mlp.fc1.weight[k].t()).chunk(2, dim=-1)
+                x = x + (F.silu(gate) * up) @ layer.mlp.fc2.weight[k].t()
+            token = sampling.pick(x @ d.lm_heads.weight[k].t(), generator)
+            out.append(token)
+        return torch.stack(out, dim=1)
+
+    def _attention(self, attn: nn.Module, x: torch.Tensor, k: int, cache) -> torch.Tensor:
+        n = x.shape[0]
+        q = (x @ attn.q_proj.linear.weight[k].t()).view(n, self.num_heads, 1, self.head_dim)
+        cache[0][:, :, k] = (x @ attn.k_proj.linear.weight[k].t()).view(n, self.num_kv_heads, self.head_dim)
+        cache[1][:, :, k] = (x @ attn.v_proj.linear.weight[k].t()).view(n, self.num_kv_heads, self.head_dim)
+        keys, values = cache[0][:, :, :k + 1], cache[1][:, :, :k + 1]
+        if self.num_kv_heads != self.num_heads:
+            rep = self.num_heads // self.num_kv_heads
+            keys, values = keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1)
+        scores = (q @ keys.transpose(-1, -2)).float() * (1.0 / math.sqrt(self.head_dim))
+        o = scores.softmax(-1).to(values.dtype) @ values
+        return o.reshape(n, self.num_heads * self.head_dim) @ attn.o_proj.linear.weight[k].t()
+
+
+class MoshiHeads(nn.Module):
+    """The checkpoint's non-decoder parts (see the module docstring), names as transformers stores them."""
+
+    def __init__(self, config) -> None:
+        from transformers import AutoModel
+        from transformers.models.moshi.modeling_moshi import MoshiDepthDecoder
+
+        super().__init__()
+        self.num_codebooks = config.num_codebooks
+        self.vocab_size, self.audio_vocab_size = config.vocab_size, config.audio_vocab_size
+        self.embed_tokens = nn.ModuleList(nn.Embedding(config.audio_vocab_size + 1, config.hidden_size)
+                                          for _ in range(2 * config.num_codebooks))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.depth_decoder = MoshiDepthDecoder._from_config(config.depth_decoder_config)
+        self.audio_encoder = AutoModel.from_config(config.audio_encoder_config)
+
+    @torch.no_grad()
+    def audio_embeds(self, codes: torch.Tensor) -> torch.Tensor:
+        """codes [N, 2K] (Moshi's K, then the user's K; delayed already) → summed embeddings [N, hidden]."""
+        out = self.embed_tokens[0](codes[:, 0])
+        for k in range(1, codes.shape[1]):
+            out = out + self.embed_tokens[k](codes[:, k])
+        return out
+
+
+# Mimi checkpoints (and transformers' save_pretrained) keep the original flat layout; transformers' MimiModel
+# nests the halves (its conversion_mapping renames on load; so do these, in the same order).
+_MIMI_FLAT = (("audio_encoder.encoder.layers.", "audio_encoder.encoder.encoder_seanet.layers."),
+              ("audio_encoder.encoder_transformer.", "audio_encoder.encoder.encoder_transformer."),
+              ("audio_encoder.downsample.", "audio_encoder.encoder.downsample."),
+              ("audio_encoder.upsample.", "audio_encoder.decoder.upsample."),
+              ("audio_encoder.decoder_transformer.", "audio_encoder.decoder.decoder_transformer."),
+              ("audio_encoder.decoder.layers.", "audio_encoder.decoder.decoder_seanet.layers."))
+
+
+def _stored_name(stored: str) -> str | None:
+    """Checkpoint name → MoshiHeads name; None for the temporal decoder's tensors (the engine loads them)."""
+    if stored == TEXT_HEAD:
+        return "lm_head.weight"
+    for flat, nested in _MIMI_FLAT:
+        if stored.startswith(flat):
+            return nested + stored[len(flat):]
+    if stored.startswith(("embed_tokens.", "depth_decoder.", "audio_encoder.")):
+        return stored
+    return None
+
+
+def load_heads(checkpoint: Path, config, dtype: torch.dtype, device: torch.device | str) -> MoshiHeads:
+    """MoshiHeads filled from ``checkpoint``; Mimi stays float32, the rest takes ``dtype``."""
+    files = sorted(Path(checkpoint).glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{checkpoint} holds no *.safetensors weights")
+    with torch.device(device):
+        heads = MoshiHeads(config)
+    state = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for stored in f.keys():
+                name = _stored_name(stored)
+                if name is not None:
+                    state[name] = f.get_tensor(stored)
+    expected = heads.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ModelLoadError(f"{checkpoint}: Moshi heads: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise ModelLoadError(f"{checkpoint}: {name} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(expected[name].shape)}")
+    heads.load_state_dict(state, strict=True)
+    heads.requires_grad_(False).eval()
+    for module in (heads.embed_tokens, heads.lm_head, heads.depth_decoder):
+        module.to(dtype)
+    return heads

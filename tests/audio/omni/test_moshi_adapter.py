@@ -1,0 +1,262 @@
+"""The Moshi adapter against transformers' Moshi and Mimi (tiny random configuration), and end to end over gRPC.
+
+Named ``test_moshi_adapter`` (not ``test_moshi``): test folders have no ``__init__``, so basenames must
+be unique across the tree and ``tests/models/omni/test_moshi.py`` exists.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from metronome import Engine, EngineConfig, KVPolicy, StepInput
+from metronome.audio.adapter import AdapterContext, TickAudio
+from metronome.audio.omni.moshi import MoshiAdapter, build_adapter
+from metronome.audio.omni.moshi_heads import DepthTransformer, load_heads
+from metronome.audio.omni.moshi_mimi import MimiCodec
+from metronome.audio.pcm import decode_pcm16, encode_pcm16
+from metronome.errors import ConfigError
+from metronome.models.loader import read_config
+from metronome.models.omni.moshi import hf_config
+from metronome.serving.proto import worker_pb2 as pb
+from metronome.serving.proto import worker_pb2_grpc
+from metronome.serving.worker import WorkerConfig, serve_worker
+from tests.models.omni.test_moshi import CODEBOOK, NUM_CODEBOOKS, VOCAB, make_moshi_checkpoint
+
+FRAME = 1920  # 80 ms at 24 kHz
+POLICY = KVPolicy(sinks=2, window=64, block_size=8)
+
+
+@pytest.fixture(scope="module")
+def moshi(tmp_path_factory):
+    path = tmp_path_factory.mktemp("moshi-adapter")
+    return str(path), make_moshi_checkpoint(path, seed=3, tokenizer=True)
+
+
+def engine_config(path: str) -> EngineConfig:
+    return EngineConfig(model=path, dtype="float32", policy=POLICY, num_blocks=64, max_chunk_tokens=8)
+
+
+def make_adapter(path: str, engine: Engine) -> MoshiAdapter:
+    return build_adapter(AdapterContext(tokenizer=engine.tokenizer, checkpoint=engine.checkpoint,
+                                        embed=engine.model.embed, device=engine.device, dtype=torch.float32,
+                                        max_input_tokens=64, budget_ms=80.0))
+
+
+def speech(n_frames: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal(n_frames * FRAME) * 0.2).clip(-1, 1).astype(np.float32)
+
+
+# ------------------------------------------------------------------------------------------------ Mimi
+def test_streaming_mimi_equals_full_sequence(moshi):
+    """Frame-by-frame encode gives transformers' full-sequence codes exactly; streaming decode its audio to 1e-5.
+
+    The only difference is the order of float additions (overlap-add of transposed convolutions, the
+    encoder's cached attention), so the tolerance is float32 rounding on a clip shorter than Mimi's window."""
+    _, ref = moshi
+    mimi = ref.audio_encoder
+    codec = MimiCodec(mimi, NUM_CODEBOOKS)
+    audio = torch.from_numpy(speech(6, seed=0))[None]
+    with torch.no_grad():
+        want_codes = mimi.encode(audio[:, None], num_quantizers=NUM_CODEBOOKS).audio_codes
+        want_audio = mimi.decode(want_codes).audio_values[:, 0]
+    state = codec.open()
+    codes = torch.cat([codec.encode(state, audio[:, i * FRAME:(i + 1) * FRAME]) for i in range(6)], -1)
+    assert torch.equal(codes, want_codes)
+    assert len(codes.unique()) > 4  # the codebooks are random (the fixture sets them), not all-zero
+    state = codec.open()
+    pieces = [codec.decode(state, want_codes[..., :1]), codec.decode(state, want_codes[..., 1:4]),
+              codec.decode(state, want_codes[..., 4:5]), codec.decode(state, want_codes[..., 5:])]
+    got = torch.cat(pieces, -1)
+    assert got.shape == want_audio.shape == (1, 6 * FRAME)
+    torch.testing.assert_close(got, want_audio, rtol=1e-5, atol=1e-5 * float(want_audio.abs().max()))
+
+
+
+def state_numel(state) -> int:
+    caches = [c for c in (state.encoder_cache, state.decoder_cache) if c is not None]
+    kv = sum(layer.keys.numel() + layer.values.numel() for c in caches for layer in c.layers)
+    pads = sum(t.numel() for t in (state.padding_cache.padding_cache if state.padding_cache else []) if t is not None)
+    return kv + pads + sum(t.numel() for t in state.conv.values())
+
+
+def test_streaming_mimi_state_is_bounded(moshi):
+    """Past Mimi's sliding window (20 steps here) the carried state stops growing."""
+    _, ref = moshi
+    codec = MimiCodec(ref.audio_encoder, NUM_CODEBOOKS)
+    state = codec.open()
+    audio = torch.from_numpy(speech(40, seed=1))[None]
+    sizes = []
+    for i in range(40):
+        codes = codec.encode(state, audio[:, i * FRAME:(i + 1) * FRAME])
+        codec.decode(state, codes)
+        sizes.append(state_numel(state))
+    assert sizes[5] < sizes[20] == sizes[30] == sizes[39]
+
+
+# ------------------------------------------------------------------------------------------------ depth
+def test_depth_transformer_equals_transformers_greedy(moshi):
+    path, ref = moshi
+    heads = load_heads(Path(path), hf_config(read_config(Path(path))), torch.float32, "cpu")
+    depth = DepthTransformer(heads.depth_decoder)
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(3, ref.config.hidden_size, generator=g)
+    text = torch.randint(0, VOCAB, (3,), generator=g)
+    with torch.no_grad():
+        want = ref.depth_decoder.generate(last_hidden_state=hidden[:, None], input_ids=text[:, None],
+                                          min_length=NUM_CODEBOOKS + 1, max_length=NUM_CODEBOOKS + 1,
+                                          do_sample=False, cache_implementation="static")[:, 1:]
+        # and the logits of every step equal transformers' forward on the teacher-forced frame
+        forced = ref.depth_decoder(input_ids=torch.cat([text[:, None], want[:, :-1]], 1),
+                                   last_hidden_state=hidden[:, None]).logits
+    got = depth.generate(hidden, text)
+    assert torch.equal(got, want)
+    assert forced.argmax(-1).equal(want)
+
+
+# ------------------------------------------------------------------------------------------------ rollout
+def rollout(adapter: MoshiAdapter, engine: Engine, user_frames: torch.Tensor):
+    """Drive one session with given user codes [T, K]: engine + heads, as the worker does. → (text, columns)."""
+    adapter.open_session("s", "", "")
+    sid = engine.open_session()
+    sess = adapter.sessions["s"]
+    texts, columns = [], []
+    for u in user_frames:
+        embeds = adapter.column_embeds([sess], u[None])
+        out = engine.step([StepInput(sid, embeds=embeds, return_hidden=True)])[0]
+        adapter.on_hidden([("s", out.hidden)])
+        texts.append(sess.text)
+        columns.append(sess.moshi.clone())
+    return texts, torch.stack(columns, 1)
+
+
+def test_greedy_rollout_equals_transformers_generate(moshi):
+    """Text tokens and Moshi's audio codes of a 6-frame greedy rollout equal MoshiForConditionalGeneration.generate
+    with a one-frame prompt (initial tokens + the user's first frame) and the user's silence afterwards."""
+    path, ref = moshi
+    frames = 6
+    g = torch.Generator().manual_seed(7)
+    u0 = torch.randint(0, CODEBOOK, (1, NUM_CODEBOOKS, 1), generator=g)
+    with torch.no_grad():
+        blank = ref.audio_encoder.encode(torch.zeros(1, 1, FRAME), num_quantizers=NUM_CODEBOOKS).audio_codes
+        want = ref.generate(input_ids=torch.tensor([[VOCAB]]), user_audio_codes=u0,
+                            moshi_audio_codes=torch.full((1, NUM_CODEBOOKS, 1), CODEBOOK),
+                            concat_unconditional_inputs=False, max_new_tokens=frames, do_sample=False,
+                            depth_decoder_do_sample=False, return_audio_codes=True, return_audio_waveforms=True)
+    user = torch.cat([u0[0].t(), blank[0].t().expand(frames - 1, -1)])
+    engine = Engine(engine_config(path))
+    adapter = make_adapter(path, engine)
+    texts, columns = rollout(adapter, engine, user)
+    assert texts == want.sequences[0, 1:].tolist()
+    # audio frame f = codebook 0 of column f + codebooks 1.. of column f + 1 (f >= 1; frame 0 is the initial frame)
+    cols = torch.cat([torch.full((NUM_CODEBOOKS, 1), CODEBOOK), columns], 1)
+    got_frames = torch.stack([torch.cat([cols[:1, f], cols[1:, f + 1]]) for f in range(1, frames)], 1)
+    assert torch.equal(got_frames, want.audio_codes[0])
+    # and the audio the adapter spoke is transformers' decode of those codes (streaming: float rounding only)
+    audio = np.frombuffer(adapter.take_audio("s"), "<i2").astype(np.float32) / 32767
+    want_audio = want.audio_sequences[0, 0].clamp(-1, 1).numpy()
+    assert audio.shape == want_audio.shape == ((frames - 1) * FRAME,)
+    np.testing.assert_allclose(audio, want_audio, atol=2 / 32767)
+
+
+def test_user_audio_changes_the_rollout_and_sessions_batch(moshi):
+    """Two sessions with different audio in the same ticks match each one run alone (batched heads and depth)."""
+    path, _ = moshi
+    engine = Engine(engine_config(path))
+    adapter = make_adapter(path, engine)
+    audio = {"a": speech(4, seed=1), "b": speech(4, seed=2)}
+    ids = {sid: engine.open_session() for sid in audio}
+    for sid in audio:
+        adapter.open_session(sid, "free_running", "")
+    texts = {sid: [] for sid in audio}
+    for t in range(4):
+        prepared = adapter.prepare([TickAudio(sid, pcm=a[t * FRAME:(t + 1) * FRAME]) for sid, a in audio.items()])
+        outs = engine.step([StepInput(ids[sid], embeds=p.embeds, return_hidden=True) for sid, p in zip(audio, prepared)])
+        adapter.on_hidden([(sid, o.hidden) for sid, o in zip(audio, outs)])
+        for sid in audio:
+            texts[sid].append(adapter.sessions[sid].text)
+    spoken = {sid: adapter.take_audio(sid) for sid in audio}
+    assert all(len(spoken[sid]) == 3 * FRAME * 2 for sid in audio)
+    for sid, a in audio.items():  # alone
+        eng = Engine(engine_config(path))
+        alone = make_adapter(path, eng)
+        alone.open_session(sid, "", "")
+        e = eng.open_session()
+        mine = []
+        for t in range(4):
+            p = alone.prepare([TickAudio(sid, pcm=a[t * FRAME:(t + 1) * FRAME])])[0]
+            alone.on_hidden([(sid, eng.step([StepInput(e, embeds=p.embeds, return_hidden=True)])[0].hidden)])
+            mine.append(alone.sessions[sid].text)
+        assert mine == texts[sid]
+        assert alone.take_audio(sid) == spoken[sid]
+    assert spoken["a"] != spoken["b"]
+
+
+def test_partial_frames_wait_and_bad_input_is_refused(moshi):
+    path, _ = moshi
+    engine = Engine(engine_config(path))
+    adapter = make_adapter(path, engine)
+    adapter.open_session("s", "", "ignored: Moshi has no text prompt")
+    a = speech(2, seed=4)
+    first = adapter.prepare([TickAudio("s", pcm=a[:1000])])[0]
+    assert first.embeds is None and not first.return_hidden and first.error is None
+    second = adapter.prepare([TickAudio("s", pcm=a[1000:FRAME + 500])])[0]
+    assert second.embeds.shape == (1, engine.spec.hidden_size) and second.return_hidden
+    bad = adapter.prepare([TickAudio("s", pcm=np.array([np.nan] * FRAME, np.float32)),
+                           TickAudio("ghost", pcm=a[:FRAME])])
+    assert bad[0].error and bad[1].error and "ghost" in bad[1].error
+    assert len(adapter.sessions["s"].pending) == 500           # the refused tick left the session as it was
+    assert adapter.prepare([TickAudio("s", pcm=a[FRAME + 500:])])[0].embeds is not None
+    with pytest.raises(ValueError):
+        adapter.open_session("t", "turn", "")
+    adapter.close_session("s")
+    assert "s" not in adapter.sessions
+    with pytest.raises(ConfigError, match="80"):
+        build_adapter(AdapterContext(tokenizer=engine.tokenizer, checkpoint=engine.checkpoint, embed=engine.model.embed,
+                                     device=engine.device, dtype=torch.float32, max_input_tokens=64, budget_ms=2000.0))
+
+
+# ------------------------------------------------------------------------------------------------ worker
+async def test_worker_pcm_in_text_and_audio_out(moshi):
+    """PCM16 at 24 kHz over gRPC Step → text and audio_pcm16 equal an in-process adapter + engine on the same audio."""
+    path, _ = moshi
+    worker = await serve_worker(WorkerConfig(engine_config(path), adapter="moshi", budget_ms=80.0, port=0,
+                                             max_input_tokens=64))
+    audio = speech(4, seed=9)
+    chunks = [encode_pcm16(audio[t * FRAME:(t + 1) * FRAME]) for t in range(4)]
+    # the oracle: the same PCM16 (as the worker decodes it) through a separate engine + adapter
+    engine = Engine(engine_config(path))
+    adapter = make_adapter(path, engine)
+    adapter.open_session("u", "", "")
+    eid = engine.open_session()
+    want_text, want_audio = [], []
+    for chunk in chunks:
+        p = adapter.prepare([TickAudio("u", pcm=decode_pcm16(chunk))])[0]
+        adapter.on_hidden([("u", engine.step([StepInput(eid, embeds=p.embeds, return_hidden=True)])[0].hidden)])
+        want_text.append(adapter.on_output("u", [], False))
+        want_audio.append(adapter.take_audio("u"))
+    try:
+        async with grpc.aio.insecure_channel(worker.address) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            assert (await stub.OpenSession(pb.OpenSessionRequest(sid="u", mode="free_running"))).ok
+            got_text, got_audio = [], []
+            for tick, chunk in enumerate(chunks):
+                reply = await stub.Step(pb.StepRequest(tick=tick, sessions=[
+                    pb.SessionInput(sid="u", audio_pcm16=chunk, sample_rate=24000)]))
+                out = reply.outputs[0]
+                assert not out.error, out.error
+                got_text.append(out.text)
+                got_audio.append(out.audio_pcm16)
+                if out.audio_pcm16:
+                    assert out.audio_sample_rate == 24000
+            assert (await stub.CloseSession(pb.CloseSessionRequest(sid="u"))).closed
+    finally:
+        await worker.stop(0)
+    assert got_audio == want_audio
+    assert got_text == want_text
+    assert got_audio[0] == b"" and all(len(a) == 2 * FRAME for a in got_audio[1:])
