@@ -1,15 +1,17 @@
-"""One WebSocket client's state at the gateway: buffered input until the next tick, outgoing queue.
+"""One WebSocket client's state at the gateway: input buffered until the next tick, and its way out.
 
-Everything here is touched only from the gateway's event loop, so no locks are needed.
+Everything here is touched only from the gateway's event loop, so no locks are needed. Outgoing
+events go to a ``Connection`` (the WebSocket transport, ``ws_picows`` or ``ws_aiohttp``): it writes
+at once and keeps at most ``send_queue_events`` events waiting while the client does not read;
+``send`` returning False means that bound was hit, and the session ends as ``slow_consumer``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from metronome.serving.proto import worker_pb2 as pb
 from metronome.serving.protocol import DEFAULT_SAMPLE_RATE, encode
@@ -36,13 +38,30 @@ class TokenBucket:
         return False
 
 
+class Connection(Protocol):
+    """What a session needs from its WebSocket: write a text frame, close with a code."""
+
+    def send(self, data: bytes) -> bool:
+        """Write one text frame now or queue it; False: the bounded queue is full (a slow reader)."""
+        ...
+
+    def close(self, code: int, reason: str) -> None:
+        """Send a close frame with ``code`` and end the connection (idempotent)."""
+        ...
+
+
+# Close reasons that are the client's fault: a 1008 (policy violation) close; all others close with 1000.
+POLICY_CLOSES = ("slow_consumer", "flood")
+
+
 class ClientSession:
     _response_ids = itertools.count(1)
 
-    def __init__(self, sid: str, worker_name: str, *, max_buffered_audio_s: float,
-                 send_queue_events: int, max_messages_per_s: float) -> None:
+    def __init__(self, sid: str, worker_name: str, conn: Connection, *, max_buffered_audio_s: float,
+                 max_messages_per_s: float) -> None:
         self.sid = sid
         self.worker_name = worker_name
+        self.conn = conn
         self.max_buffered_audio_s = max_buffered_audio_s
         self.sample_rate = DEFAULT_SAMPLE_RATE
         self.mode = ""
@@ -52,8 +71,8 @@ class ClientSession:
         self.texts: list[str] = []
         self.cancel = False
         self.response_id: str | None = None
-        self.outbox: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=send_queue_events)
         self.rate = TokenBucket(rate=max_messages_per_s, burst=2 * max_messages_per_s)
+        self.strikes = 0  # consecutive events over the rate limit (a flood closes the session)
         self.closed = False
         self.close_reason: str | None = None
         # Ticked only once the client sent input: until then session.update may still change the
@@ -89,28 +108,27 @@ class ClientSession:
 
     # ------------------------------------------------------------------ output
     def send(self, event: dict[str, Any]) -> bool:
-        """Queue an event; a client whose queue is full is not reading: it gets disconnected."""
+        """Send an event; a client whose send queue is full is not reading: it gets disconnected."""
         if self.closed:
             return False
-        try:
-            self.outbox.put_nowait(encode(event))
+        if self.conn.send(encode(event)):
             return True
-        except asyncio.QueueFull:
-            self.close("slow_consumer")
-            return False
+        self.close("slow_consumer")
+        return False
 
     def close(self, reason: str) -> None:
-        """Ask the writer to finish: it drains nothing more and closes the socket."""
+        """End the session: nothing more is sent after the close frame (1008 for abuse, else 1000)."""
         if self.closed:
             return
         self.closed = True
         self.close_reason = reason
-        while True:  # make room for the sentinel even when the queue is full
-            try:
-                self.outbox.put_nowait(None)
-                return
-            except asyncio.QueueFull:
-                self.outbox.get_nowait()
+        self.conn.close(1008 if reason in POLICY_CLOSES else 1000, reason)
+
+    def disconnected(self) -> None:
+        """The socket is gone (the client left, or our close completed): mark closed, send nothing."""
+        if not self.closed:
+            self.closed = True
+            self.close_reason = "client_closed"
 
     def start_response(self) -> str:
         self.response_id = f"resp_{next(self._response_ids)}"

@@ -9,6 +9,11 @@ A connection is admitted only if some worker's AIMD cap and memory capacity have
 gets ``error{type: server_overloaded}`` and a close. Admitted sessions are never evicted. Bad client
 input gets an ``error`` event and is logged; only abuse (oversized frames far over the limit, a
 sustained flood, a client that stops reading) closes the socket.
+
+This module speaks the protocol; the sockets are a transport's (``ws_transport.py``): picows by default
+(``serve_gateway``, ``run_gateway``), aiohttp through ``Gateway.app``. Client events are handled
+synchronously inside the transport's frame callback; only OpenSession at connect and a session re-open
+on ``session.update`` await, and while they do the client's later events wait, in order.
 """
 
 from __future__ import annotations
@@ -18,11 +23,11 @@ import base64
 import logging
 import secrets
 import uuid
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from aiohttp import WSMsgType, web
 
 from metronome.config import GatewayConfig
 from metronome.serving.client_session import ClientSession
@@ -33,11 +38,13 @@ from metronome.serving.protocol import (
     InputAudioBufferCommit, ProtocolError, ResponseCancel, ResponseCreate, SessionUpdate, decode_client_event,
     encode, error_event)
 from metronome.serving.workers import TickReport, WorkerHandle, WorkerPool
+from metronome.serving.ws_transport import Connection, HttpReply
 
 log = logging.getLogger(__name__)
 
 # A client over its message rate this many times in a row is flooding: it is disconnected.
 FLOOD_STRIKES = 100
+REALTIME_PATH = "/v1/realtime"
 
 
 class Gateway:
@@ -45,56 +52,85 @@ class Gateway:
         self.config = config
         self.metrics = GatewayMetrics(config.budget_ms)
         self.pool = WorkerPool(config, self.metrics, self._deliver, self._worker_failed)
-        self.app = web.Application()
-        self.app.add_routes([web.get("/v1/realtime", self.realtime), web.get("/health", self.health),
-                             web.get("/v1/models", self.models), web.get("/metrics", self.prometheus)])
-        self.app.on_startup.append(self._start)
-        self.app.on_cleanup.append(self._stop)
+        self.connections: set[Connection] = set()
+        self._tasks: set[asyncio.Task] = set()  # strong references to the per-connection awaits
 
-    async def _start(self, _app: web.Application) -> None:
+    @property
+    def max_frame_bytes(self) -> int:
+        """Frames (and reassembled messages) beyond this close the socket; up to it, an error event."""
+        return 4 * self.config.max_message_bytes
+
+    async def start(self) -> None:
         await self.pool.start()
 
-    async def _stop(self, _app: web.Application) -> None:
+    async def stop(self) -> None:
+        for conn in list(self.connections):
+            conn.close(1001, "server shutting down")
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.pool.stop()
 
+    @property
+    def app(self):
+        """The gateway as an aiohttp application (starts and stops the worker pool with it)."""
+        from metronome.serving.ws_aiohttp import aiohttp_app
+
+        web_app = aiohttp_app(self, max_frame_bytes=self.max_frame_bytes,
+                              send_queue_events=self.config.send_queue_events)
+        web_app.on_startup.append(lambda _app: self.start())
+        web_app.on_cleanup.append(lambda _app: self.stop())
+        return web_app
+
+    def _handle_of(self, session: ClientSession) -> WorkerHandle | None:
+        return next((h for h in self.pool.handles if h.address == session.worker_name), None)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     # ------------------------------------------------------------------ HTTP
-    async def health(self, _request: web.Request) -> web.Response:
-        workers = [{"address": h.address, "healthy": h.healthy, "live": len(h.sessions), "cap": h.cap,
-                    "memory_capacity": h.memory_capacity, "ticks": h.ticks,
-                    "model": h.health.model if h.health else None} for h in self.pool.handles]
-        status = "ok" if any(w["healthy"] for w in workers) else "unavailable"
-        return web.json_response({"status": status, "workers": workers}, status=200 if status == "ok" else 503)
+    def http_request(self, path: str, headers: Mapping[str, str]) -> HttpReply | None:
+        """The reply to a GET; None: go on and upgrade to the Realtime WebSocket."""
+        path = path.split("?", 1)[0]
+        if path == REALTIME_PATH:
+            if self._authorized(headers):
+                return None
+            self.metrics.sessions_rejected.labels("unauthorized").inc()
+            return HttpReply.json({"error": {"type": "invalid_request_error", "code": "invalid_api_key",
+                                             "message": "missing or wrong API key"}}, status=401)
+        if path == "/health":
+            workers = [{"address": h.address, "healthy": h.healthy, "live": len(h.sessions), "cap": h.cap,
+                        "memory_capacity": h.memory_capacity, "ticks": h.ticks,
+                        "model": h.health.model if h.health else None} for h in self.pool.handles]
+            status = "ok" if any(w["healthy"] for w in workers) else "unavailable"
+            return HttpReply.json({"status": status, "workers": workers}, status=200 if status == "ok" else 503)
+        if path == "/v1/models":
+            return HttpReply.json({"object": "list", "data": [
+                {"id": self.config.model_name, "object": "model", "owned_by": "metronome"}]})
+        if path == "/metrics":
+            return HttpReply(200, self.metrics.render(), CONTENT_TYPE)
+        return HttpReply.json({"error": {"type": "not_found", "message": f"no endpoint {path}"}}, status=404)
 
-    async def models(self, _request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": self.config.model_name, "object": "model", "owned_by": "metronome"}]})
-
-    async def prometheus(self, _request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
-
-    def _authorized(self, request: web.Request) -> bool:
+    def _authorized(self, headers: Mapping[str, str]) -> bool:
         if not self.config.api_key:
             return True
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        scheme, _, token = headers.get("Authorization", "").partition(" ")
         return scheme.lower() == "bearer" and secrets.compare_digest(token.strip(), self.config.api_key)
 
-    # ------------------------------------------------------------------ WebSocket
-    async def realtime(self, request: web.Request) -> web.StreamResponse:
-        if not self._authorized(request):
-            self.metrics.sessions_rejected.labels("unauthorized").inc()
-            return web.json_response({"error": {"type": "invalid_request_error", "code": "invalid_api_key",
-                                                "message": "missing or wrong API key"}}, status=401)
-        # No per-connection heartbeat timer (it is re-armed on every frame: ~15% of the read path) and no
-        # permessage-deflate (20 ms PCM does not compress; it would cost CPU on every message).
-        ws = web.WebSocketResponse(max_msg_size=4 * self.config.max_message_bytes, compress=False)
-        await ws.prepare(request)
+    # ------------------------------------------------------------------ WebSocket life cycle
+    def ws_opened(self, conn: Connection) -> None:
+        self.connections.add(conn)
         handle = self.pool.reserve()
         if handle is None:
-            return await self._refuse(ws, "no worker has room under its admission cap")
+            self._refuse(conn, "no worker has room under its admission cap")
+            return
+        self._hold(conn)  # events that arrive while OpenSession is in flight wait for it
+        self._spawn(self._open(conn, handle))
+
+    async def _open(self, conn: Connection, handle: WorkerHandle) -> None:
         sid = f"sess_{uuid.uuid4().hex[:16]}"
-        session = ClientSession(sid, handle.address, max_buffered_audio_s=self.config.max_buffered_audio_s,
-                                send_queue_events=self.config.send_queue_events,
-                                max_messages_per_s=self.config.max_messages_per_s)
         try:
             opened = await handle.stub.OpenSession(pb.OpenSessionRequest(sid=sid), timeout=10.0)
         except grpc.aio.AioRpcError as exc:
@@ -102,28 +138,40 @@ class Gateway:
         finally:
             handle.pending -= 1
         if not opened.ok:
-            return await self._refuse(ws, opened.error)
+            self._refuse(conn, opened.error)
+            return
+        session = ClientSession(sid, handle.address, conn, max_buffered_audio_s=self.config.max_buffered_audio_s,
+                                max_messages_per_s=self.config.max_messages_per_s)
         handle.sessions[sid] = session
         self.metrics.sessions_admitted.labels(handle.address).inc()
         self.metrics.sessions_live.labels(handle.address).set(len(handle.sessions))
-        log.info("session %s admitted on %s (%d live, cap %d)", sid, handle.address, len(handle.sessions), handle.cap)
-        writer = asyncio.create_task(self._write(ws, session), name=f"writer {sid}")
-        session.send({"type": "session.created", "session": self._session_view(session)})
-        try:
-            await self._read(ws, session)
-        finally:
-            session.close(session.close_reason or "client_closed")
-            await writer
+        if conn.closed:  # the client left while OpenSession was in flight
+            session.disconnected()
             await self._release(handle, session)
-        return ws
+            return
+        conn.session = session
+        log.info("session %s admitted on %s (%d live, cap %d)", sid, handle.address, len(handle.sessions), handle.cap)
+        session.send({"type": "session.created", "session": self._session_view(session)})
+        self._unhold(conn)
 
-    async def _refuse(self, ws: web.WebSocketResponse, why: str) -> web.WebSocketResponse:
+    def _refuse(self, conn: Connection, why: str) -> None:
         self.metrics.sessions_rejected.labels("server_overloaded").inc()
         log.info("connection refused: %s", why)
-        await ws.send_str(encode(error_event("server_overloaded", f"server overloaded: {why}",
-                                             type="server_overloaded")).decode())  # a text frame, as clients expect
-        await ws.close(code=1013, message=b"server overloaded")  # 1013: try again later
-        return ws
+        conn.held = None
+        conn.send(encode(error_event("server_overloaded", f"server overloaded: {why}", type="server_overloaded")))
+        conn.close(1013, "server overloaded")  # 1013: try again later
+
+    def ws_closed(self, conn: Connection) -> None:
+        self.connections.discard(conn)
+        conn.closed = True
+        conn.held = None
+        session = conn.session
+        if session is None:
+            return  # refused, or still opening (``_open`` releases it)
+        session.disconnected()
+        handle = self._handle_of(session)
+        if handle is not None:
+            self._spawn(self._release(handle, session))
 
     async def _release(self, handle: WorkerHandle, session: ClientSession) -> None:
         """Free the worker-side session at once: its KV returns to the pool within this tick."""
@@ -136,49 +184,71 @@ class Gateway:
             log.warning("closing %s on %s failed: %s", session.sid, handle.address, exc.code().name)
         log.info("session %s closed (%s)", session.sid, session.close_reason)
 
-    async def _write(self, ws: web.WebSocketResponse, session: ClientSession) -> None:
-        while True:
-            data = await session.outbox.get()
-            if data is None:
-                break
-            try:
-                await ws.send_str(data.decode())  # Realtime clients expect text frames
-            except (ConnectionError, RuntimeError):
-                session.close("client_gone")
-                break
-        if not ws.closed:
-            code = 1008 if session.close_reason in ("slow_consumer", "flood") else 1000
-            await ws.close(code=code, message=(session.close_reason or "").encode()[:120])
+    # ------------------------------------------------------------------ holding events during an await
+    @staticmethod
+    def _hold(conn: Connection) -> None:
+        if conn.held is None:
+            conn.held = []
+            conn.pause_reading()
 
-    async def _read(self, ws: web.WebSocketResponse, session: ClientSession) -> None:
-        strikes = 0
-        async for msg in ws:
-            if session.closed:
-                break
-            if msg.type == WSMsgType.ERROR:
-                log.info("session %s: websocket error %s", session.sid, ws.exception())
-                break
-            if msg.type != WSMsgType.TEXT:
-                self._client_error(session, "unsupported_frame", "send JSON text frames")
-                continue
-            if not session.rate.take():
-                strikes += 1
-                if strikes == 1:
-                    self._client_error(session, "rate_limited",
-                                       f"more than {self.config.max_messages_per_s:.0f} events/s; events dropped")
-                if strikes >= FLOOD_STRIKES:
-                    self._client_error(session, "flood", "too many events; closing")
-                    session.close("flood")
-                continue
-            strikes = 0
-            if len(msg.data) > self.config.max_message_bytes:
-                self._client_error(session, "message_too_large",
-                                   f"{len(msg.data)} bytes > limit {self.config.max_message_bytes}")
-                continue
-            try:
-                await self._handle(session, decode_client_event(msg.data))
-            except ProtocolError as exc:
-                self._client_error(session, exc.code, exc.message)
+    def _unhold(self, conn: Connection) -> None:
+        """Handle the events that waited, in order; stop early if one of them has to await again."""
+        waiting, conn.held = conn.held or [], None
+        for i, data in enumerate(waiting):
+            if conn.closed:
+                return
+            if data is None:
+                self.ws_binary(conn)
+            else:
+                self.ws_text(conn, data)
+            if conn.held is not None:  # that event awaits now: the rest waits behind it
+                conn.held.extend(waiting[i + 1:])
+                return
+        if not conn.closed:
+            conn.resume_reading()
+
+    # ------------------------------------------------------------------ frames
+    def ws_binary(self, conn: Connection) -> None:
+        if conn.held is not None:
+            conn.held.append(None)
+        elif conn.session is not None:
+            self._client_error(conn.session, "unsupported_frame", "send JSON text frames")
+
+    def ws_text(self, conn: Connection, data: bytes | memoryview | str) -> None:
+        """One client event, handled here and now (the hot path: 50 of these per second per session)."""
+        if conn.held is not None:
+            conn.held.append(bytes(data) if not isinstance(data, str) else data.encode())
+            return
+        session = conn.session
+        if session is None or session.closed:
+            return
+        if not session.rate.take():
+            session.strikes += 1
+            if session.strikes == 1:
+                self._client_error(session, "rate_limited",
+                                   f"more than {self.config.max_messages_per_s:.0f} events/s; events dropped")
+            if session.strikes >= FLOOD_STRIKES:
+                self._client_error(session, "flood", "too many events; closing")
+                session.close("flood")
+            return
+        session.strikes = 0
+        if len(data) > self.config.max_message_bytes:
+            self._client_error(session, "message_too_large",
+                               f"{len(data)} bytes > limit {self.config.max_message_bytes}")
+            return
+        try:
+            event = decode_client_event(data)
+            if type(event) is InputAudioBufferAppend:
+                pcm = event.audio
+                if len(pcm) & 1:
+                    raise ProtocolError("invalid_audio", f"PCM16 needs an even byte count, got {len(pcm)}")
+                if not session.append_audio(pcm):
+                    raise ProtocolError("audio_buffer_full",
+                                        f"more than {self.config.max_buffered_audio_s:.0f} s of audio waiting; dropped")
+            else:
+                self._handle(conn, session, event)
+        except ProtocolError as exc:
+            self._client_error(session, exc.code, exc.message)
 
     def _client_error(self, session: ClientSession, code: str, message: str, event_id: str | None = None) -> None:
         self.metrics.client_errors.labels(code).inc()
@@ -186,16 +256,9 @@ class Gateway:
         session.send(error_event(code, message, event_id=event_id))
 
     # ------------------------------------------------------------------ client events
-    async def _handle(self, session: ClientSession, event: Any) -> None:
-        if isinstance(event, InputAudioBufferAppend):
-            pcm = event.audio
-            if len(pcm) % 2:
-                raise ProtocolError("invalid_audio", f"PCM16 needs an even byte count, got {len(pcm)}")
-            if not session.append_audio(pcm):
-                raise ProtocolError("audio_buffer_full",
-                                    f"more than {self.config.max_buffered_audio_s:.0f} s of audio waiting; dropped")
-        elif isinstance(event, SessionUpdate):
-            await self._update_session(session, event)
+    def _handle(self, conn: Connection, session: ClientSession, event: Any) -> None:
+        if isinstance(event, SessionUpdate):
+            self._update_session(conn, session, event)
         elif isinstance(event, InputAudioBufferCommit):
             session.new_turn = session.started = True
             session.send({"type": "input_audio_buffer.committed", "event_id": event.event_id})
@@ -213,7 +276,7 @@ class Gateway:
             if session.response_id:
                 self._finish_response(session, "cancelled")
 
-    async def _update_session(self, session: ClientSession, event: SessionUpdate) -> None:
+    def _update_session(self, conn: Connection, session: ClientSession, event: SessionUpdate) -> None:
         cfg = event.session
         if cfg.input_audio_format not in (None, "pcm16"):
             raise ProtocolError("unsupported_audio_format", f"input_audio_format {cfg.input_audio_format!r}; "
@@ -230,15 +293,22 @@ class Gateway:
             if session.started:
                 raise ProtocolError("session_started", "mode and instructions can change only before the first "
                                     "audio or text (they shape the conversation's pinned header)")
-            await self._reopen(session, mode, instructions)
+            self._hold(conn)  # later events wait until the worker session is re-opened
+            self._spawn(self._reopen(conn, session, event, mode, instructions, rate))
+            return
+        self._apply_rate(session, rate)
+        session.send({"type": "session.updated", "event_id": event.event_id, "session": self._session_view(session)})
+
+    @staticmethod
+    def _apply_rate(session: ClientSession, rate: int | None) -> None:
         if rate is not None and rate != session.sample_rate:
             session.audio.clear()  # buffered audio was at the old rate
             session.sample_rate = rate
-        session.send({"type": "session.updated", "event_id": event.event_id, "session": self._session_view(session)})
 
-    async def _reopen(self, session: ClientSession, mode: str, instructions: str) -> None:
-        """Re-create the (still empty) worker session with a new mode / system prompt."""
-        handle = next(h for h in self.pool.handles if h.address == session.worker_name)
+    async def _reopen(self, conn: Connection, session: ClientSession, event: SessionUpdate, mode: str,
+                      instructions: str, rate: int | None) -> None:
+        """Re-create the (still empty) worker session with a new mode / system prompt, then go on reading."""
+        handle = self._handle_of(session)
         request = pb.OpenSessionRequest(sid=session.sid, mode=mode, instructions=instructions)
         try:
             await handle.stub.CloseSession(pb.CloseSessionRequest(sid=session.sid), timeout=5.0)
@@ -246,9 +316,13 @@ class Gateway:
         except grpc.aio.AioRpcError as exc:
             opened = pb.OpenSessionResponse(ok=False, error=f"worker unavailable: {exc.code().name}")
         if not opened.ok:
+            self._client_error(session, "session_failed", f"could not apply the update: {opened.error}")
             session.close("session_failed")
-            raise ProtocolError("session_failed", f"could not apply the update: {opened.error}")
+            return
         session.mode, session.instructions = mode, instructions
+        self._apply_rate(session, rate)
+        session.send({"type": "session.updated", "event_id": event.event_id, "session": self._session_view(session)})
+        self._unhold(conn)
 
     def _session_view(self, session: ClientSession) -> dict[str, Any]:
         return {"id": session.sid, "object": "realtime.session", "model": self.config.model_name,
@@ -311,7 +385,7 @@ class GatewayServer:
     """A started gateway: ``url`` is where Realtime clients connect."""
 
     gateway: Gateway
-    runner: web.AppRunner
+    server: asyncio.Server
     host: str
     port: int
 
@@ -321,26 +395,40 @@ class GatewayServer:
 
     @property
     def url(self) -> str:
-        return f"ws://{self.address}/v1/realtime"
+        return f"ws://{self.address}{REALTIME_PATH}"
 
     async def stop(self) -> None:
-        await self.runner.cleanup()
+        self.server.close()
+        await self.gateway.stop()
 
 
 async def serve_gateway(config: GatewayConfig) -> GatewayServer:
-    """Start the gateway on the running loop and return at once (``port=0``: an ephemeral port)."""
+    """Start the gateway (picows) on the running loop and return at once (``port=0``: an ephemeral port)."""
+    from metronome.serving.ws_picows import start_server
+
     gateway = Gateway(config)
-    runner = web.AppRunner(gateway.app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    return GatewayServer(gateway, runner, config.host, port)
+    await gateway.start()
+    server = await start_server(gateway, config.host, config.port, max_frame_bytes=gateway.max_frame_bytes,
+                                send_queue_events=config.send_queue_events)
+    port = server.sockets[0].getsockname()[1]
+    return GatewayServer(gateway, server, config.host, port)
 
 
 def run_gateway(config: GatewayConfig) -> None:
-    """Serve until interrupted, on uvloop."""
+    """Serve until SIGINT or SIGTERM, on uvloop."""
+    import signal
+
     import uvloop
 
-    web.run_app(Gateway(config).app, host=config.host, port=config.port, print=None, access_log=None,
-                loop=uvloop.new_event_loop())
+    async def main() -> None:
+        server = await serve_gateway(config)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await stop.wait()
+        finally:
+            await server.stop()
+
+    uvloop.run(main())

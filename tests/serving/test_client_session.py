@@ -1,28 +1,55 @@
 """Per-client state at the gateway: bounded buffers and the slow-reader policy."""
 
-import asyncio
-
 from metronome.serving.client_session import ClientSession, TokenBucket
 
 
-def make(queue=8, buffered_s=1.0):
-    return ClientSession("s", "w", max_buffered_audio_s=buffered_s, send_queue_events=queue, max_messages_per_s=50)
+class FakeConnection:
+    """A transport whose send queue holds ``room`` events (the client stopped reading)."""
+
+    def __init__(self, room: int) -> None:
+        self.room = room
+        self.sent: list[bytes] = []
+        self.closes: list[tuple[int, str]] = []
+
+    def send(self, data: bytes) -> bool:
+        if len(self.sent) >= self.room:
+            return False
+        self.sent.append(data)
+        return True
+
+    def close(self, code: int, reason: str) -> None:
+        self.closes.append((code, reason))
 
 
-async def test_a_client_that_stops_reading_is_disconnected_not_buffered_forever():
-    session = make(queue=8)
+def make(conn=None, buffered_s=1.0):
+    return ClientSession("s", "w", conn or FakeConnection(8), max_buffered_audio_s=buffered_s, max_messages_per_s=50)
+
+
+def test_a_client_that_stops_reading_is_disconnected_not_buffered_forever():
+    conn = FakeConnection(room=8)
+    session = make(conn)
     for i in range(8):
         assert session.send({"type": "x", "i": i})
     assert not session.send({"type": "overflow"})
     assert session.closed and session.close_reason == "slow_consumer"
-    assert session.outbox.qsize() <= 8
-    # The writer sees the sentinel at the end and stops.
-    drained = [session.outbox.get_nowait() for _ in range(session.outbox.qsize())]
-    assert drained[-1] is None
+    assert conn.closes == [(1008, "slow_consumer")] and len(conn.sent) == 8
     assert not session.send({"type": "after close"})
+    session.close("again")
+    assert conn.closes == [(1008, "slow_consumer")]  # closed once
 
 
-async def test_audio_waiting_for_a_tick_is_bounded():
+def test_ordinary_ends_close_with_1000_and_a_gone_socket_is_not_closed_again():
+    conn = FakeConnection(room=8)
+    session = make(conn)
+    session.close("worker_unavailable")
+    assert conn.closes == [(1000, "worker_unavailable")]
+    other = FakeConnection(room=8)
+    gone = make(other)
+    gone.disconnected()
+    assert gone.closed and gone.close_reason == "client_closed" and other.closes == []
+
+
+def test_audio_waiting_for_a_tick_is_bounded():
     session = make(buffered_s=0.1)  # 0.1 s at 16 kHz = 3200 bytes
     assert session.append_audio(b"\x00" * 3200)
     assert not session.append_audio(b"\x00\x00")

@@ -1,0 +1,181 @@
+"""The gateway's WebSocket transport on picows (a Cython WebSocket server): one callback per frame.
+
+Why: on aiohttp every client message woke an asyncio task (``async for msg in ws``) and went through
+aiohttp's Python receive path; at 50k messages/s that was the gateway's whole core. Here picows parses
+frames in C and calls ``on_ws_frame`` synchronously; the gateway handles the event inside that call
+and sends are direct transport writes, so a message costs no task switch at all.
+
+The same port answers the small GET endpoints: the listener factory asks the app first, and a non-101
+reply (``/health``, ``/metrics``, a 401 for a missing API key, a 404) is sent with ``Connection: close``.
+
+Frames:
+
+* text: handed to the app; a fragmented message is reassembled up to ``max_frame_bytes`` (the same
+  abuse limit as a single frame: beyond it the socket is closed with 1009);
+* binary: the app answers with an error event (the protocol is JSON text);
+* ping: answered by picows (auto-pong); pong: ignored; close: answered with a close, then disconnect.
+
+Slow readers: a send writes to the socket's transport at once. When the transport's buffer passes its
+high-water mark (the kernel socket buffer is full: the client is not reading), picows calls
+``pause_writing``; from then on events wait in a queue of at most ``send_queue_events``. The next event
+beyond that makes ``send`` return False and the gateway closes the session (1008 ``slow_consumer``).
+So a client holds at most the transport's high-water mark plus ``send_queue_events`` events of server
+memory; a close to a client that never reads is aborted after ``CLOSE_GRACE_S``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Mapping
+
+from picows import (WSCloseCode, WSListener, WSMsgType, WSUpgradeRequest, WSUpgradeResponse,
+                    WSUpgradeResponseWithListener, ws_create_server)
+
+from metronome.serving.ws_transport import App, HttpReply
+
+log = logging.getLogger(__name__)
+
+CLOSE_GRACE_S = 2.0  # a closing socket whose peer does not read is aborted after this long
+
+_TEXT, _BINARY, _CONT, _CLOSE = WSMsgType.TEXT, WSMsgType.BINARY, WSMsgType.CONTINUATION, WSMsgType.CLOSE
+
+
+class PicowsConnection(WSListener):
+    """One client socket: frames to the app, bounded sends, fragment reassembly, the close handshake."""
+
+    def __init__(self, app: App, max_frame_bytes: int, send_queue_events: int) -> None:
+        super().__init__()
+        self.app = app
+        self.max_frame_bytes = max_frame_bytes
+        self.send_queue_events = send_queue_events
+        self.transport = None
+        self.session = None
+        self.held: list[bytes | None] | None = None
+        self.closed = False
+        self.gone = False
+        self.paused = False                        # the transport is over its high-water mark
+        self.backlog: deque[bytes] = deque()       # events waiting while paused
+        self.fragments: bytearray | None = None    # a fragmented message being reassembled
+        self.fragmented_binary = False
+
+    # ------------------------------------------------------------------ picows callbacks
+    def on_ws_connected(self, transport) -> None:
+        self.transport = transport
+        self.app.ws_opened(self)
+
+    def on_ws_frame(self, transport, frame) -> None:
+        kind = frame.msg_type
+        if kind is _TEXT and frame.fin and self.fragments is None:  # the hot path: one whole text message
+            self.app.ws_text(self, frame.get_payload_as_memoryview())
+        elif kind is _TEXT or kind is _BINARY:
+            if self.fragments is not None:
+                self._fail(WSCloseCode.PROTOCOL_ERROR, "new message inside a fragmented one")
+            elif frame.fin:
+                self.app.ws_binary(self)
+            else:
+                self.fragments = bytearray(frame.get_payload_as_memoryview())
+                self.fragmented_binary = kind is _BINARY
+        elif kind is _CONT:
+            self._continuation(frame)
+        elif kind is _CLOSE:
+            if not self.closed:
+                self.closed = True
+                self.backlog.clear()
+                transport.send_close(WSCloseCode.OK)
+                transport.disconnect(graceful=True)
+        # PING is answered by picows itself; PONG needs nothing.
+
+    def on_ws_disconnected(self, transport) -> None:
+        self.closed = self.gone = True
+        self.backlog.clear()
+        self.app.ws_closed(self)
+
+    def pause_writing(self) -> None:
+        self.paused = True
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        backlog, send = self.backlog, self.transport.send
+        while backlog and not self.paused:
+            send(_TEXT, backlog.popleft())
+
+    # ------------------------------------------------------------------ the gateway's side
+    def send(self, data: bytes) -> bool:
+        if self.closed:
+            return True  # closing: dropped, and not the client's fault
+        if self.paused:
+            if len(self.backlog) >= self.send_queue_events:
+                return False
+            self.backlog.append(data)
+            return True
+        self.transport.send(_TEXT, data)
+        return True
+
+    def close(self, code: int, reason: str) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.backlog.clear()
+        self.transport.send_close(WSCloseCode(code), reason.encode()[:120])
+        self.transport.disconnect(graceful=True)
+        asyncio.get_running_loop().call_later(CLOSE_GRACE_S, self._abort)
+
+    def pause_reading(self) -> None:
+        self.transport.underlying_transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if not self.gone:
+            self.transport.underlying_transport.resume_reading()
+
+    # ------------------------------------------------------------------ internals
+    def _continuation(self, frame) -> None:
+        if self.fragments is None:
+            self._fail(WSCloseCode.PROTOCOL_ERROR, "continuation frame without a message to continue")
+            return
+        if len(self.fragments) + frame.payload_size > self.max_frame_bytes:
+            self.fragments = None
+            self._fail(WSCloseCode.MESSAGE_TOO_BIG, f"fragmented message over {self.max_frame_bytes} bytes")
+            return
+        self.fragments += frame.get_payload_as_memoryview()
+        if frame.fin:
+            message, self.fragments = self.fragments, None
+            if self.fragmented_binary:
+                self.app.ws_binary(self)
+            else:
+                self.app.ws_text(self, message)
+
+    def _fail(self, code: WSCloseCode, why: str) -> None:
+        log.info("websocket protocol error: %s", why)
+        self.close(code.value, why)
+        if self.session is not None:
+            self.session.close("protocol_error")  # the socket is closing already: this only records why
+
+    def _abort(self) -> None:
+        if not self.gone:
+            self.transport.disconnect(graceful=False)
+
+
+def _response(reply: HttpReply) -> WSUpgradeResponseWithListener:
+    headers = {"Content-Type": reply.content_type}
+    if reply.status < 400:
+        response = WSUpgradeResponse.create_ok_response(reply.body, headers)
+    else:
+        response = WSUpgradeResponse.create_error_response(reply.status, reply.body, headers)
+    return WSUpgradeResponseWithListener(response, None)
+
+
+async def start_server(app: App, host: str, port: int, *, max_frame_bytes: int,
+                       send_queue_events: int) -> asyncio.Server:
+    """Listen on ``host:port``: WebSocket upgrades where the app returns no reply, small GETs otherwise."""
+
+    def route(request: WSUpgradeRequest) -> PicowsConnection | WSUpgradeResponseWithListener:
+        headers: Mapping[str, str] = request.headers
+        reply = app.http_request(request.path.decode("latin-1"), headers)
+        if reply is None:
+            return PicowsConnection(app, max_frame_bytes, send_queue_events)
+        return _response(reply)
+
+    return await ws_create_server(route, host, port, max_frame_size=max_frame_bytes, enable_auto_pong=True,
+                                  websocket_handshake_timeout=10.0)
