@@ -2,6 +2,7 @@
 
     PYTHONPATH=$PWD python3 bench/models_gpu_qwen3_omni.py              # on an H200, ~4 min; writes $OUT/models_qwen3_omni.json
     PYTHONPATH=$PWD python3 bench/models_gpu_qwen3_omni.py --smoke      # a tiny shape on the CPU (the test runs it)
+    PYTHONPATH=$PWD python3 bench/models_gpu_qwen3_omni.py --smoke --device cuda   # the same tiny shape on a GPU
 
 Nothing is downloaded: the configs are written here from the published ``config.json`` values
 (thinker text model: 48 layers, hidden 2048, 32 query / 4 KV heads × 128, 128 experts, 8 active,
@@ -259,7 +260,8 @@ class Bench:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--smoke", action="store_true", help="tiny shape on the CPU (float32): checks the code path")
+    p.add_argument("--smoke", action="store_true", help="tiny shape in float32: checks the code path")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda; cpu with --smoke)")
     p.add_argument("--sessions", default=None, help="N sweep (default 16,64,128,256,384,512; smoke 1,2)")
     p.add_argument("--compare-sessions", default=None,
                    help="N for whole ticks with the naive expert loop vs the grouped GEMM, eager ('' skips)")
@@ -282,6 +284,7 @@ def parse_args(argv=None):
     args.chunk = 64 if smoke else 256
     args.batch_tokens = 512 if smoke else 16384
     args.num_blocks = 64 if smoke else None
+    args.device = args.device or ("cpu" if smoke else "cuda")
     args.out = args.out or str(Path(os.environ.get("OUT", "out")) / "models_qwen3_omni.json")
     return args
 
@@ -292,10 +295,10 @@ def _ints(text: str) -> list[int]:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    if not args.smoke and not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench/models_gpu_qwen3_omni.py needs a CUDA device (or --smoke)")
     _without_soxr()
-    device = torch.device("cpu" if args.smoke else "cuda")
+    device = torch.device(args.device)
     dtype = torch.float32 if args.smoke else torch.bfloat16
     shape = SMOKE if args.smoke else REAL
     spec = make_spec(shape["text"])

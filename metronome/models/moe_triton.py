@@ -18,6 +18,8 @@ past the real ones find the sentinel expert ``E`` and return at once.
 
 CPU: the kernels run under ``TRITON_INTERPRET=1`` (tests). The interpreter mishandles bf16 in
 ``tl.dot`` (see ``attention/triton_paged.py``), so when interpreting the operands are upcast to fp32.
+fp32 operands use IEEE fp32 products (``input_precision="ieee"``), not TF32, so float32 models match
+their references; bf16 runs on the tensor cores with fp32 accumulation.
 """
 
 from __future__ import annotations
@@ -109,8 +111,11 @@ def _gate_up_act(x_ptr, w_ptr, act_ptr, order_ptr, start_ptr, count_ptr, tile_ex
         u = tl.load(w_base + (offs_n[None, :] + I).to(tl.int64) * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
         if DOT_F32:
             a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
-        acc_gate = tl.dot(a, g, acc_gate)
-        acc_up = tl.dot(a, u, acc_up)
+            acc_gate = tl.dot(a, g, acc_gate, input_precision="ieee")
+            acc_up = tl.dot(a, u, acc_up, input_precision="ieee")
+        else:
+            acc_gate = tl.dot(a, g, acc_gate)
+            acc_up = tl.dot(a, u, acc_up)
     h = acc_gate * tl.sigmoid(acc_gate) * acc_up
     out = act_ptr + sorted_row[:, None].to(tl.int64) * stride_act + offs_n[None, :]
     tl.store(out, h.to(act_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
@@ -140,7 +145,9 @@ def _down(act_ptr, w_ptr, out_ptr, weight_ptr, order_ptr, start_ptr, count_ptr, 
                     mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         if DOT_F32:
             a, b = a.to(tl.float32), b.to(tl.float32)
-        acc = tl.dot(a, b, acc)
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
     weight = tl.load(weight_ptr + assign, mask=row_mask, other=0.0).to(tl.float32)
     acc = acc * weight[:, None]
     out = out_ptr + assign[:, None].to(tl.int64) * stride_out + offs_n[None, :]
@@ -177,15 +184,16 @@ def grouped_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, 
     act = torch.empty((m, inter), dtype=x.dtype, device=x.device)
     out = torch.empty((m, h), dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).contiguous()
-    interp = _interpreting() or not x.is_cuda
+    # fp32 operands multiply in IEEE fp32 (not TF32), as do the interpreter's upcast bf16 operands.
+    dot_f32 = _interpreting() or not x.is_cuda or x.dtype == torch.float32
     tiles = routing.tile_expert.numel()
     meta = (routing.order, routing.start, routing.count, routing.tile_expert, routing.tile_start)
     _gate_up_act[(tiles, triton.cdiv(inter, block_n))](
         x, w_gate_up, act, *meta, h, inter, k, e,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0),
-        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, DOT_F32=interp)
+        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, DOT_F32=dot_f32)
     _down[(tiles, triton.cdiv(h, block_n))](
         act, w_down, out, weights, *meta, h, inter, e,
         act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
-        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, DOT_F32=interp)
+        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, DOT_F32=dot_f32)
     return out.view(t, k, h).sum(1).to(x.dtype)

@@ -100,3 +100,27 @@ def test_rejects_mismatched_expert_weights():
     ids, w = _routing(2, 4, 2)
     with pytest.raises(ValueError, match="hidden"):
         grouped_moe(x, gate_up, down, ids, w)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_grouped_gemm_replays_in_a_cuda_graph_with_new_routing():
+    """Routing and both launches are free of host syncs: one capture serves every routing of that size."""
+    t, e, k, h, inter = 24, 16, 4, 64, 32
+    gate_up, down = _weights(e, h, inter, torch.bfloat16)
+    x = torch.randn(t, h, device=DEVICE, dtype=torch.bfloat16)
+    ids, w = _routing(t, e, k, seed=1)
+    static_ids, static_w = ids.clone(), w.to(torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        grouped_moe(x, gate_up, down, static_ids, static_w)   # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = grouped_moe(x, gate_up, down, static_ids, static_w)
+    for seed in (2, 3):
+        ids, w = _routing(t, e, k, seed=seed, skew=seed == 3)
+        static_ids.copy_(ids)
+        static_w.copy_(w)
+        graph.replay()
+        torch.testing.assert_close(out, grouped_moe(x, gate_up, down, ids, w.to(torch.bfloat16)), atol=0, rtol=0)

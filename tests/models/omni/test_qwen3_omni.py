@@ -24,8 +24,9 @@ AUDIO_TOKENS = ("<|audio_start|>", "<|audio_end|>", "<|audio_pad|>")
 HIDDEN = 32
 
 
-def make_qwen3_omni(path, seed: int = 0, mlp_only_layers=(1,), num_mel_bins: int = 128):
-    """Save a random tiny Qwen3-Omni (thinker: 2 layers, one MoE and one dense) with a tokenizer.
+def make_qwen3_omni(path, seed: int = 0, mlp_only_layers=(1,), num_mel_bins: int = 128, tokenizer: bool = True):
+    """Save a random tiny Qwen3-Omni (thinker: 2 layers, one MoE and one dense), with a tokenizer unless
+    ``tokenizer=False`` (then the vocabulary is 512 and the audio markers are its last ids).
 
     Returns the transformers model (the reference, eval mode, float32).
     """
@@ -33,12 +34,16 @@ def make_qwen3_omni(path, seed: int = 0, mlp_only_layers=(1,), num_mel_bins: int
 
     from tests.conftest import save_smollm2_tokenizer
 
-    save_smollm2_tokenizer(path)
-    tok = AutoTokenizer.from_pretrained(path)
-    tok.add_special_tokens({"additional_special_tokens": list(AUDIO_TOKENS)})
-    tok.save_pretrained(path)
-    start, end, pad = tok.convert_tokens_to_ids(list(AUDIO_TOKENS))
-    vocab = (len(tok) + 15) // 16 * 16
+    if tokenizer:
+        save_smollm2_tokenizer(path)
+        tok = AutoTokenizer.from_pretrained(path)
+        tok.add_special_tokens({"additional_special_tokens": list(AUDIO_TOKENS)})
+        tok.save_pretrained(path)
+        start, end, pad = tok.convert_tokens_to_ids(list(AUDIO_TOKENS))
+        vocab = (len(tok) + 15) // 16 * 16
+    else:
+        vocab = 512
+        start, end, pad = vocab - 6, vocab - 5, vocab - 4
     text = dict(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=48, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, moe_intermediate_size=16, num_experts=6,
                 num_experts_per_tok=2, max_position_embeddings=1024, mlp_only_layers=list(mlp_only_layers),
@@ -178,6 +183,34 @@ def test_prompt_logprobs_at_every_position_match(omni):
     want = [None] + [float(logp[i - 1, ids[i]]) for i in range(1, len(ids))]
     assert got[0] is None
     torch.testing.assert_close(torch.tensor(got[1:]), torch.tensor(want[1:]), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_engine_with_graphs_and_grouped_gemm_matches_transformers(tmp_path):
+    """On CUDA (float32): Triton attention, the grouped-GEMM experts and captured decode rounds."""
+    ref = make_qwen3_omni(tmp_path, seed=2, tokenizer=False)
+    engine = Engine(EngineConfig(model=str(tmp_path), device="cuda", dtype="float32", num_blocks=64,
+                                 max_chunk_tokens=64, policy=KVPolicy(sinks=4, window=256, block_size=16,
+                                                                      positions="absolute")))
+    assert engine.runner.graphs is not None
+    g = torch.Generator().manual_seed(4)
+    chunks = [engine.model.embed(torch.randint(0, 400, (n,), generator=g).cuda()) for n in (9, 20, 7)]
+    sids = [engine.open_session() for _ in range(3)]   # three sessions share the decode rounds
+    seen = []
+    for chunk in chunks:
+        outs = engine.step([StepInput(s, embeds=chunk, return_hidden=True) for s in sids])
+        seen.append(chunk.cpu())
+        want = _reference_logits(ref, torch.cat(seen))[-1]
+        for out in outs:
+            got = engine.model.compute_logits(out.hidden[None]).cpu()[0]
+            torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+    decoded = engine.step([StepInput(s, max_new_tokens=6) for s in sids])
+    context, expected = torch.cat(seen), []
+    for _ in range(6):
+        nxt = int(_reference_logits(ref, context)[-1].argmax())
+        expected.append(nxt)
+        context = torch.cat([context, ref.thinker.model.language_model.embed_tokens(torch.tensor([nxt]))])
+    assert all(d.token_ids == expected for d in decoded)
 
 
 def test_fused_expert_checkpoints_load_too(omni, tmp_path):
