@@ -23,8 +23,10 @@ def test_the_real_shape_is_the_published_7b_thinker():
     from metronome.models.omni.qwen2_5_omni import text_spec
 
     spec = text_spec(omni_config("qwen2.5-omni-7b"))
-    assert (spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim) == (28, 3584, 28, 4, 128)
-    assert (spec.intermediate_size, spec.vocab_size, spec.qkv_bias, spec.tie_word_embeddings) == (18944, 152064, True, False)
+    assert (spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim) == \
+        (28, 3584, 28, 4, 128)
+    assert (spec.intermediate_size, spec.vocab_size, spec.qkv_bias, spec.tie_word_embeddings) == \
+        (18944, 152064, True, False)
     audio = SHAPES["qwen2.5-omni-7b"]["audio"]
     assert (audio["encoder_layers"], audio["d_model"], audio["encoder_attention_heads"], audio["encoder_ffn_dim"],
             audio["num_mel_bins"], audio["output_dim"]) == (32, 1280, 20, 5120, 128, 3584)
@@ -32,8 +34,9 @@ def test_the_real_shape_is_the_published_7b_thinker():
     from transformers import Qwen2_5OmniAudioEncoderConfig, Qwen2_5OmniTextConfig
 
     text, ours = Qwen2_5OmniTextConfig(), SHAPES["qwen2.5-omni-7b"]["text"]
-    assert all(getattr(text, k) == ours[k] for k in ("vocab_size", "hidden_size", "intermediate_size",
-                                                      "num_hidden_layers", "num_attention_heads", "num_key_value_heads"))
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads")
+    assert all(getattr(text, k) == ours[k] for k in keys)
     assert text.rope_parameters["rope_theta"] == ours["rope_theta"]
     default_audio = Qwen2_5OmniAudioEncoderConfig()
     assert all(getattr(default_audio, k) == v for k, v in audio.items())

@@ -4,10 +4,13 @@ The audio path is the model's own: a Whisper log-mel front end (16 kHz, 128 mel 
 checkpoint's ``preprocessor_config.json`` when it has one) and transformers' ``Qwen2_5OmniAudioEncoder``
 (reused as is, its weights read from the checkpoint's ``thinker.audio_tower.*``). The encoder attends
 within windows of ``2 * n_window`` mel frames (200 = 2 s), so a session's audio is cut into 2-s blocks
-and each block is encoded on its own: exactly what the encoder does inside a long recording, with no
-encoder state carried between ticks (per session only the < 2 s of audio not yet forming a block is
-kept). A block gives 50 embeddings (25 per second, one per TMRoPE time step of 40 ms). Every tick, the
-blocks of ALL sessions go through the feature extractor and the encoder in one call each.
+and each block is encoded on its own: what the encoder does with the same features inside a long
+recording (its windows never see each other), with no encoder state carried between ticks (per
+session only the < 2 s of audio not yet forming a block is kept). The features themselves differ from
+a whole-recording pass only at block edges (the STFT window sees zeros past the block, as the
+processor pads a clip) and in Whisper's log-mel floor, taken per tick's clip instead of per recording.
+A block gives 50 embeddings (25 per second, one per TMRoPE time step of 40 ms). Every tick, the blocks
+of ALL sessions go through the feature extractor and the encoder in one call each.
 
 Prompt layout (the Qwen2.5-Omni chat template; B = 2 s, so one block per tick)::
 
@@ -108,8 +111,10 @@ def register_packed_attention() -> None:
 def audio_tower_weight_name(stored: str) -> str | None:
     """A checkpoint tensor name → the audio encoder's parameter name, or None for every other part.
 
-    >>> audio_tower_weight_name("thinker.audio_tower.layers.0.fc1.weight"), audio_tower_weight_name("audio_tower.proj.bias")
-    ('layers.0.fc1.weight', 'proj.bias')
+    >>> audio_tower_weight_name("thinker.audio_tower.layers.0.fc1.weight")
+    'layers.0.fc1.weight'
+    >>> audio_tower_weight_name("audio_tower.proj.bias")     # a thinker-only checkpoint
+    'proj.bias'
     >>> audio_tower_weight_name("thinker.model.norm.weight") is None
     True
     """
