@@ -131,9 +131,9 @@ class MoshiAdapter(InteractionAdapter):
                 continue
             sess.pending = pending[self.frame_size:].copy()
             ready.append((i, sess, pending[:self.frame_size]))
-        if ready:
-            user = torch.stack([self.codec.encode(sess.mimi, torch.from_numpy(frame.copy())[None])[0, :, 0]
-                                for _, sess, frame in ready])
+        if ready:  # one Mimi encode for every session's frame
+            frames = torch.from_numpy(np.stack([frame for _, _, frame in ready]))
+            user = self.codec.encode([sess.mimi for _, sess, _ in ready], frames)[:, :, 0]
             embeds = self.column_embeds([sess for _, sess, _ in ready], user)
             for (i, _, _), row in zip(ready, embeds):
                 out[i] = PreparedInput(embeds=row[None], return_hidden=True)
@@ -167,18 +167,24 @@ class MoshiAdapter(InteractionAdapter):
         with torch.no_grad():
             text = self.text_sampling.pick(self.heads.lm_head(hidden), self.generator)
             codes = self.depth.generate(hidden, text, self.audio_sampling, self.generator)
-        for (sid, sess), t, c in zip(sessions, text.tolist(), codes):
+        # Moshi's audio frame s = codebook 0 of column s + codebooks 1.. of the new column s+1 (s >= 1;
+        # frame 0 is the initial frame): one Mimi decode for every session that has one.
+        speaking = [i for i, (_, sess) in enumerate(sessions) if sess.step > 0]
+        if speaking:
+            cb0 = torch.tensor([sessions[i][1].moshi_cb0 for i in speaking], device=codes.device)
+            frames = torch.cat([cb0[:, None], codes[speaking, 1:]], 1)[:, :, None]
+            pcm = self.codec.decode([sessions[i][1].mimi for i in speaking], frames)
+            pcm16 = (pcm.clamp(-1, 1) * 32767).round().to(torch.int16).cpu().numpy().astype("<i2")
+            for row, i in enumerate(speaking):
+                sessions[i][1].audio_out += pcm16[row].tobytes()
+        for (_, sess), t, c in zip(sessions, text.tolist(), codes):
             self.advance(sess, int(t), c)
 
     def advance(self, sess: _Session, text: int, codes: torch.Tensor) -> None:
-        """Column s+1 is (text, codes with the delay applied); Moshi's audio frame s is then complete."""
+        """Column s+1 is (text, codes with the delay applied)."""
         codes = codes.clone()
         if sess.step == 0:  # column 1's delayed codebooks belong to audio frame 0, the initial frame
             codes[1:] = self.audio_vocab_size
-        else:
-            frame = torch.cat([codes.new_tensor([sess.moshi_cb0]), codes[1:]])[None, :, None]
-            pcm = self.codec.decode(sess.mimi, frame)[0]
-            sess.audio_out += (pcm.clamp(-1, 1) * 32767).round().to(torch.int16).cpu().numpy().astype("<i2").tobytes()
         sess.text, sess.moshi = text, codes
         sess.step += 1
         sess.fed = False

@@ -1,33 +1,32 @@
-"""Mimi as a streaming codec: 80 ms of 24 kHz audio ↔ one frame of 8 codes, with bounded carried state.
+"""Mimi as a batched streaming codec: 80 ms of 24 kHz audio ↔ one frame of 8 codes per stream, bounded state.
 
-transformers' ``MimiModel`` (reused as is; its weights are the checkpoint's ``audio_encoder.*``) encodes
-in streaming mode itself: ``encode(..., use_streaming=True)`` carries a padding cache (the last
-``kernel - stride`` inputs of every causal convolution) and the encoder transformer's KV cache, whose
-layers are sliding-window layers (``sliding_window`` frames), so the state is bounded.
+The modules and weights are transformers' ``MimiModel`` (the checkpoint's ``audio_encoder.*``); only the
+streaming is done here, so that the streams of many sessions, of any ages, run as ONE batch per tick.
+transformers' own streaming encode (``use_streaming=True``) carries a ``DynamicCache`` per call whose
+length and positions follow each stream's age, so streams of different ages could not share a batch;
+its ``decode`` has no streaming mode at all. Here every stream's state has a fixed shape:
 
-Its ``decode`` has no streaming mode, so the decoder is streamed here with the same modules and weights:
+* causal ``MimiConv1d`` (encoder: strided too; decoder: stride 1): the last ``kernel - stride`` inputs
+  (dilated kernel) are carried and prepended, which is exactly the left padding of the full-sequence
+  path when chunks are whole frames (transformers' ``MimiConv1dPaddingCache`` does the same);
+  ``replicate``-padded convolutions (the encoder's downsampler) start from the stream's first sample;
+* causal ``MimiConvTranspose1d`` (the upsampler and the SEANet upsampling layers): overlap-add. A chunk's
+  transposed convolution is computed without bias; its first ``kernel - stride`` outputs get the
+  previous chunk's tail added, the next ``n · stride`` are emitted (+ bias), the last ``kernel - stride``
+  become the tail. The full-sequence path trims exactly those right-most outputs;
+* the encoder and decoder transformers: the last ``sliding_window - 1`` keys/values per layer (zeros and
+  masked out while the stream is young) and the stream's step count; new queries attend to keys at
+  positions ``(p - sliding_window, p]``, transformers' sliding-window mask, with RoPE at the absolute
+  positions the full-sequence path uses.
 
-* causal ``MimiConv1d`` (all stride 1 in the decoder): the last ``(kernel - 1) · dilation`` inputs are
-  carried and prepended, which is exactly the left padding of the full-sequence path;
-* causal ``MimiConvTranspose1d`` (the upsampler and the SEANet upsampling layers): overlap-add. Each
-  chunk's transposed convolution is computed without bias; its first ``kernel - stride`` outputs get the
-  previous chunk's tail added, the next ``n · stride`` are emitted (+ bias) and the last ``kernel -
-  stride`` become the tail. The full-sequence path trims exactly those right-most outputs, so the sums
-  are the same terms (only the order of two float additions differs);
-* the decoder transformer carries its sliding-window KV cache like the encoder's.
-
-Streaming therefore equals the full-sequence ``encode``/``decode`` up to float rounding for clips shorter
-than the transformers' sliding window (the tests check codes exactly and audio to 1e-5 relative). Beyond
-the window the full-sequence path and the streaming path both attend to the last ``sliding_window``
-frames; state per stream is O(sliding_window + Σ kernel sizes), whatever the stream's age.
-
-A state holds a batch of streams of the same age (batch 1 per session in the adapter).
+So streaming equals transformers' full-sequence ``encode``/``decode`` up to float rounding (the order
+of a few additions), at any length, and a stream's state never grows (the tests check both). A
+``MimiStreamState`` is one stream; ``encode``/``decode`` take a list of them and stack their tensors.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -36,36 +35,38 @@ from torch import nn
 
 @dataclass
 class MimiStreamState:
-    """One batch of streams' carried state (all bounded; see the module docstring)."""
+    """One stream's carried tensors (batch 1, fixed shapes) by name, and whether it has started."""
 
-    encoder_cache: Any = None   # transformers DynamicCache (sliding-window layers)
-    padding_cache: Any = None   # transformers MimiConv1dPaddingCache
-    decoder_cache: Any = None   # transformers DynamicCache of the decoder transformer
-    conv: dict[int, torch.Tensor] = field(default_factory=dict)  # decoder op index -> carried inputs / tail
-    frames_in: int = 0
-    frames_out: int = 0
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    started: bool = False
 
 
 class MimiCodec:
-    """Streaming encode/decode over a transformers ``MimiModel`` (float32; it is small)."""
+    """Streaming encode/decode over a transformers ``MimiModel`` (float32: it is small)."""
 
     def __init__(self, model: nn.Module, num_codebooks: int) -> None:
         from transformers.models.mimi.modeling_mimi import MimiConv1d, MimiConvTranspose1d, MimiResnetBlock
 
-        self._conv_types = (MimiConv1d, MimiConvTranspose1d, MimiResnetBlock)
+        self._types = (MimiConv1d, MimiConvTranspose1d, MimiResnetBlock)
         self.model = model.eval()
         config = model.config
         self.num_codebooks = num_codebooks
         self.sample_rate = int(config.sampling_rate)
         self.frame_size = int(round(config.sampling_rate / config.frame_rate))  # 1920 samples = 80 ms
         self.device = next(model.parameters()).device
-        decoder = model.decoder
-        # Every streaming op of the decoder gets an index (its carried state's key).
-        self._index: dict[int, int] = {}
-        for module in [decoder.upsample, *decoder.decoder_seanet.modules()]:
-            if isinstance(module, (MimiConv1d, MimiConvTranspose1d)) and id(module) not in self._index:
+        enc, dec = model.encoder, model.decoder
+        self._encoder_convs = [m for m in [*enc.encoder_seanet.modules(), enc.downsample]
+                               if isinstance(m, (MimiConv1d, MimiConvTranspose1d))]
+        self._decoder_convs = [m for m in [dec.upsample, *dec.decoder_seanet.modules()]
+                               if isinstance(m, (MimiConv1d, MimiConvTranspose1d))]
+        self._name: dict[int, str] = {}
+        for prefix, convs in (("enc.conv", self._encoder_convs), ("dec.conv", self._decoder_convs)):
+            for i, module in enumerate(convs):
                 self._check(module)
-                self._index[id(module)] = len(self._index)
+                self._name[id(module)] = f"{prefix}{i}"
+        for tf in (enc.encoder_transformer, dec.decoder_transformer):
+            if tf.config.sliding_window is None:
+                raise ValueError("streaming Mimi needs transformers with a sliding window (bounded state)")
 
     def _check(self, module: nn.Module) -> None:
         conv = module.conv
@@ -74,75 +75,145 @@ class MimiCodec:
         if isinstance(conv, nn.ConvTranspose1d):
             if module.padding_left != 0 or conv.padding[0] or conv.output_padding[0] or conv.dilation[0] != 1:
                 raise ValueError("streaming Mimi needs transposed convolutions trimmed on the right only")
-        elif conv.stride[0] != 1:
-            raise ValueError("streaming Mimi's decoder convolutions must have stride 1")
+        elif module.pad_mode not in ("constant", "replicate"):
+            raise ValueError(f"streaming Mimi: pad_mode {module.pad_mode!r} is not supported")
 
+    # ------------------------------------------------------------------------------------- state
     def open(self) -> MimiStreamState:
-        return MimiStreamState()
+        """A new stream: zero tails and empty transformer windows (allocated at once: fixed size)."""
+        t: dict[str, torch.Tensor] = {}
+        dev = self.device
+        for module in self._encoder_convs + self._decoder_convs:
+            conv = module.conv
+            if isinstance(conv, nn.ConvTranspose1d):
+                t[self._name[id(module)]] = torch.zeros(1, conv.out_channels, conv.kernel_size[0] - conv.stride[0],
+                                                        device=dev)
+            elif int(module.padding_total) > 0:
+                t[self._name[id(module)]] = torch.zeros(1, conv.in_channels, int(module.padding_total), device=dev)
+        for prefix, tf in (("enc.tf", self.model.encoder.encoder_transformer),
+                           ("dec.tf", self.model.decoder.decoder_transformer)):
+            cfg = tf.config
+            past = cfg.sliding_window - 1
+            for i in range(len(tf.layers)):
+                for kv in "kv":
+                    t[f"{prefix}{i}{kv}"] = torch.zeros(1, cfg.num_key_value_heads, past, cfg.head_dim, device=dev)
+            t[f"{prefix}.count"] = torch.zeros(1, dtype=torch.long, device=dev)
+        return MimiStreamState(t)
+
+    @staticmethod
+    def _stack(states: list[MimiStreamState]) -> dict[str, torch.Tensor]:
+        if len(states) == 1:
+            return dict(states[0].tensors)
+        return {k: torch.cat([s.tensors[k] for s in states]) for k in states[0].tensors}
+
+    @staticmethod
+    def _unstack(batch: dict[str, torch.Tensor], states: list[MimiStreamState]) -> None:
+        for i, s in enumerate(states):
+            # copies, so that an idle stream does not keep the whole batch's tensors alive
+            s.tensors = {k: v[i:i + 1].clone() for k, v in batch.items()} if len(states) > 1 else batch
 
     # ------------------------------------------------------------------------------------- encode
     @torch.no_grad()
-    def encode(self, state: MimiStreamState, pcm: torch.Tensor) -> torch.Tensor:
-        """pcm [B, n · frame_size] (float, 24 kHz) → codes [B, num_codebooks, n]; advances ``state``."""
-        if pcm.shape[-1] % self.frame_size:
-            raise ValueError(f"encode takes whole frames of {self.frame_size} samples, got {pcm.shape[-1]}")
-        out = self.model.encode(pcm.to(self.device, torch.float32)[:, None, :], num_quantizers=self.num_codebooks,
-                                encoder_cache=state.encoder_cache, padding_cache=state.padding_cache,
-                                use_streaming=True)
-        state.encoder_cache, state.padding_cache = out.encoder_cache, out.padding_cache
-        state.frames_in += out.audio_codes.shape[-1]
-        return out.audio_codes
+    def encode(self, states: list[MimiStreamState], pcm: torch.Tensor) -> torch.Tensor:
+        """pcm [N, n · frame_size] (24 kHz) for N streams → codes [N, num_codebooks, n]; advances the states."""
+        if pcm.shape[-1] % self.frame_size or pcm.shape[0] != len(states):
+            raise ValueError(f"encode takes whole frames of {self.frame_size} samples, one row per stream")
+        enc = self.model.encoder
+        st = self._stack(states)
+        fresh = torch.tensor([not s.started for s in states], device=self.device)
+        x = pcm.to(self.device, torch.float32)[:, None, :]
+        for layer in enc.encoder_seanet.layers:
+            x = self._layer(layer, x, st, fresh)
+        x = self._transformer(enc.encoder_transformer, x.transpose(1, 2), st, "enc.tf").transpose(1, 2)
+        latents = self._conv(enc.downsample, x, st, fresh)
+        codes = self.model.quantizer.encode(latents, self.num_codebooks).transpose(0, 1)
+        self._unstack(st, states)
+        for s in states:
+            s.started = True
+        return codes
 
     # ------------------------------------------------------------------------------------- decode
     @torch.no_grad()
-    def decode(self, state: MimiStreamState, codes: torch.Tensor) -> torch.Tensor:
-        """codes [B, K, n] → pcm [B, n · frame_size] (float32); advances ``state``."""
-        decoder = self.model.decoder
-        latents = self.model.quantizer.decode(codes.to(self.device))
-        x = self._convtr(decoder.upsample, latents, state) if decoder.upsample is not None else latents
-        out = decoder.decoder_transformer(x.transpose(1, 2), cache=state.decoder_cache, use_cache=True)
-        state.decoder_cache = out.cache
-        x = out.last_hidden_state.transpose(1, 2)
-        for layer in decoder.decoder_seanet.layers:
-            x = self._layer(layer, x, state)
-        state.frames_out += codes.shape[-1]
+    def decode(self, states: list[MimiStreamState], codes: torch.Tensor) -> torch.Tensor:
+        """codes [N, K, n] for N streams → pcm [N, n · frame_size] (float32); advances the states."""
+        dec = self.model.decoder
+        st = self._stack(states)
+        x = self.model.quantizer.decode(codes.to(self.device))
+        if dec.upsample is not None:
+            x = self._convtr(dec.upsample, x, st)
+        x = self._transformer(dec.decoder_transformer, x.transpose(1, 2), st, "dec.tf").transpose(1, 2)
+        for layer in dec.decoder_seanet.layers:
+            x = self._layer(layer, x, st, None)
+        self._unstack(st, states)
         return x[:, 0]
 
-    def _layer(self, layer: nn.Module, x: torch.Tensor, state: MimiStreamState) -> torch.Tensor:
-        conv1d, convtr, resnet = self._conv_types
+    # ------------------------------------------------------------------------------------- pieces
+    def _layer(self, layer: nn.Module, x: torch.Tensor, st: dict, fresh) -> torch.Tensor:
+        conv1d, convtr, resnet = self._types
         if isinstance(layer, conv1d):
-            return self._conv(layer, x, state)
+            return self._conv(layer, x, st, fresh)
         if isinstance(layer, convtr):
-            return self._convtr(layer, x, state)
+            return self._convtr(layer, x, st)
         if isinstance(layer, resnet):
             h = x
             for sub in layer.block:
-                h = self._layer(sub, h, state)
-            return self._layer(layer.shortcut, x, state) + h
+                h = self._layer(sub, h, st, fresh)
+            return self._layer(layer.shortcut, x, st, fresh) + h
         return layer(x)  # ELU, Identity: stateless
 
-    def _conv(self, layer: nn.Module, x: torch.Tensor, state: MimiStreamState) -> torch.Tensor:
-        key = self._index[id(layer)]
+    def _conv(self, layer: nn.Module, x: torch.Tensor, st: dict, fresh) -> torch.Tensor:
         pad = int(layer.padding_total)
         if pad == 0:
             return layer.conv(x)
-        past = state.conv.get(key)
-        if past is None:
-            past = x[..., :1].expand(-1, -1, pad) if layer.pad_mode == "replicate" else x.new_zeros(*x.shape[:2], pad)
+        key = self._name[id(layer)]
+        past = st[key]
+        if layer.pad_mode == "replicate" and fresh is not None and bool(fresh.any()):
+            past = torch.where(fresh[:, None, None], x[..., :1].expand_as(past), past)
         full = torch.cat([past, x], dim=-1)
-        state.conv[key] = full[..., -pad:].clone()
+        st[key] = full[..., -pad:]
         return layer.conv(full)
 
-    def _convtr(self, layer: nn.Module, x: torch.Tensor, state: MimiStreamState) -> torch.Tensor:
-        key = self._index[id(layer)]
+    def _convtr(self, layer: nn.Module, x: torch.Tensor, st: dict) -> torch.Tensor:
+        key = self._name[id(layer)]
         conv = layer.conv
         stride = conv.stride[0]
         overlap = conv.kernel_size[0] - stride
         y = F.conv_transpose1d(x, conv.weight, None, stride=stride, groups=conv.groups)
-        tail = state.conv.get(key)
-        if tail is not None:
-            y[..., :overlap] += tail
+        y[..., :overlap] += st[key]
         n = x.shape[-1] * stride
-        state.conv[key] = y[..., n:].clone()
+        st[key] = y[..., n:]
         y = y[..., :n]
         return y if conv.bias is None else y + conv.bias[None, :, None]
+
+    def _transformer(self, tf: nn.Module, x: torch.Tensor, st: dict, prefix: str) -> torch.Tensor:
+        """transformers' MimiTransformerModel on new steps x [N, T, C], attending to each stream's window."""
+        from transformers.models.mimi.modeling_mimi import apply_rotary_pos_emb
+
+        n, t, _ = x.shape
+        window = tf.config.sliding_window
+        past = window - 1
+        count = st[f"{prefix}.count"]
+        steps = torch.arange(t, device=x.device)
+        q_pos = count[:, None] + steps                                             # [N, T]
+        k_pos = torch.cat([count[:, None] - past + torch.arange(past, device=x.device), q_pos], 1)
+        rel = q_pos[:, :, None] - k_pos[:, None, :]                                 # [N, T, past + T]
+        mask = (k_pos[:, None, :] >= 0) & (rel >= 0) & (rel < window)
+        cos, sin = tf.rotary_emb(x, q_pos)
+        for i, layer in enumerate(tf.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(n, t, -1, attn.head_dim).transpose(1, 2)
+            k = attn.k_proj(h).view(n, t, -1, attn.head_dim).transpose(1, 2)
+            v = attn.v_proj(h).view(n, t, -1, attn.head_dim).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            keys = torch.cat([st[f"{prefix}{i}k"], k], 2)
+            values = torch.cat([st[f"{prefix}{i}v"], v], 2)
+            st[f"{prefix}{i}k"], st[f"{prefix}{i}v"] = keys[:, :, -past:], values[:, :, -past:]
+            if attn.num_key_value_groups > 1:
+                keys = keys.repeat_interleave(attn.num_key_value_groups, 1)
+                values = values.repeat_interleave(attn.num_key_value_groups, 1)
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None], scale=attn.scaling)
+            x = x + layer.self_attn_layer_scale(attn.o_proj(o.transpose(1, 2).reshape(n, t, -1)))
+            x = x + layer.mlp_layer_scale(layer.mlp(layer.post_attention_layernorm(x)))
+        st[f"{prefix}.count"] = count + t
+        return x
