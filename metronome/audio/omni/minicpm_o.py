@@ -36,8 +36,8 @@ Modes (as the cascade and energy adapters):
 
 * ``"free_running"`` (the paper's sessions): the first tick is header + user turn with the first
   audio + ``instruction`` + the assistant prefix; from then on every tick appends its audio chunks to
-  the context (the model keeps hearing) and decodes ``max_tokens``. Typed ``text`` becomes a user turn
-  (closing what the model was saying) followed by the assistant prefix.
+  the context (the model keeps hearing) and decodes ``max_tokens``. Typed ``text`` closes what the model
+  was saying and becomes a user turn (with that tick's audio) followed by the assistant prefix.
 * ``"turn"`` (default): audio opens/extends a user turn and decodes nothing; ``new_turn`` closes the
   turn (a trailing part-second of audio is zero-padded to a whole chunk) and starts the response,
   decoded ``max_tokens`` per tick until a stop token; the next tick closes the answer. ``text`` is a
@@ -154,7 +154,9 @@ class AudioTower(nn.Module):
                         device: torch.device | str) -> "AudioTower":
         from metronome.models.loader import fill_weights
 
-        tower = cls(AudioSpec.from_config(config)).to(device=device, dtype=dtype)
+        with torch.device("meta"):   # no random init of 300M parameters that are overwritten at once
+            tower = cls(AudioSpec.from_config(config))
+        tower = tower.to_empty(device=device).to(dtype)
         fill_weights(tower, checkpoint, lambda name: name if name.startswith(AUDIO_PREFIXES) else None)
         return tower.eval().requires_grad_(False)
 
@@ -437,11 +439,13 @@ class MiniCpmoAdapter(InteractionAdapter):
                     return pieces   # nothing heard yet: the header alone
                 s.started = True
                 return pieces + lay.user_prefix + heard + text + self.instruction_ids + lay.respond
-            if text:
-                pieces += heard + lay.close_after(s.last_decoded) + lay.user_prefix   # close what it was saying
-                s.last_decoded = []
-                return pieces + text + lay.respond
-            return pieces + heard
+            if text:   # close what the model was saying; this tick's audio joins the user's turn
+                pieces += lay.close_after(s.last_decoded) + lay.user_prefix + heard + text + lay.respond
+            else:
+                pieces += heard
+            if pieces:
+                s.last_decoded = []   # what was decoded is no longer the end of the context
+            return pieces
 
         starting = bool(text) or tick.new_turn
         if s.responding and (tick.cancel or starting):

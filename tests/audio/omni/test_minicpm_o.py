@@ -18,7 +18,6 @@ The reference follows OpenBMB's published MiniCPM-o 4.5 code (``modeling_minicpm
 
 from __future__ import annotations
 
-import asyncio
 import os
 import subprocess
 import sys
@@ -187,16 +186,18 @@ def test_turn_mode_frames_a_spoken_question_and_its_answer(engine):
     adapter = MiniCpmoAdapter.from_context(context(engine), max_response_tokens=6)
     tok = engine.tokenizer
     n = lambda text: len(tok.encode(text, add_special_tokens=False))   # noqa: E731
-    header = n(f"<|im_start|>system\nBe brief.<|im_end|>\n")
+    header = n("<|im_start|>system\nBe brief.<|im_end|>\n")
     adapter.open_session("t", "turn", "Be brief.")
 
     first, = adapter.prepare([TickAudio("t", pcm=speech_like(1.5, seed=20), max_tokens=4)])
     assert first.num_tokens == header + n("<|im_start|>user\n") + 12 and first.max_new_tokens == 0
+    assert_layout(engine, first.embeds, "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n", 1, "")
     assert adapter.session_state("t")["carry_samples"] == 8000 and adapter.session_state("t")["user_open"]
 
     # Commit: the half second left is padded to a chunk; the turn closes and the answer starts.
     second, = adapter.prepare([TickAudio("t", pcm=np.zeros(0, np.float32), new_turn=True, max_tokens=4)])
     assert second.num_tokens == 12 + n(RESPOND) and second.max_new_tokens == 4
+    assert_layout(engine, second.embeds, "", 1, RESPOND)
     assert second.stop_token_ids == tuple(tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|tts_eos|>",
                                                                                  "<|endoftext|>"))
     assert adapter.session_state("t")["carry_samples"] == 0
@@ -210,12 +211,47 @@ def test_turn_mode_frames_a_spoken_question_and_its_answer(engine):
 
     # Next tick: the answer is closed, the held chunk opens the next user turn.
     fourth, = adapter.prepare([TickAudio("t", pcm=np.zeros(0, np.float32), max_tokens=4)])
-    assert fourth.num_tokens == n("<|im_end|>\n") + n("<|im_start|>user\n") + 12
+    assert_layout(engine, fourth.embeds, "<|im_end|>\n<|im_start|>user\n", 1, "")
     assert fourth.max_new_tokens == 0 and adapter.session_state("t")["held_chunks"] == 0
 
     # Typed text is a whole turn (the open spoken turn takes it) and starts an answer.
     fifth, = adapter.prepare([TickAudio("t", text="hi", max_tokens=4)])
     assert fifth.token_ids == tok.encode("hi" + RESPOND, add_special_tokens=False)
+
+
+def assert_layout(engine, embeds: torch.Tensor, text_before: str, chunks: int, text_after: str) -> None:
+    """``embeds`` rows are text_before's tokens, ``chunks`` audio units, then text_after's tokens."""
+    tok = engine.tokenizer
+    before, after = (tok.encode(t, add_special_tokens=False) for t in (text_before, text_after))
+    start, end = tok.convert_tokens_to_ids(["<|audio_start|>", "<|audio_end|>"])
+    assert embeds.shape[0] == len(before) + 12 * chunks + len(after)
+    with torch.no_grad():
+        embed = lambda ids: engine.model.embed(torch.tensor(ids, dtype=torch.long))   # noqa: E731
+        torch.testing.assert_close(embeds[:len(before)], embed(before))
+        for c in range(chunks):
+            unit = embeds[len(before) + 12 * c: len(before) + 12 * (c + 1)]
+            torch.testing.assert_close(unit[[0, 11]], embed([start, end]))
+        torch.testing.assert_close(embeds[len(embeds) - len(after):], embed(after))
+
+
+def test_free_running_typed_text_closes_the_answer_and_opens_a_user_turn(engine):
+    adapter = MiniCpmoAdapter.from_context(context(engine))
+    adapter.open_session("f", "free_running", "Be brief.")
+    first, = adapter.prepare([TickAudio("f", pcm=speech_like(1.0, seed=70), max_tokens=3)])
+    assert_layout(engine, first.embeds, "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n", 1, RESPOND)
+    assert first.max_new_tokens == 3 and first.stop_token_ids == ()
+    im_end = engine.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    adapter.on_output("f", [104, im_end], finished=False)   # the model ended its answer itself
+
+    second, = adapter.prepare([TickAudio("f", pcm=speech_like(1.0, seed=71), text="hi", max_tokens=3)])
+    assert_layout(engine, second.embeds, "\n<|im_start|>user\n", 1, "hi" + RESPOND)   # <|im_end|> is fed back
+    adapter.on_output("f", [], finished=False)
+
+    third, = adapter.prepare([TickAudio("f", pcm=speech_like(1.0, seed=72), max_tokens=3)])
+    assert_layout(engine, third.embeds, "", 1, "")   # the model keeps hearing
+    fourth, = adapter.prepare([TickAudio("f", text="ok", max_tokens=3)])
+    assert fourth.token_ids == engine.tokenizer.encode("<|im_end|>\n<|im_start|>user\nok" + RESPOND,
+                                                       add_special_tokens=False)
 
 
 def test_bad_input_is_refused_per_session_and_leaves_it_usable(engine):
