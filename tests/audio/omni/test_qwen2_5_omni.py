@@ -259,6 +259,16 @@ def test_state_is_bounded_and_bad_input_leaves_the_session_usable(omni, engine):
     adapter.close_session("a")
     assert adapter.sessions == 1
 
+    # Free running: nothing decodes until a whole 2-s block has been heard; the partial block waits.
+    adapter.open_session("c", "", "")
+    first, = adapter.prepare([TickAudio("c", pcm=speech_like(1.2), max_tokens=3)])
+    assert first.token_ids == adapter.chat.header(adapter.system_prompt) and first.max_new_tokens == 0
+    state = adapter.session_state("c")
+    assert (state["mode"], state["pending_samples"], state["started"]) == ("free_running", 19200, False)
+    second, = adapter.prepare([TickAudio("c", pcm=speech_like(1.0), max_tokens=3)])
+    assert second.embeds.shape[0] > 52 and second.max_new_tokens == 3
+    assert adapter.session_state("c")["pending_samples"] == 3200 and adapter.session_state("c")["started"]
+
 
 def test_feature_extractor_settings(omni, tmp_path):
     from transformers import WhisperFeatureExtractor
