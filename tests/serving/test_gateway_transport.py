@@ -1,0 +1,329 @@
+"""The gateway's WebSocket transports over real sockets: framing, HTTP on the same port, ordering, backpressure.
+
+Raw frames are written by hand here (fragmented messages, a stray continuation, a ping) so the server's
+behaviour is tested without depending on what a client library chooses to send.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import urllib.error
+import urllib.request
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from metronome.config import AimdConfig, GatewayConfig
+from metronome.serving.gateway import Gateway
+from metronome.serving.ws_picows import PicowsConnection
+from tests.serving.test_gateway import BUDGET_MS, chunks, of_type, recv_until, running_gateway, start_worker, tone
+
+MAX_MESSAGE = 4096  # the per-message limit in these tests; 4x this closes the socket
+
+
+@pytest.fixture
+async def worker(chat_checkpoint):
+    handle = await start_worker(chat_checkpoint)
+    yield handle
+    await handle.stop()
+
+
+# ------------------------------------------------------------------ a minimal client that writes raw frames
+def frame(payload: bytes, opcode: int = 0x1, fin: bool = True) -> bytes:
+    """One masked client frame (RFC 6455 section 5.2)."""
+    n = len(payload)
+    first = (0x80 if fin else 0) | opcode
+    if n < 126:
+        header = bytes([first, 0x80 | n])
+    elif n < 1 << 16:
+        header = bytes([first, 0x80 | 126]) + n.to_bytes(2, "big")
+    else:
+        header = bytes([first, 0x80 | 127]) + n.to_bytes(8, "big")
+    mask = os.urandom(4)
+    return header + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+
+
+class RawClient:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def connect(cls, addr: str, first_frames: bytes = b"", headers: str = "") -> RawClient:
+        host, port = addr.rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        key = base64.b64encode(os.urandom(16)).decode()
+        writer.write((f"GET /v1/realtime HTTP/1.1\r\nHost: {addr}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                      f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n{headers}\r\n").encode()
+                     + first_frames)  # frames in the same write as the handshake arrive with it
+        status = await reader.readuntil(b"\r\n\r\n")
+        assert b" 101 " in status.split(b"\r\n", 1)[0], status
+        return cls(reader, writer)
+
+    def send(self, data: bytes) -> None:
+        self.writer.write(data)
+
+    async def recv(self, timeout: float = 10.0) -> tuple[int, bytes]:
+        """The next (opcode, payload) from the server (which never masks)."""
+        async with asyncio.timeout(timeout):
+            head = await self.reader.readexactly(2)
+            n = head[1] & 0x7F
+            if n == 126:
+                n = int.from_bytes(await self.reader.readexactly(2), "big")
+            elif n == 127:
+                n = int.from_bytes(await self.reader.readexactly(8), "big")
+            return head[0] & 0x0F, await self.reader.readexactly(n)
+
+    async def event(self, kind: str) -> list[dict]:
+        """Text events up to and including the first of ``kind``."""
+        seen = []
+        while True:
+            opcode, payload = await self.recv()
+            assert opcode == 0x1, (opcode, payload)
+            seen.append(json.loads(payload))
+            if seen[-1]["type"] == kind:
+                return seen
+
+    async def close_frame(self) -> tuple[int, str]:
+        """Skip text events until the server's close frame: (code, reason)."""
+        while True:
+            opcode, payload = await self.recv()
+            if opcode == 0x8:
+                return int.from_bytes(payload[:2], "big"), payload[2:].decode()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def append_event(seconds: float = 0.02) -> bytes:
+    return json.dumps({"type": "input_audio_buffer.append", "audio": next(chunks(tone(seconds)))}).encode()
+
+
+def http_get(url: str, headers: dict[str, str] | None = None) -> tuple[int, str, bytes]:
+    request = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as r:
+            return r.status, r.headers["Content-Type"], r.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers["Content-Type"], exc.read()
+
+
+# ------------------------------------------------------------------ framing
+async def test_a_fragmented_message_is_reassembled(worker):
+    async with running_gateway([worker], max_message_bytes=MAX_MESSAGE) as (gateway, addr):
+        client = await RawClient.connect(addr)
+        await client.event("session.created")
+        message = json.dumps({"type": "session.update", "session": {"input_audio_sample_rate": 24000},
+                              "event_id": "frag"}).encode()
+        parts = [message[:10], message[10:30], message[30:]]
+        client.send(frame(parts[0], fin=False) + frame(parts[1], opcode=0x0, fin=False)
+                    + frame(b"ping!", opcode=0x9)  # a control frame may come between fragments
+                    + frame(parts[2], opcode=0x0))
+        opcode, payload = await client.recv()
+        assert (opcode, payload) == (0xA, b"ping!")  # the pong
+        updated = (await client.event("session.updated"))[-1]
+        assert updated["event_id"] == "frag" and updated["session"]["input_audio_sample_rate"] == 24000
+        client.send(frame(append_event()))
+        await client.event("metronome.tick")
+        client.close()
+
+
+async def test_a_fragmented_message_over_the_abuse_limit_closes_with_1009(worker):
+    async with running_gateway([worker], max_message_bytes=MAX_MESSAGE) as (gateway, addr):
+        bystander = await RawClient.connect(addr)
+        await bystander.event("session.created")
+        client = await RawClient.connect(addr)
+        await client.event("session.created")
+        piece = b"x" * (2 * MAX_MESSAGE)
+        client.send(frame(piece, fin=False) + frame(piece, opcode=0x0, fin=False) + frame(b"x", opcode=0x0))
+        code, _ = await client.close_frame()
+        assert code == 1009
+        async with asyncio.timeout(5):
+            while len(gateway.pool.handles[0].sessions) > 1:  # its worker session is released
+                await asyncio.sleep(0.01)
+        bystander.send(frame(append_event()))
+        await bystander.event("metronome.tick")
+        client.close()
+        bystander.close()
+
+
+async def test_a_message_between_the_limit_and_the_abuse_limit_gets_an_error_when_fragmented(worker):
+    async with running_gateway([worker], max_message_bytes=MAX_MESSAGE) as (gateway, addr):
+        client = await RawClient.connect(addr)
+        await client.event("session.created")
+        big = json.dumps({"type": "input_audio_buffer.append", "audio": "A" * (MAX_MESSAGE + 100)}).encode()
+        client.send(frame(big[:100], fin=False) + frame(big[100:], opcode=0x0))
+        assert (await client.event("error"))[-1]["error"]["code"] == "message_too_large"
+        client.send(frame(append_event()))
+        await client.event("metronome.tick")
+        client.close()
+
+
+async def test_a_continuation_without_a_message_is_a_protocol_error(worker):
+    async with running_gateway([worker]) as (gateway, addr):
+        client = await RawClient.connect(addr)
+        await client.event("session.created")
+        client.send(frame(b"{}", opcode=0x0))
+        code, _ = await client.close_frame()
+        assert code == 1002
+        client.close()
+
+
+async def test_binary_messages_whole_or_fragmented_get_an_error_and_the_session_lives_on(worker):
+    async with running_gateway([worker]) as (gateway, addr):
+        client = await RawClient.connect(addr)
+        await client.event("session.created")
+        client.send(frame(b"\x00\x01", opcode=0x2))
+        assert (await client.event("error"))[-1]["error"]["code"] == "unsupported_frame"
+        client.send(frame(b"\x00", opcode=0x2, fin=False) + frame(b"\x01", opcode=0x0))
+        assert (await client.event("error"))[-1]["error"]["code"] == "unsupported_frame"
+        client.send(frame(append_event()))
+        await client.event("metronome.tick")
+        client.close()
+
+
+async def test_a_client_close_is_answered_and_frees_the_session(worker):
+    async with running_gateway([worker]) as (gateway, addr):
+        client = await RawClient.connect(addr)
+        await client.event("session.created")
+        assert len(gateway.pool.handles[0].sessions) == 1
+        client.send(frame((1000).to_bytes(2, "big") + b"bye", opcode=0x8))
+        code, _ = await client.close_frame()
+        assert code == 1000
+        async with asyncio.timeout(5):
+            while gateway.pool.handles[0].sessions or gateway.connections:
+                await asyncio.sleep(0.01)
+        client.close()
+
+
+# ------------------------------------------------------------------ ordering while the gateway awaits
+async def test_events_sent_with_the_handshake_wait_for_the_session_and_keep_their_order(worker):
+    async with running_gateway([worker]) as (gateway, addr):
+        early = (frame(json.dumps({"type": "session.update", "session": {"mode": "free_running"},
+                                   "event_id": "u1"}).encode())
+                 + frame(json.dumps({"type": "conversation.item.create", "event_id": "c1", "item": {
+                     "type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}}).encode()))
+        client = await RawClient.connect(addr, first_frames=early)
+        events = await client.event("conversation.item.created")
+        kinds = [e["type"] for e in events]
+        # session.created first, then the update (which re-opened the worker session), then the item.
+        assert kinds.index("session.created") < kinds.index("session.updated") < kinds.index("conversation.item.created")
+        assert not any(e["type"] == "error" for e in events)
+        assert next(e for e in events if e["type"] == "session.updated")["session"]["mode"] == "free_running"
+        client.close()
+
+
+# ------------------------------------------------------------------ HTTP on the WebSocket port
+async def test_get_endpoints_404_and_the_api_key_on_the_websocket_port(worker):
+    async with running_gateway([worker], api_key="sekret") as (gateway, addr):
+        loop = asyncio.get_running_loop()
+        status, ctype, body = await loop.run_in_executor(None, http_get, f"http://{addr}/health")
+        assert status == 200 and ctype.startswith("application/json") and json.loads(body)["status"] == "ok"
+        status, _, body = await loop.run_in_executor(None, http_get, f"http://{addr}/v1/models")
+        assert status == 200 and json.loads(body)["data"][0]["id"] == "metronome"
+        status, ctype, body = await loop.run_in_executor(None, http_get, f"http://{addr}/metrics")
+        assert status == 200 and ctype.startswith("text/plain") and b"metronome_sessions_live" in body
+        status, _, _ = await loop.run_in_executor(None, http_get, f"http://{addr}/nope")
+        assert status == 404
+        # A plain GET of the Realtime path without the key: 401 with an OpenAI-style error body.
+        status, _, body = await loop.run_in_executor(None, http_get, f"http://{addr}/v1/realtime?model=x")
+        assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key"
+        status, _, body = await loop.run_in_executor(None, http_get, f"http://{addr}/metrics")
+        assert b'metronome_sessions_rejected_total{reason="unauthorized"}' in body
+        # With the key (and a query string, as the OpenAI SDK sends ?model=...) the upgrade succeeds.
+        async with aiohttp.ClientSession() as http, http.ws_connect(
+                f"ws://{addr}/v1/realtime?model=metronome", headers={"Authorization": "Bearer sekret"}) as ws:
+            await recv_until(ws, of_type("session.created"))
+        with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+            async with aiohttp.ClientSession() as http:
+                await http.ws_connect(f"ws://{addr}/v1/realtime", headers={"Authorization": "Basic sekret"})
+        assert refused.value.status == 401
+
+
+# ------------------------------------------------------------------ slow readers
+class FakeTransport:
+    """picows' WSTransport as far as PicowsConnection's send path uses it."""
+
+    def __init__(self) -> None:
+        self.frames: list[bytes] = []
+        self.closes: list[int] = []
+
+    def send(self, kind, data: bytes) -> None:
+        self.frames.append(data)
+
+    def send_close(self, code, reason: bytes) -> None:
+        self.closes.append(code.value)
+
+    def disconnect(self, graceful: bool = True) -> None:
+        pass
+
+
+async def test_a_backed_up_socket_queues_a_bounded_number_of_events_then_refuses():
+    conn = PicowsConnection(app=None, max_frame_bytes=MAX_MESSAGE, send_queue_events=3)
+    conn.transport = FakeTransport()
+    assert conn.send(b"a")
+    conn.pause_writing()  # the transport passed its high-water mark: the client is not reading
+    assert conn.send(b"b") and conn.send(b"c") and conn.send(b"d")
+    assert not conn.send(b"e")  # the queue is full: the gateway closes the session as slow_consumer
+    assert conn.transport.frames == [b"a"]
+    conn.resume_writing()  # drained below the low-water mark: the queue goes out, in order
+    assert conn.transport.frames == [b"a", b"b", b"c", b"d"] and not conn.backlog
+    conn.close(1008, "slow_consumer")
+    assert conn.transport.closes == [1008] and conn.send(b"late") and conn.transport.frames[-1] == b"d"
+
+
+async def test_a_client_that_stops_reading_is_closed_as_a_slow_consumer(worker):
+    """End to end: a client that never reads, a tiny send queue, and a flood of error events for it."""
+    async with running_gateway([worker], send_queue_events=8, max_messages_per_s=1e6) as (gateway, addr):
+        client = await RawClient.connect(addr)
+        await client.event("session.created")
+        session = next(iter(gateway.pool.handles[0].sessions.values()))
+        bad = frame(b"{not json" + b" " * 1000)  # each one answers with an error event (~100 bytes)
+        async with asyncio.timeout(60):
+            while not session.closed:
+                client.send(bad * 200)
+                await client.writer.drain()
+                await asyncio.sleep(0)
+        assert session.close_reason == "slow_consumer"
+        client.close()
+
+
+# ------------------------------------------------------------------ the aiohttp transport (Gateway.app)
+async def test_the_aiohttp_transport_still_serves_sessions(worker):
+    config = GatewayConfig(workers=(worker.address,), port=0, budget_ms=BUDGET_MS, tokens_per_tick=4,
+                           max_message_bytes=MAX_MESSAGE, aimd=AimdConfig(initial_cap=2, min_cap=2, target_fraction=1.0),
+                           max_sessions=2)
+    gateway = Gateway(config)
+    runner = web.AppRunner(gateway.app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    addr = f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    try:
+        async with aiohttp.ClientSession() as http:
+            ws = await http.ws_connect(f"ws://{addr}/v1/realtime")
+            await recv_until(ws, of_type("session.created"))
+            await ws.send_str("{not json")
+            assert (await recv_until(ws, of_type("error")))[-1]["error"]["code"] == "invalid_json"
+            await ws.send_bytes(b"\x00")
+            assert (await recv_until(ws, of_type("error")))[-1]["error"]["code"] == "unsupported_frame"
+            await ws.send_json({"type": "session.update", "session": {"mode": "free_running"}})
+            await recv_until(ws, of_type("session.updated"))
+            await ws.send_json({"type": "input_audio_buffer.append", "audio": next(chunks(tone(0.02)))})
+            await recv_until(ws, of_type("metronome.tick"))
+            other = await http.ws_connect(f"ws://{addr}/v1/realtime")
+            await recv_until(other, of_type("session.created"))
+            refused = await http.ws_connect(f"ws://{addr}/v1/realtime")
+            event = json.loads((await refused.receive()).data)
+            assert event["error"]["type"] == "server_overloaded"
+            await refused.receive()
+            assert refused.close_code == 1013
+            async with http.get(f"http://{addr}/health") as r:
+                assert r.status == 200 and (await r.json())["workers"][0]["live"] == 2
+            for sock in (ws, other, refused):
+                await sock.close()
+    finally:
+        await runner.cleanup()
