@@ -140,9 +140,10 @@ def bench_n(engine, tower, mel_fn, shape, n: int, args, device) -> dict:
         engine.step([StepInput(s, token_ids=torch.randint(0, vocab, (256,), generator=gen).tolist()) for s in sids])
     ticks = []
     for t in range(args.ticks + 1):   # tick 0 warms up
+        chunks = audio_chunks(n, rng)   # the clients' audio, decoded by the worker before the adapter runs
         sync(device)
         t0 = time.perf_counter()
-        embeds = encode_tick(tower, mel_fn, engine.model.embed, shape["markers"], audio_chunks(n, rng), device)
+        embeds = encode_tick(tower, mel_fn, engine.model.embed, shape["markers"], chunks, device)
         sync(device)
         t1 = time.perf_counter()
         engine.step([StepInput(s, embeds=e, max_new_tokens=args.decode) for s, e in zip(sids, embeds)])
