@@ -36,6 +36,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # model_type -> module defining load_decoder(checkpoint, config, dtype, device).
 OMNI_FAMILIES = {
     "qwen2_5_omni": "metronome.models.omni.qwen2_5_omni",
+    "qwen2_5_omni_thinker": "metronome.models.omni.qwen2_5_omni",
     "qwen3_omni_moe": "metronome.models.omni.qwen3_omni",
     "minicpmo": "metronome.models.omni.minicpm_o",
     "moshi": "metronome.models.omni.moshi",
