@@ -134,8 +134,8 @@ class MoshiHeads(nn.Module):
         return out
 
 
-# Mimi checkpoints (and transformers' save_pretrained) keep the original flat layout; transformers' MimiModel
-# nests the halves (its conversion_mapping renames on load; so do these, in the same order).
+# Mimi checkpoints (and transformers' save_pretrained) keep the original flat layout; transformers > 5.17 nests
+# MimiModel's halves (its conversion_mapping renames on load; so do these when the module is nested).
 _MIMI_FLAT = (("audio_encoder.encoder.layers.", "audio_encoder.encoder.encoder_seanet.layers."),
               ("audio_encoder.encoder_transformer.", "audio_encoder.encoder.encoder_transformer."),
               ("audio_encoder.downsample.", "audio_encoder.encoder.downsample."),
@@ -144,12 +144,12 @@ _MIMI_FLAT = (("audio_encoder.encoder.layers.", "audio_encoder.encoder.encoder_s
               ("audio_encoder.decoder.layers.", "audio_encoder.decoder.decoder_seanet.layers."))
 
 
-def _stored_name(stored: str) -> str | None:
-    """Checkpoint name → MoshiHeads name; None for the temporal decoder's tensors (the engine loads them)."""
+def _stored_name(stored: str, names: set[str]) -> str | None:
+    """Checkpoint name → MoshiHeads name (``names``: the module's); None for the temporal decoder's tensors."""
     if stored == TEXT_HEAD:
         return "lm_head.weight"
     for flat, nested in _MIMI_FLAT:
-        if stored.startswith(flat):
+        if stored.startswith(flat) and nested + stored[len(flat):] in names:
             return nested + stored[len(flat):]
     if stored.startswith(("embed_tokens.", "depth_decoder.", "audio_encoder.")):
         return stored
@@ -163,14 +163,14 @@ def load_heads(checkpoint: Path, config, dtype: torch.dtype, device: torch.devic
         raise ModelLoadError(f"{checkpoint} holds no *.safetensors weights")
     with torch.device(device):
         heads = MoshiHeads(config)
+    expected = heads.state_dict()
     state = {}
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for stored in f.keys():
-                name = _stored_name(stored)
+                name = _stored_name(stored, set(expected))
                 if name is not None:
                     state[name] = f.get_tensor(stored)
-    expected = heads.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:

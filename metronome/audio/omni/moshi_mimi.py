@@ -33,6 +33,30 @@ import torch.nn.functional as F
 from torch import nn
 
 
+@dataclass(frozen=True)
+class MimiParts:
+    """The six stages of a transformers ``MimiModel``, whichever layout its version has.
+
+    transformers ≤ 5.17 keeps them flat on the model (``encoder`` is the SEANet encoder,
+    ``encoder_transformer``, ``downsample``, ...); later versions nest them in ``MimiEncoderModel`` /
+    ``MimiDecoderModel`` halves (``encoder.encoder_seanet``, ``decoder.decoder_transformer``, ...)."""
+
+    encoder_seanet: nn.Module
+    encoder_transformer: nn.Module
+    downsample: nn.Module | None
+    upsample: nn.Module | None
+    decoder_transformer: nn.Module
+    decoder_seanet: nn.Module
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "MimiParts":
+        enc, dec = model.encoder, model.decoder
+        if hasattr(enc, "encoder_seanet"):
+            return cls(enc.encoder_seanet, enc.encoder_transformer, enc.downsample, dec.upsample,
+                       dec.decoder_transformer, dec.decoder_seanet)
+        return cls(enc, model.encoder_transformer, model.downsample, model.upsample, model.decoder_transformer, dec)
+
+
 @dataclass
 class MimiStreamState:
     """One stream's carried tensors (batch 1, fixed shapes) by name, and whether it has started."""
@@ -54,17 +78,18 @@ class MimiCodec:
         self.sample_rate = int(config.sampling_rate)
         self.frame_size = int(round(config.sampling_rate / config.frame_rate))  # 1920 samples = 80 ms
         self.device = next(model.parameters()).device
-        enc, dec = model.encoder, model.decoder
-        self._encoder_convs = [m for m in [*enc.encoder_seanet.modules(), enc.downsample]
+        self.parts = MimiParts.of(model)
+        p = self.parts
+        self._encoder_convs = [m for m in [*p.encoder_seanet.modules(), p.downsample]
                                if isinstance(m, (MimiConv1d, MimiConvTranspose1d))]
-        self._decoder_convs = [m for m in [dec.upsample, *dec.decoder_seanet.modules()]
+        self._decoder_convs = [m for m in [p.upsample, *p.decoder_seanet.modules()]
                                if isinstance(m, (MimiConv1d, MimiConvTranspose1d))]
         self._name: dict[int, str] = {}
         for prefix, convs in (("enc.conv", self._encoder_convs), ("dec.conv", self._decoder_convs)):
             for i, module in enumerate(convs):
                 self._check(module)
                 self._name[id(module)] = f"{prefix}{i}"
-        for tf in (enc.encoder_transformer, dec.decoder_transformer):
+        for tf in (p.encoder_transformer, p.decoder_transformer):
             if tf.config.sliding_window is None:
                 raise ValueError("streaming Mimi needs transformers with a sliding window (bounded state)")
 
@@ -83,15 +108,14 @@ class MimiCodec:
         """A new stream: zero tails and empty transformer windows (allocated at once: fixed size)."""
         t: dict[str, torch.Tensor] = {}
         dev = self.device
-        for module in self._encoder_convs + self._decoder_convs:
+        for module in self._encoder_convs + self._decoder_convs:  # (the downsampler is in the encoder's list)
             conv = module.conv
             if isinstance(conv, nn.ConvTranspose1d):
                 t[self._name[id(module)]] = torch.zeros(1, conv.out_channels, conv.kernel_size[0] - conv.stride[0],
                                                         device=dev)
             elif int(module.padding_total) > 0:
                 t[self._name[id(module)]] = torch.zeros(1, conv.in_channels, int(module.padding_total), device=dev)
-        for prefix, tf in (("enc.tf", self.model.encoder.encoder_transformer),
-                           ("dec.tf", self.model.decoder.decoder_transformer)):
+        for prefix, tf in (("enc.tf", self.parts.encoder_transformer), ("dec.tf", self.parts.decoder_transformer)):
             cfg = tf.config
             past = cfg.sliding_window - 1
             for i in range(len(tf.layers)):
@@ -118,14 +142,14 @@ class MimiCodec:
         """pcm [N, n · frame_size] (24 kHz) for N streams → codes [N, num_codebooks, n]; advances the states."""
         if pcm.shape[-1] % self.frame_size or pcm.shape[0] != len(states):
             raise ValueError(f"encode takes whole frames of {self.frame_size} samples, one row per stream")
-        enc = self.model.encoder
+        p = self.parts
         st = self._stack(states)
         fresh = torch.tensor([not s.started for s in states], device=self.device)
         x = pcm.to(self.device, torch.float32)[:, None, :]
-        for layer in enc.encoder_seanet.layers:
+        for layer in p.encoder_seanet.layers:
             x = self._layer(layer, x, st, fresh)
-        x = self._transformer(enc.encoder_transformer, x.transpose(1, 2), st, "enc.tf").transpose(1, 2)
-        latents = self._conv(enc.downsample, x, st, fresh)
+        x = self._transformer(p.encoder_transformer, x.transpose(1, 2), st, "enc.tf").transpose(1, 2)
+        latents = self._conv(p.downsample, x, st, fresh) if p.downsample is not None else x
         codes = self.model.quantizer.encode(latents, self.num_codebooks).transpose(0, 1)
         self._unstack(st, states)
         for s in states:
@@ -136,13 +160,13 @@ class MimiCodec:
     @torch.no_grad()
     def decode(self, states: list[MimiStreamState], codes: torch.Tensor) -> torch.Tensor:
         """codes [N, K, n] for N streams → pcm [N, n · frame_size] (float32); advances the states."""
-        dec = self.model.decoder
+        p = self.parts
         st = self._stack(states)
         x = self.model.quantizer.decode(codes.to(self.device))
-        if dec.upsample is not None:
-            x = self._convtr(dec.upsample, x, st)
-        x = self._transformer(dec.decoder_transformer, x.transpose(1, 2), st, "dec.tf").transpose(1, 2)
-        for layer in dec.decoder_seanet.layers:
+        if p.upsample is not None:
+            x = self._convtr(p.upsample, x, st)
+        x = self._transformer(p.decoder_transformer, x.transpose(1, 2), st, "dec.tf").transpose(1, 2)
+        for layer in p.decoder_seanet.layers:
             x = self._layer(layer, x, st, None)
         self._unstack(st, states)
         return x[:, 0]
