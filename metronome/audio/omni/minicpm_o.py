@@ -251,7 +251,23 @@ class Layout:
 
 
 # ------------------------------------------------------------------------------------------ sessions
-AUDIO = None  # marker in a session's piece list: "the next audio chunk's embeddings go here"
+@dataclass(frozen=True)
+class _Audio:
+    """One audio unit in a tick's input: ``<|audio_start|>`` + a chunk's rows + ``<|audio_end|>``.
+
+    ``held=None``: the tick's next fresh chunk; else the index of a chunk held during a response."""
+
+    held: int | None = None
+
+
+@dataclass(frozen=True)
+class _Hold:
+    """The tick's ``count`` fresh chunks go to the session's held audio (turn mode, during a response)."""
+
+    count: int
+
+
+Piece = int | _Audio | _Hold   # a tick's input before assembly: token ids and audio units
 
 
 @dataclass
@@ -303,6 +319,7 @@ class MiniCpmoAdapter(InteractionAdapter):
         self.embed = embed
         self.spec = tower.spec
         self.layout = Layout.from_tokenizer(tokenizer)
+        self.unit_tokens = self.spec.tokens_per_chunk + 2   # with its audio-start/end markers
         self.mel = LogMel(int(tower.apm.config.num_mel_bins), tower.apm.conv1.weight.device)
         self.max_input_tokens = max_input_tokens
         self.instruction_ids = list(tokenizer.encode(instruction, add_special_tokens=False)) if instruction else []
@@ -344,7 +361,7 @@ class MiniCpmoAdapter(InteractionAdapter):
         chunks = math.ceil(budget_ms / 1000.0 / self.spec.chunk_s) + 1
         lay = self.layout
         framing = len(lay.close) + len(lay.user_prefix) + len(lay.respond) + len(self.instruction_ids)
-        return chunks * (self.spec.tokens_per_chunk + 2) + framing
+        return chunks * self.unit_tokens + framing
 
     # ------------------------------------------------------------------ ticks
     def prepare(self, batch: list[TickAudio]) -> list[PreparedInput]:
@@ -368,7 +385,7 @@ class MiniCpmoAdapter(InteractionAdapter):
                                              f"{self.max_chunks_per_tick} chunks are encoded per tick")
                 continue
             pieces = self._advance(new, tick, len(chunks))
-            n = sum(self.spec.tokens_per_chunk if p is AUDIO else 1 for p in pieces)
+            n = sum(self.unit_tokens if isinstance(p, _Audio) else isinstance(p, int) for p in pieces)
             if n > self.max_input_tokens:
                 out[i] = PreparedInput(error=f"this tick's input is {n} tokens; at most {self.max_input_tokens} "
                                              "fit in one tick (send shorter text)")
@@ -422,15 +439,12 @@ class MiniCpmoAdapter(InteractionAdapter):
         timing.mel_ms, timing.encoder_ms = (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
         return rows
 
-    def _advance(self, s: _Session, tick: TickAudio, chunks: int) -> list:
-        """This tick's input as a list of token ids and ``AUDIO`` markers (one per chunk of embeddings).
-
-        Turn mode may route the tick's chunks into ``s.held`` instead: marked by ``("hold", n)``.
-        """
+    def _advance(self, s: _Session, tick: TickAudio, chunks: int) -> list[Piece]:
+        """This tick's input as token ids and audio units (the state machine of the module docstring)."""
         lay = self.layout
-        pieces: list = s.header + s.close_next
+        pieces: list[Piece] = s.header + s.close_next
         s.header, s.close_next = [], []
-        heard = [AUDIO] * chunks
+        heard: list[Piece] = [_Audio()] * chunks
         text = list(self.tokenizer.encode(tick.text, add_special_tokens=False)) if tick.text.strip() else []
 
         if s.mode == "free_running":
@@ -456,9 +470,9 @@ class MiniCpmoAdapter(InteractionAdapter):
             if len(s.held) + chunks > self.max_held_chunks:
                 log.info("%d s of audio heard during a response dropped (hold limit %d chunks)",
                          len(s.held) + chunks - self.max_held_chunks, self.max_held_chunks)
-            pieces.append(("hold", chunks))
+            pieces.append(_Hold(chunks))
             return pieces
-        audio = [("held", j) for j in range(len(s.held))] + heard
+        audio = [_Audio(held=j) for j in range(len(s.held))] + heard
         if audio or text:
             if not s.user_open:
                 pieces += lay.user_prefix
@@ -471,39 +485,31 @@ class MiniCpmoAdapter(InteractionAdapter):
             s.response_tokens = 0
         return pieces
 
-    def _assemble(self, s: _Session, pieces: list, rows: list[torch.Tensor]
+    def _assemble(self, s: _Session, pieces: list[Piece], rows: list[torch.Tensor]
                   ) -> tuple[torch.Tensor | None, list[int] | None]:
-        """Token ids and chunk embeddings → one [n, hidden] tensor (or plain token ids if no audio)."""
+        """Token ids and audio units → one [n, hidden] tensor (or plain token ids when there is no audio)."""
         held = list(s.held)
-        segments: list[torch.Tensor | list[int]] = []
         fresh = iter(rows)
+        segments: list[torch.Tensor | list[int]] = []
         for p in pieces:
-            if isinstance(p, tuple) and p[0] == "hold":
-                for _ in range(p[1]):
-                    s.held.append(next(fresh))
-                continue
-            if isinstance(p, tuple):      # ("held", j): a chunk heard during the last response
-                row = held[p[1]]
-            elif p is AUDIO:
-                row = next(fresh)
+            if isinstance(p, _Hold):
+                s.held.extend(next(fresh) for _ in range(p.count))   # the deque drops the oldest
+            elif isinstance(p, _Audio):
+                row = next(fresh) if p.held is None else held[p.held]
+                segments += [[self.layout.audio_start], row, [self.layout.audio_end]]
+            elif segments and isinstance(segments[-1], list):
+                segments[-1].append(p)
             else:
-                if segments and isinstance(segments[-1], list):
-                    segments[-1].append(p)
-                else:
-                    segments.append([p])
-                continue
-            segments += [[self.layout.audio_start], row, [self.layout.audio_end]]
-        if any(isinstance(p, tuple) and p[0] == "held" for p in pieces):
+                segments.append([p])
+        if any(isinstance(p, _Audio) and p.held is not None for p in pieces):
             s.held.clear()
-        if not segments:
-            return None, None
         if all(isinstance(seg, list) for seg in segments):
-            return None, [t for seg in segments for t in seg]
-        device = rows[0].device if rows else held[0].device
+            return None, ([t for seg in segments for t in seg] or None)
+        device = next(seg for seg in segments if isinstance(seg, torch.Tensor)).device
         with torch.inference_mode():
             parts = [self.embed(torch.tensor(seg, dtype=torch.long, device=device)) if isinstance(seg, list)
                      else seg for seg in segments]
-            return torch.cat([p.to(parts[0].dtype) for p in parts]), None
+            return torch.cat([part.to(parts[0].dtype) for part in parts]), None
 
     def on_output(self, session_id: str, token_ids: list[int], finished: bool) -> str:
         state = self._sessions.get(session_id)

@@ -276,6 +276,15 @@ def test_bad_input_is_refused_per_session_and_leaves_it_usable(engine):
     again, = adapter.prepare([TickAudio("bad", pcm=speech_like(0.6, seed=35), max_tokens=2)])
     assert again.error is None and again.embeds is not None and again.max_new_tokens == 2
     assert adapter.session_state("bad")["carry_samples"] == 0 and adapter.session_state("bad")["started"]
+    # Every second of audio is 12 positions (markers included): 17 s is 204 > 200, 16 s is 192.
+    wide = MiniCpmoAdapter.from_context(context(engine, max_input_tokens=200), max_chunks_per_tick=20)
+    wide.open_session("w", "free_running", "Be brief.")
+    wide.prepare([TickAudio("w", pcm=speech_like(1.0, seed=36))])
+    too_long, = wide.prepare([TickAudio("w", pcm=np.zeros(17 * 16000, np.float32))])
+    assert too_long.error and "204 tokens" in too_long.error
+    fits, = wide.prepare([TickAudio("w", pcm=np.zeros(16 * 16000, np.float32))])
+    assert fits.error is None and fits.embeds.shape[0] == 192
+
     with pytest.raises(ValueError, match="already open"):
         adapter.open_session("ok", "turn", "")
     with pytest.raises(ValueError, match="mode"):
