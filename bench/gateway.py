@@ -12,8 +12,8 @@ Each sweep point starts three kinds of process, fresh, so the gateway is measure
 * a **no-op worker** (``bench/noop_worker.py``): the real gRPC ``Worker`` service answering every
   ``Step`` at once with one ``"."`` delta per session (no model), and logging each Step's arrival
   time and audio bytes;
-* the **gateway** (``metronome.serving.gateway.run_gateway`` on uvloop, the production entry point)
-  with budget B (``--budget-ms``, default 1000 ms), ``max_sessions=None`` and an AIMD controller
+* the **gateway** (``metronome.serving.gateway.run_gateway``: picows on uvloop, the production entry
+  point; ``--transport aiohttp`` runs ``Gateway.app`` on aiohttp instead, the earlier server) with budget B (``--budget-ms``, default 1000 ms), ``max_sessions=None`` and an AIMD controller
   pinned open (``initial_cap = min_cap = N + 10``, ``target_fraction = 1``), so admission never
   interferes;
 * ``--generators`` **load generator** processes (default 1) on uvloop. They speak WebSocket over raw
@@ -501,8 +501,20 @@ def generator_main(conn, spec: dict[str, Any]) -> None:
 
 
 # ============================================================================================ gateway
-def gateway_main(config, log_path: str, profile_path: str | None, cpus: set[int] | None = None) -> None:
-    """Child process: the production entry point ``run_gateway`` (uvloop), stderr to a log file."""
+def run_aiohttp_gateway(config) -> None:
+    """The gateway on its aiohttp transport (``Gateway.app``), on uvloop: the baseline for ``--transport``."""
+    import uvloop
+    from aiohttp import web
+
+    from metronome.serving.gateway import Gateway
+
+    web.run_app(Gateway(config).app, host=config.host, port=config.port, print=None, access_log=None,
+                loop=uvloop.new_event_loop())
+
+
+def gateway_main(config, log_path: str, profile_path: str | None, cpus: set[int] | None = None,
+                 transport: str = "picows") -> None:
+    """Child process: the production entry point ``run_gateway`` (picows on uvloop), stderr to a log file."""
     raise_nofile()
     if cpus:
         os.sched_setaffinity(0, cpus)  # before grpc starts its threads: they inherit it
@@ -511,8 +523,9 @@ def gateway_main(config, log_path: str, profile_path: str | None, cpus: set[int]
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from metronome.serving.gateway import run_gateway
 
+    run = run_gateway if transport == "picows" else run_aiohttp_gateway
     if not profile_path:
-        run_gateway(config)
+        run(config)
         return
     import cProfile
     import pstats
@@ -520,7 +533,7 @@ def gateway_main(config, log_path: str, profile_path: str | None, cpus: set[int]
     profile = cProfile.Profile()
     profile.enable()
     try:
-        run_gateway(config)
+        run(config)
     finally:
         profile.disable()
         profile.dump_stats(profile_path)
@@ -580,7 +593,8 @@ def run_point(n: int, args, logdir: Path, bar_position: int = 1) -> dict[str, An
     for p in paths.values():
         p.unlink(missing_ok=True)
     point: dict[str, Any] = {"sessions": n, "budget_ms": budget_ms, "ramp_s": ramp_s, "warmup_s": warmup_s,
-                             "duration_s": args.duration_s, "generators": args.generators}
+                             "duration_s": args.duration_s, "generators": args.generators,
+                             "transport": args.transport}
     worker = gateway = None
     gateway_cpus = load_cpus = None
     usable = sorted(os.sched_getaffinity(0))
@@ -608,8 +622,8 @@ def run_point(n: int, args, logdir: Path, bar_position: int = 1) -> dict[str, An
                                aimd=AimdConfig(budget_ms=budget_ms, initial_cap=cap, min_cap=cap, target_fraction=1.0))
         point["gateway_config"] = {k: v for k, v in asdict(config).items() if k != "api_key"}
         profile = str(Path(args.profile_gateway) / f"gateway_{n}.prof") if args.profile_gateway else None
-        gateway = ctx.Process(target=gateway_main, args=(config, str(paths["gateway.log"]), profile, gateway_cpus),
-                              name=f"gateway-{n}")
+        gateway = ctx.Process(target=gateway_main, args=(config, str(paths["gateway.log"]), profile, gateway_cpus,
+                                                         args.transport), name=f"gateway-{n}")
         gateway.start()
         # ---- generators (spawned while the gateway starts)
         k = max(1, min(args.generators, n))
@@ -863,13 +877,14 @@ def machine_info() -> dict[str, Any]:
                                     text=True, timeout=10, cwd=ROOT).stdout.strip())
     except (OSError, subprocess.SubprocessError):
         commit, dirty = None, None
+    import picows
     import uvloop
 
     return {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
         "python": platform.python_version(), "cpus": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)),
-        "aiohttp": aiohttp.__version__, "grpcio": grpc.__version__, "uvloop": uvloop.__version__,
+        "aiohttp": aiohttp.__version__, "picows": picows.__version__, "grpcio": grpc.__version__, "uvloop": uvloop.__version__,
         "msgspec": msgspec.__version__, "nofile_limit": resource.getrlimit(resource.RLIMIT_NOFILE)[1],
         "git_commit": commit, "git_dirty": dirty, "loadavg_start": [round(x, 2) for x in os.getloadavg()],
     }
@@ -888,6 +903,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="load generator processes (each a uvloop loop); more only helps with spare cores [default 1]")
     p.add_argument("--ramp-s", type=float, default=None, help="connect ramp [default max(2, N/250)]")
     p.add_argument("--warmup-s", type=float, default=None, help="after the ramp, before measuring [default max(3, 2B)]")
+    p.add_argument("--transport", choices=("picows", "aiohttp"), default="picows",
+                   help="the gateway's WebSocket transport: picows (production, run_gateway) or aiohttp (Gateway.app, "
+                        "the earlier server, for comparison) [default picows]")
     p.add_argument("--pin", action="store_true",
                    help="pin the gateway to the first usable CPU and the generators + worker to the others, so the "
                         "gateway has a core of its own (a remote-client setup); off: all share all cores")
@@ -960,7 +978,8 @@ def main(argv=None) -> int:
     b = args.budget_ms
     print(f"\nGateway benchmark: B = {b:g} ms, 20 ms chunks of 16 kHz PCM16, no-op worker, "
           f"{args.duration_s:g} s per point, {args.generators} generator process(es)"
-          + (", gateway pinned to its own core" if args.pin else ", all processes share all cores"))
+          + (", gateway pinned to its own core" if args.pin else ", all processes share all cores")
+          + f", {args.transport} transport")
     print(f"target: >= 1000 sessions with p99 drift <= {TARGET_FRACTION * b:g} ms ({TARGET_FRACTION:.0%} of B)\n")
     print(table(results["points"], b))
     print("\nCPU in % of one core (µs/msg: gateway CPU time per message in + out); box busy in % of all cores "
@@ -970,7 +989,8 @@ def main(argv=None) -> int:
     verdict = "MET" if best >= 1000 else "NOT MET"
     print(f"\nlargest N passing: {best}  -> target {verdict} on this machine")
     m = results["machine"]
-    print(f"machine: {m['platform']}, {m['cpus_usable']} CPUs, python {m['python']}, aiohttp {m['aiohttp']}, "
+    print(f"machine: {m['platform']}, {m['cpus_usable']} CPUs, python {m['python']}, picows {m['picows']}, "
+          f"aiohttp {m['aiohttp']}, "
           f"load avg {m['loadavg_start']} -> {m.get('loadavg_end')}; wall {results['wall_s']:.0f} s")
     print(f"raw results: {out}")
     return 0

@@ -45,6 +45,10 @@ class Connection(Protocol):
         """Write one text frame now or queue it; False: the bounded queue is full (a slow reader)."""
         ...
 
+    def send_many(self, data: list[bytes]) -> bool:
+        """``send`` for several frames, in order, written at once; False as for ``send``."""
+        ...
+
     def close(self, code: int, reason: str) -> None:
         """Send a close frame with ``code`` and end the connection (idempotent)."""
         ...
@@ -66,7 +70,8 @@ class ClientSession:
         self.sample_rate = DEFAULT_SAMPLE_RATE
         self.mode = ""
         self.instructions = ""
-        self.audio = bytearray()
+        self.audio: list[bytes] = []   # the chunks since the last tick, joined once per tick (one copy)
+        self.audio_bytes = 0
         self.new_turn = False
         self.texts: list[str] = []
         self.cancel = False
@@ -91,17 +96,23 @@ class ClientSession:
 
     def append_audio(self, pcm16: bytes) -> bool:
         """Buffer audio for the next tick; False (nothing buffered) when the buffer would overflow."""
-        if len(self.audio) + len(pcm16) > self.max_audio_bytes:
+        size = self.audio_bytes + len(pcm16)
+        if size > self.max_audio_bytes:
             return False
-        self.audio += pcm16
+        self.audio.append(pcm16)
+        self.audio_bytes = size
         self.started = True
         return True
 
+    def clear_audio(self) -> None:
+        self.audio.clear()
+        self.audio_bytes = 0
+
     def take_tick_input(self) -> pb.SessionInput:
         """Everything buffered since the last tick, as one SessionInput; the buffers start empty again."""
-        inp = pb.SessionInput(sid=self.sid, new_turn=self.new_turn, audio_pcm16=bytes(self.audio),
+        inp = pb.SessionInput(sid=self.sid, new_turn=self.new_turn, audio_pcm16=b"".join(self.audio),
                               sample_rate=self.sample_rate, text="".join(self.texts), cancel=self.cancel)
-        self.audio.clear()
+        self.clear_audio()
         self.texts.clear()
         self.new_turn = self.cancel = False
         return inp
@@ -112,6 +123,15 @@ class ClientSession:
         if self.closed:
             return False
         if self.conn.send(encode(event)):
+            return True
+        self.close("slow_consumer")
+        return False
+
+    def send_all(self, events: list[dict[str, Any]]) -> bool:
+        """Send a tick's events together: one socket write for all of them (the fan-out's cost is writes)."""
+        if self.closed:
+            return False
+        if self.conn.send_many([encode(e) for e in events]):
             return True
         self.close("slow_consumer")
         return False

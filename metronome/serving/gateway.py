@@ -250,10 +250,14 @@ class Gateway:
         except ProtocolError as exc:
             self._client_error(session, exc.code, exc.message)
 
-    def _client_error(self, session: ClientSession, code: str, message: str, event_id: str | None = None) -> None:
+    def _client_error(self, session: ClientSession, code: str, message: str) -> None:
+        session.send(self._error(session, code, message))
+
+    def _error(self, session: ClientSession, code: str, message: str) -> dict[str, Any]:
+        """An error event for this session, counted and logged."""
         self.metrics.client_errors.labels(code).inc()
         log.info("session %s: %s: %s", session.sid, code, message)
-        session.send(error_event(code, message, event_id=event_id))
+        return error_event(code, message)
 
     # ------------------------------------------------------------------ client events
     def _handle(self, conn: Connection, session: ClientSession, event: Any) -> None:
@@ -263,7 +267,7 @@ class Gateway:
             session.new_turn = session.started = True
             session.send({"type": "input_audio_buffer.committed", "event_id": event.event_id})
         elif isinstance(event, InputAudioBufferClear):
-            session.audio.clear()
+            session.clear_audio()
             session.send({"type": "input_audio_buffer.cleared", "event_id": event.event_id})
         elif isinstance(event, ConversationItemCreate):
             session.texts.append(event.text())
@@ -274,7 +278,7 @@ class Gateway:
         elif isinstance(event, ResponseCancel):
             session.cancel = True
             if session.response_id:
-                self._finish_response(session, "cancelled")
+                session.send(self._finish_response(session, "cancelled"))
 
     def _update_session(self, conn: Connection, session: ClientSession, event: SessionUpdate) -> None:
         cfg = event.session
@@ -302,7 +306,7 @@ class Gateway:
     @staticmethod
     def _apply_rate(session: ClientSession, rate: int | None) -> None:
         if rate is not None and rate != session.sample_rate:
-            session.audio.clear()  # buffered audio was at the old rate
+            session.clear_audio()  # buffered audio was at the old rate
             session.sample_rate = rate
 
     async def _reopen(self, conn: Connection, session: ClientSession, event: SessionUpdate, mode: str,
@@ -333,47 +337,55 @@ class Gateway:
     # ------------------------------------------------------------------ tick fan-out
     def _deliver(self, handle: WorkerHandle, session: ClientSession, out: pb.SessionOutput,
                  report: TickReport) -> None:
+        """One session's share of a tick: its events, then ``metronome.tick``, written together."""
+        events: list[dict[str, Any]] = []
         if out.error:
-            self._client_error(session, "session_failed", out.error)
+            events.append(self._error(session, "session_failed", out.error))
         if out.transcript:
             # Adapters report whole utterances (the cascade transcribes VAD-delimited utterances), so each
             # transcript is final: a delta with all of it, then `completed`. A user turn that arrives while
             # a response streams ends that response (barge-in; the adapter closed the answer already).
             item_id = f"item_{uuid.uuid4().hex[:16]}"
-            session.send({"type": "conversation.item.input_audio_transcription.delta", "item_id": item_id,
-                          "content_index": 0, "delta": out.transcript})
-            session.send({"type": "conversation.item.input_audio_transcription.completed", "item_id": item_id,
-                          "content_index": 0, "transcript": out.transcript})
+            events.append({"type": "conversation.item.input_audio_transcription.delta", "item_id": item_id,
+                           "content_index": 0, "delta": out.transcript})
+            events.append({"type": "conversation.item.input_audio_transcription.completed", "item_id": item_id,
+                           "content_index": 0, "transcript": out.transcript})
             if session.response_id:
-                self._finish_response(session, "completed" if session.mode == "free_running" else "cancelled")
+                events.append(self._finish_response(session, "completed" if session.mode == "free_running"
+                                                    else "cancelled"))
         if out.text or out.tokens:
             if session.response_id is None:
-                rid = session.start_response()
-                session.send({"type": "response.created", "response": {"id": rid, "object": "realtime.response",
-                                                                       "status": "in_progress"}})
-            session.send({"type": "response.output_text.delta", "response_id": session.response_id,
-                          "item_id": f"item_{session.response_id}", "output_index": 0, "content_index": 0,
-                          "delta": out.text})
+                events.append(self._start_response(session))
+            events.append({"type": "response.output_text.delta", "response_id": session.response_id,
+                           "item_id": f"item_{session.response_id}", "output_index": 0, "content_index": 0,
+                           "delta": out.text})
         if out.audio_pcm16:
             if session.response_id is None:
-                rid = session.start_response()
-                session.send({"type": "response.created", "response": {"id": rid, "object": "realtime.response",
-                                                                       "status": "in_progress"}})
-            session.send({"type": "response.output_audio.delta", "response_id": session.response_id,
-                          "item_id": f"item_{session.response_id}", "output_index": 0, "content_index": 0,
-                          "delta": base64.b64encode(out.audio_pcm16).decode("ascii"),
-                          "sample_rate": out.audio_sample_rate})
+                events.append(self._start_response(session))
+            events.append({"type": "response.output_audio.delta", "response_id": session.response_id,
+                           "item_id": f"item_{session.response_id}", "output_index": 0, "content_index": 0,
+                           "delta": base64.b64encode(out.audio_pcm16).decode("ascii"),
+                           "sample_rate": out.audio_sample_rate})
         if out.finished and session.response_id:
-            self._finish_response(session, "completed")
-        session.send({"type": "metronome.tick", "tick": report.tick, "latency_ms": round(report.latency_ms, 3),
-                      "budget_ms": self.config.budget_ms, "deadline_met": report.deadline_met,
-                      "batch": report.batch, "drift_ms": round(report.drift_ms, 3), "preempted": out.preempted,
-                      "input_dbfs": round(out.input_dbfs, 1), "input_clipping": round(out.input_clipping, 4)})
+            events.append(self._finish_response(session, "completed"))
+        events.append({"type": "metronome.tick", "tick": report.tick, "latency_ms": round(report.latency_ms, 3),
+                       "budget_ms": self.config.budget_ms, "deadline_met": report.deadline_met,
+                       "batch": report.batch, "drift_ms": round(report.drift_ms, 3), "preempted": out.preempted,
+                       "input_dbfs": round(out.input_dbfs, 1), "input_clipping": round(out.input_clipping, 4)})
+        session.send_all(events)
 
-    def _finish_response(self, session: ClientSession, status: str) -> None:
-        session.send({"type": "response.done", "response": {"id": session.response_id, "object": "realtime.response",
-                                                            "status": status}})
+    @staticmethod
+    def _start_response(session: ClientSession) -> dict[str, Any]:
+        rid = session.start_response()
+        return {"type": "response.created", "response": {"id": rid, "object": "realtime.response",
+                                                         "status": "in_progress"}}
+
+    @staticmethod
+    def _finish_response(session: ClientSession, status: str) -> dict[str, Any]:
+        event = {"type": "response.done", "response": {"id": session.response_id, "object": "realtime.response",
+                                                       "status": status}}
         session.response_id = None
+        return event
 
     def _worker_failed(self, handle: WorkerHandle, session: ClientSession, code: str) -> None:
         self._client_error(session, code, f"worker {handle.address} failed; this session has ended")

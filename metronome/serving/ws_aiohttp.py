@@ -41,6 +41,11 @@ class AiohttpConnection:
         except asyncio.QueueFull:
             return False
 
+    def send_many(self, data: list[bytes]) -> bool:
+        if self.outbox.maxsize - self.outbox.qsize() < len(data) and not self.closed:
+            return False
+        return all(self.send(d) for d in data)
+
     def close(self, code: int, reason: str) -> None:
         if self.closed:
             return

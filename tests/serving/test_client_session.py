@@ -17,6 +17,9 @@ class FakeConnection:
         self.sent.append(data)
         return True
 
+    def send_many(self, data: list[bytes]) -> bool:
+        return all(self.send(d) for d in data)
+
     def close(self, code: int, reason: str) -> None:
         self.closes.append((code, reason))
 
@@ -54,8 +57,9 @@ def test_audio_waiting_for_a_tick_is_bounded():
     assert session.append_audio(b"\x00" * 3200)
     assert not session.append_audio(b"\x00\x00")
     tick = session.take_tick_input()
-    assert len(tick.audio_pcm16) == 3200 and not session.audio
-    assert session.append_audio(b"\x00" * 2)
+    assert len(tick.audio_pcm16) == 3200 and not session.audio and session.audio_bytes == 0
+    assert session.append_audio(b"\x01\x00") and session.append_audio(b"\x02\x00")
+    assert session.take_tick_input().audio_pcm16 == b"\x01\x00\x02\x00"  # in order, joined
 
 
 def test_token_bucket_allows_bursts_then_limits():

@@ -250,6 +250,11 @@ class FakeTransport:
     def __init__(self) -> None:
         self.frames: list[bytes] = []
         self.closes: list[int] = []
+        self.underlying_transport = self  # send_many writes pre-framed bytes straight to the socket
+        self.written: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
 
     def send(self, kind, data: bytes) -> None:
         self.frames.append(data)
@@ -271,6 +276,11 @@ async def test_a_backed_up_socket_queues_a_bounded_number_of_events_then_refuses
     assert conn.transport.frames == [b"a"]
     conn.resume_writing()  # drained below the low-water mark: the queue goes out, in order
     assert conn.transport.frames == [b"a", b"b", b"c", b"d"] and not conn.backlog
+    assert conn.send_many([b"x", b"y" * 200])  # a tick's events: one write of back-to-back text frames
+    assert conn.transport.written == [b"\x81\x01x" + b"\x81\x7e\x00\xc8" + b"y" * 200]
+    conn.pause_writing()
+    assert conn.send_many([b"1", b"2"]) and not conn.send_many([b"3", b"4"])  # all of a batch fits, or none
+    assert list(conn.backlog) == [b"1", b"2"]
     conn.close(1008, "slow_consumer")
     assert conn.transport.closes == [1008] and conn.send(b"late") and conn.transport.frames[-1] == b"d"
 
