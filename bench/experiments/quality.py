@@ -450,13 +450,14 @@ def plot(raw: dict, analysis: dict, out: Path) -> list[str]:
     if raw.get("perplexity"):
         fig, ax = plt.subplots(figsize=(8, 4))
         width = max(64, p["window"] // 2)
+        sink_values = sorted({c["sinks"] for c in raw["perplexity"]["configs"] if c["window"] is not None})
         for c in raw["perplexity"]["configs"]:
             pos, nll = rolling_nll(c["logprobs"], width)
-            ls = "-" if c["positions"] == "rebased" or c["name"] == "dense" else "--"
-            ax.plot(pos, nll, ls=ls, lw=1.2 if c["name"] == "dense" else 0.9,
-                    color="k" if c["name"] == "dense" else None, label=f"{c['name']} ({c['ppl']:.1f})")
+            dense = c["window"] is None
+            ax.plot(pos, nll, ls="--" if c["positions"] == "absolute" and not dense else "-", lw=1.4 if dense else 0.9,
+                    color="k" if dense else f"C{sink_values.index(c['sinks'])}", label=f"{c['name']} ({c['ppl']:.1f})")
         ax.axvline(p["window"], color="0.5", ls=":", lw=0.8)
-        ax.set_xlabel("token position (dotted: W)")
+        ax.set_xlabel("token position (dotted: W; dashed: absolute positions, solid: rebased)")
         ax.set_ylabel(f"NLL, mean over {width} tokens")
         ax.set_title(f"SmolLM2-135M over {raw['perplexity']['tokens']} tokens, chunks of {p['chunk_tokens']}, "
                      f"W = {p['window']} (legend: perplexity)", fontsize=9)
