@@ -188,6 +188,62 @@ def time_expert_paths(spec, device, dtype, token_counts, reps: int) -> list[dict
     return rows
 
 
+def tune_moe(args) -> dict:
+    """Tile sweep of the two grouped-GEMM kernels at the real layer shape: per T tokens and kernel, the
+    fastest (block_m, TileConfig) by median CUDA-event time; configs that do not fit are skipped."""
+    import itertools
+
+    from metronome.models.moe_triton import TileConfig, launch_down, launch_gate_up, route
+
+    text = REAL["text"]
+    e, h, inter, k = text["num_experts"], text["hidden_size"], text["moe_intermediate_size"], text["num_experts_per_tok"]
+    dev = torch.device("cuda")
+    w_gate_up = torch.randn(e, 2 * inter, h, device=dev, dtype=torch.bfloat16) * 0.02
+    w_down = torch.randn(e, h, inter, device=dev, dtype=torch.bfloat16) * 0.02
+    grid = [TileConfig(n, kk, w, st) for n, kk, w, st in itertools.product((64, 128), (64, 128, 256), (4, 8), (3, 4))]
+
+    def timed(fn) -> float:
+        fn()
+        times = []
+        for _ in range(10):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        return statistics.median(times)
+
+    rows = []
+    for t in _ints(args.tune_tokens):
+        x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
+        ids = torch.softmax(torch.randn(t, e, device=dev), -1).topk(k, -1).indices
+        weights = torch.full((t * k,), 1.0 / k, device=dev, dtype=torch.bfloat16)
+        mean = t * k / e
+        heights = (16,) if mean <= 16 else (16, 32, 64) if mean <= 64 else (64, 128)
+        best: dict = {}
+        for bm in heights:
+            routing = route(ids, e, bm)
+            act = torch.empty(t * k, inter, device=dev, dtype=torch.bfloat16)
+            out = torch.empty(t * k, h, device=dev, dtype=torch.float32)
+            for cfg in grid:
+                for kernel, fn in (("gate_up", lambda: launch_gate_up(x, w_gate_up, act, routing, k, cfg, False)),
+                                   ("down", lambda: launch_down(act, w_down, out, weights, routing, cfg, False))):
+                    try:
+                        ms = timed(fn)
+                    except Exception as exc:   # e.g. out of shared memory for this tile shape
+                        print(f"skip {kernel} T={t} bm={bm} {cfg}: {type(exc).__name__}", flush=True)
+                        continue
+                    if kernel not in best or ms < best[kernel]["ms"]:
+                        best[kernel] = {"ms": ms, "block_m": bm, **vars(cfg)}
+        weight_bytes = 3 * inter * h * 2 * e * (1 - (1 - k / e) ** t)
+        row = {"tokens": t, **best, "expert_bytes": weight_bytes,
+               "tb_per_s": weight_bytes / ((best["gate_up"]["ms"] + best["down"]["ms"]) * 1e-3) / 1e12}
+        rows.append(row)
+        print(json.dumps({"tune": row}), flush=True)
+    return {"tune": rows}
+
+
 class Bench:
     """One engine over the random decoder, the audio front end, and sessions that stay open across N."""
 
@@ -271,6 +327,8 @@ def parse_args(argv=None):
     p.add_argument("--budget-ms", type=float, default=2000.0)
     p.add_argument("--sinks", type=int, default=16)
     p.add_argument("--window", type=int, default=None)
+    p.add_argument("--tune-moe", action="store_true", help="only sweep the grouped-GEMM tiles at the real shape")
+    p.add_argument("--tune-tokens", default="16,64,256,1024,4096,16384")
     p.add_argument("--out", default=None, help="JSON path (default $OUT/models_qwen3_omni.json, OUT=./out)")
     args = p.parse_args(argv)
     smoke = args.smoke
@@ -298,6 +356,12 @@ def main(argv=None) -> dict:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench/models_gpu_qwen3_omni.py needs a CUDA device (or --smoke)")
     _without_soxr()
+    if args.tune_moe:
+        results = tune_moe(args)
+        out = Path(args.out).with_name("moe_tiles_qwen3_omni.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=1))
+        return results
     device = torch.device(args.device)
     dtype = torch.float32 if args.smoke else torch.bfloat16
     shape = SMOKE if args.smoke else REAL

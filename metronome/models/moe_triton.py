@@ -154,19 +154,76 @@ def _down(act_ptr, w_ptr, out_ptr, weight_ptr, order_ptr, start_ptr, count_ptr, 
     tl.store(out, acc, mask=row_mask[:, None] & n_mask[None, :])
 
 
-def _block_m(num_assignments: int, num_experts: int) -> int:
-    """Row-tile height from the mean rows per expert: small tiles for decode, larger for prefill."""
+@dataclass(frozen=True)
+class TileConfig:
+    """One kernel's launch shape: output columns and reduction step per program, warps, pipeline stages."""
+
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class MoeLaunch:
+    """Both kernels' tiles for one forward; ``block_m`` rows of one expert per program."""
+
+    block_m: int
+    gate_up: TileConfig
+    down: TileConfig
+
+
+def choose_launch(num_assignments: int, num_experts: int) -> MoeLaunch:
+    """Tiles by the mean rows per expert (measured on an H200 at Qwen3-Omni's layer shape, H = 2048,
+    I = 768, E = 128, k = 8; ``bench/models_gpu_qwen3_omni.py --tune-moe``).
+
+    Decode rounds put a few rows on each expert: the kernels stream weights (3.2-3.6 TB/s there), so
+    16-row tiles and long reduction steps with deep pipelines. Prefill batches are compute-bound: tall
+    row tiles reuse each weight tile (about 430 TFLOP/s at 16k tokens).
+    """
     mean = num_assignments / num_experts
-    return 16 if mean <= 16 else 32 if mean <= 48 else 64
+    if mean <= 2:
+        return MoeLaunch(16, TileConfig(64, 128, 4, 4), TileConfig(128, 128, 4, 4))
+    if mean <= 16:
+        return MoeLaunch(16, TileConfig(128, 128, 4, 4), TileConfig(128, 128, 4, 3))
+    if mean <= 128:
+        return MoeLaunch(64, TileConfig(64, 64, 4, 3), TileConfig(128, 64, 8, 3))
+    return MoeLaunch(128, TileConfig(128, 64, 8, 3), TileConfig(128, 64, 4, 3))
+
+
+def launch_gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, act: torch.Tensor, routing: Routing, top_k: int,
+                   tiles: TileConfig, dot_f32: bool) -> None:
+    """``act[j] = silu(gate)·up`` of the j-th sorted assignment's token under its expert."""
+    e, two_i, h = w_gate_up.shape
+    inter = two_i // 2
+    grid = (routing.tile_expert.numel(), triton.cdiv(inter, tiles.block_n))
+    _gate_up_act[grid](
+        x, w_gate_up, act, routing.order, routing.start, routing.count, routing.tile_expert, routing.tile_start,
+        h, inter, top_k, e, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0),
+        BLOCK_M=routing.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT_F32=dot_f32,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+
+
+def launch_down(act: torch.Tensor, w_down: torch.Tensor, out: torch.Tensor, weights: torch.Tensor, routing: Routing,
+                tiles: TileConfig, dot_f32: bool) -> None:
+    """``out[assignment] = weight · down(act)`` (fp32), every assignment in its own row."""
+    e, h, inter = w_down.shape
+    grid = (routing.tile_expert.numel(), triton.cdiv(h, tiles.block_n))
+    _down[grid](
+        act, w_down, out, weights, routing.order, routing.start, routing.count, routing.tile_expert,
+        routing.tile_start, h, inter, e, act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
+        BLOCK_M=routing.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT_F32=dot_f32,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
 def grouped_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
-                topk_weights: torch.Tensor, *, block_m: int | None = None, block_n: int = 64,
-                block_k: int = 64) -> torch.Tensor:
+                topk_weights: torch.Tensor, *, launch: MoeLaunch | None = None,
+                block_m: int | None = None) -> torch.Tensor:
     """``sum_j topk_weights[t, j] · expert_{topk_ids[t, j]}(x[t])`` for every token ``t``.
 
     ``x`` [T, H]; ``w_gate_up`` [E, 2I, H] (gate rows first, then up); ``w_down`` [E, H, I];
-    ``topk_ids`` [T, k] (int); ``topk_weights`` [T, k]. Returns [T, H] in ``x``'s dtype.
+    ``topk_ids`` [T, k] (int); ``topk_weights`` [T, k]. Returns [T, H] in ``x``'s dtype. ``launch``
+    overrides the tiles ``choose_launch`` picks (``block_m`` only their row height).
     """
     t, h = x.shape
     e, two_i, h_w = w_gate_up.shape
@@ -177,23 +234,16 @@ def grouped_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, 
     m = t * k
     if t == 0:
         return x.new_zeros((0, h))
+    launch = launch or choose_launch(m, e)
+    if block_m is not None:
+        launch = MoeLaunch(block_m, launch.gate_up, launch.down)
     x = x.contiguous()
     w_gate_up, w_down = w_gate_up.contiguous(), w_down.contiguous()
-    bm = block_m or _block_m(m, e)
-    routing = route(topk_ids, e, bm)
+    routing = route(topk_ids, e, launch.block_m)
     act = torch.empty((m, inter), dtype=x.dtype, device=x.device)
     out = torch.empty((m, h), dtype=torch.float32, device=x.device)
-    weights = topk_weights.reshape(-1).contiguous()
     # fp32 operands multiply in IEEE fp32 (not TF32), as do the interpreter's upcast bf16 operands.
     dot_f32 = _interpreting() or not x.is_cuda or x.dtype == torch.float32
-    tiles = routing.tile_expert.numel()
-    meta = (routing.order, routing.start, routing.count, routing.tile_expert, routing.tile_start)
-    _gate_up_act[(tiles, triton.cdiv(inter, block_n))](
-        x, w_gate_up, act, *meta, h, inter, k, e,
-        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0),
-        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, DOT_F32=dot_f32)
-    _down[(tiles, triton.cdiv(h, block_n))](
-        act, w_down, out, weights, *meta, h, inter, e,
-        act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
-        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, DOT_F32=dot_f32)
+    launch_gate_up(x, w_gate_up, act, routing, k, launch.gate_up, dot_f32)
+    launch_down(act, w_down, out, topk_weights.reshape(-1).contiguous(), routing, launch.down, dot_f32)
     return out.view(t, k, h).sum(1).to(x.dtype)

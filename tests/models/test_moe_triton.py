@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from metronome.models.moe import experts_sorted  # noqa: E402
-from metronome.models.moe_triton import grouped_moe, max_row_tiles, route  # noqa: E402
+from metronome.models.moe_triton import MoeLaunch, TileConfig, grouped_moe, max_row_tiles, route  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -59,9 +59,23 @@ def test_grouped_gemm_matches_torch_path_and_oracle_fp32(t, e, k, h, inter, bloc
     gate_up, down = _weights(e, h, inter, torch.float32)
     x = torch.randn(t, h, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     ids, w = _routing(t, e, k, skew=skew)
-    got = grouped_moe(x, gate_up, down, ids, w, block_m=block_m, block_n=16, block_k=16)
+    small = TileConfig(block_n=16, block_k=16)
+    got = grouped_moe(x, gate_up, down, ids, w, launch=MoeLaunch(block_m, small, TileConfig(block_n=32, block_k=16)))
     torch.testing.assert_close(got, experts_sorted(x, gate_up, down, ids, w), atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(got.double().cpu(), _oracle(x, gate_up, down, ids, w), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("t,e,k", [(3, 8, 2), (24, 8, 2), (100, 4, 2), (300, 2, 1)])
+def test_default_tiles_for_every_load_class(t, e, k):
+    """choose_launch's four classes (decode-like to prefill-like rows per expert) give the same result."""
+    from metronome.models.moe_triton import choose_launch
+
+    gate_up, down = _weights(e, 32, 16, torch.float32)
+    x = torch.randn(t, 32, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    ids, w = _routing(t, e, k, seed=5)
+    assert choose_launch(t * k, e).block_m == {3: 16, 24: 16, 100: 64, 300: 128}[t]
+    torch.testing.assert_close(grouped_moe(x, gate_up, down, ids, w), experts_sorted(x, gate_up, down, ids, w),
+                               atol=1e-5, rtol=1e-4)
 
 
 def test_grouped_gemm_bf16_close_to_fp32_oracle_and_deterministic():
@@ -70,10 +84,11 @@ def test_grouped_gemm_bf16_close_to_fp32_oracle_and_deterministic():
     x = torch.randn(t, h, generator=torch.Generator().manual_seed(2)).to(DEVICE, torch.bfloat16)
     ids, w = _routing(t, e, k)
     w = w.to(torch.bfloat16)
-    got = grouped_moe(x, gate_up, down, ids, w, block_n=32, block_k=32)
+    tiles = TileConfig(block_n=32, block_k=32)
+    got = grouped_moe(x, gate_up, down, ids, w, launch=MoeLaunch(16, tiles, tiles))
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.double().cpu(), _oracle(x, gate_up, down, ids, w), atol=3e-2, rtol=3e-2)
-    again = grouped_moe(x, gate_up, down, ids, w, block_n=32, block_k=32)
+    again = grouped_moe(x, gate_up, down, ids, w, launch=MoeLaunch(16, tiles, tiles))
     assert torch.equal(got, again)
 
 

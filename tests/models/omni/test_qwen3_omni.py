@@ -189,7 +189,7 @@ def test_prompt_logprobs_at_every_position_match(omni):
 def test_cuda_engine_with_graphs_and_grouped_gemm_matches_transformers(tmp_path):
     """On CUDA (float32): Triton attention, the grouped-GEMM experts and captured decode rounds."""
     ref = make_qwen3_omni(tmp_path, seed=2, tokenizer=False)
-    engine = Engine(EngineConfig(model=str(tmp_path), device="cuda", dtype="float32", num_blocks=64,
+    engine = Engine(EngineConfig(model=str(tmp_path), device="cuda", dtype="float32", num_blocks=160,
                                  max_chunk_tokens=64, policy=KVPolicy(sinks=4, window=256, block_size=16,
                                                                       positions="absolute")))
     assert engine.runner.graphs is not None
