@@ -11,7 +11,8 @@ Per tick and session (B = 80 ms, ``sample_rate`` 24 kHz in and out):
 2. ``on_hidden`` (all sessions together): the text head picks text token s+1 and the depth transformer
    (``moshi_heads.DepthTransformer``, batched) Moshi's 8 codes of column s+1; Moshi's audio frame s is
    then complete and is Mimi-decoded (streaming) to 1920 samples of PCM16 for ``take_audio``.
-3. ``on_output`` returns the text delta of the new text token (special / padding tokens skipped).
+3. ``on_output`` returns the text delta of the new text token (Kyutai's padding ids 0 and 3 and the
+   tokenizer's special tokens skipped).
 
 The delayed layout (transformers' ``build_delay_pattern_mask``, Kyutai's acoustic delay of one frame):
 column s holds codebook 0 of audio frame s and codebooks 1..7 of audio frame s-1, for Moshi's stream
@@ -52,6 +53,8 @@ log = logging.getLogger(__name__)
 
 SAMPLE_RATE = 24000
 FRAME_MS = 80.0
+# Kyutai's text stream: 3 pads between words, 0 ends a run of padding (its server prints neither).
+KYUTAI_TEXT_PADDING = (0, 3)
 
 
 @dataclass
@@ -78,21 +81,23 @@ class MoshiAdapter(InteractionAdapter):
 
     def __init__(self, heads: MoshiHeads, tokenizer, embed, device: torch.device, dtype: torch.dtype, *,
                  text_sampling: Sampling = Sampling(), audio_sampling: Sampling = Sampling(),
-                 max_backlog_frames: int = 2, seed: int = 0) -> None:
+                 max_backlog_frames: int = 2, seed: int = 0, cuda_graphs: bool = True,
+                 text_padding_ids: tuple[int, ...] = KYUTAI_TEXT_PADDING) -> None:
         self.heads = heads
         self.tokenizer = tokenizer
         self.embed = embed
         self.device, self.dtype = torch.device(device), dtype
         self.num_codebooks = heads.num_codebooks
         self.vocab_size, self.audio_vocab_size = heads.vocab_size, heads.audio_vocab_size
-        self.codec = MimiCodec(heads.audio_encoder, self.num_codebooks)
+        self.codec = MimiCodec(heads.audio_encoder, self.num_codebooks, cuda_graphs=cuda_graphs)
         if self.codec.sample_rate != SAMPLE_RATE:
             raise ModelLoadError(f"Mimi samples at {self.codec.sample_rate} Hz; the Moshi adapter expects {SAMPLE_RATE}")
         self.frame_size = self.codec.frame_size
-        self.depth = DepthTransformer(heads.depth_decoder)
+        self.depth = DepthTransformer(heads.depth_decoder, cuda_graphs=cuda_graphs)
         self.text_sampling, self.audio_sampling = text_sampling, audio_sampling
         self.max_backlog = (1 + max_backlog_frames) * self.frame_size
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.text_padding_ids = frozenset(text_padding_ids)
         self.sessions: dict[str, _Session] = {}
 
     # ------------------------------------------------------------------------------ sessions
@@ -103,7 +108,9 @@ class MoshiAdapter(InteractionAdapter):
                                              text=self.vocab_size, moshi=initial.clone(), user_prev=initial.clone())
 
     def close_session(self, session_id: str) -> None:
-        self.sessions.pop(session_id, None)
+        sess = self.sessions.pop(session_id, None)
+        if sess is not None:
+            self.codec.close(sess.mimi)
 
     def input_tokens_per_tick(self, budget_ms: float) -> int:
         return 1  # one position per 80 ms frame
@@ -188,7 +195,8 @@ class MoshiAdapter(InteractionAdapter):
         sess.text, sess.moshi = text, codes
         sess.step += 1
         sess.fed = False
-        sess.text_out += sess.detok.push([text])
+        if text not in self.text_padding_ids:   # Moshi's text stream is mostly padding between words
+            sess.text_out += sess.detok.push([text])
 
     def on_output(self, session_id: str, token_ids: list[int], finished: bool) -> str:
         sess = self.sessions.get(session_id)

@@ -60,8 +60,11 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 class DepthTransformer:
     """Batched greedy/sampled depth decoding over a transformers ``MoshiDepthDecoder``'s weights."""
 
-    def __init__(self, depth: nn.Module) -> None:
+    def __init__(self, depth: nn.Module, cuda_graphs: bool = True) -> None:
+        from metronome.audio.omni.moshi_graphs import BucketedGraphs
+
         self.depth = depth.eval()
+        self._greedy = BucketedGraphs(self._generate, pads=(0.0, 0), enabled=cuda_graphs)
         cfg = depth.config
         self.num_codebooks = cfg.num_codebooks
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -74,7 +77,15 @@ class DepthTransformer:
     @torch.no_grad()
     def generate(self, hidden: torch.Tensor, text: torch.Tensor, sampling: Sampling = Sampling(),
                  generator: torch.Generator | None = None) -> torch.Tensor:
-        """hidden [N, H] (temporal transformer's last hidden), text [N] → audio codes [N, K]."""
+        """hidden [N, H] (temporal transformer's last hidden), text [N] → audio codes [N, K].
+
+        Greedy decoding replays a CUDA graph on the GPU (one per batch-size bucket)."""
+        if sampling.temperature <= 0:
+            return self._greedy(hidden, text)[0].clone()
+        return self._generate(hidden, text, sampling, generator)[0]
+
+    def _generate(self, hidden: torch.Tensor, text: torch.Tensor, sampling: Sampling = Sampling(),
+                  generator: torch.Generator | None = None) -> list[torch.Tensor]:
         d = self.depth
         n, k_total = hidden.shape[0], self.num_codebooks
         dtype = d.input_projections.weight.dtype
@@ -93,7 +104,7 @@ class DepthTransformer:
                 x = x + (F.silu(gate) * up) @ layer.mlp.fc2.weight[k].t()
             token = sampling.pick(x @ d.lm_heads.weight[k].t(), generator)
             out.append(token)
-        return torch.stack(out, dim=1)
+        return [torch.stack(out, dim=1)]
 
     def _attention(self, attn: nn.Module, x: torch.Tensor, k: int, cache) -> torch.Tensor:
         n = x.shape[0]

@@ -21,12 +21,13 @@ its ``decode`` has no streaming mode at all. Here every stream's state has a fix
 
 So streaming equals transformers' full-sequence ``encode``/``decode`` up to float rounding (the order
 of a few additions), at any length, and a stream's state never grows (the tests check both). A
-``MimiStreamState`` is one stream; ``encode``/``decode`` take a list of them and stack their tensors.
+``MimiStreamState`` is one stream (a row of the codec's state pool); ``encode``/``decode`` take a list of
+them and run them as one batch, one frame each.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -59,17 +60,26 @@ class MimiParts:
 
 @dataclass
 class MimiStreamState:
-    """One stream's carried tensors (batch 1, fixed shapes) by name, and whether it has started."""
+    """One stream: its row (slot) in the codec's state pool, and whether it has started."""
 
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    slot: int
     started: bool = False
+    closed: bool = False
 
 
 class MimiCodec:
-    """Streaming encode/decode over a transformers ``MimiModel`` (float32: it is small)."""
+    """Streaming encode/decode over a transformers ``MimiModel`` (float32: it is small).
 
-    def __init__(self, model: nn.Module, num_codebooks: int) -> None:
+    Every stream's state lives in one row of a pool of fixed-shape tensors (grown by doubling; row 0 is
+    scratch, where a CUDA graph's padding rows read and write). A batch gathers its streams' rows, runs,
+    and scatters the new state back: on CUDA all of it is one graph replay per batch-size bucket
+    (``moshi_graphs.BucketedGraphs``), so the cost per tick does not grow with the number of kernels.
+    """
+
+    def __init__(self, model: nn.Module, num_codebooks: int, cuda_graphs: bool = True) -> None:
         from transformers.models.mimi.modeling_mimi import MimiConv1d, MimiConvTranspose1d, MimiResnetBlock
+
+        from metronome.audio.omni.moshi_graphs import BucketedGraphs
 
         self._types = (MimiConv1d, MimiConvTranspose1d, MimiResnetBlock)
         self.model = model.eval()
@@ -85,13 +95,21 @@ class MimiCodec:
         self._decoder_convs = [m for m in [p.upsample, *p.decoder_seanet.modules()]
                                if isinstance(m, (MimiConv1d, MimiConvTranspose1d))]
         self._name: dict[int, str] = {}
+        self._pad: dict[int, int] = {}   # Python ints: reading the buffer inside a CUDA graph would sync
         for prefix, convs in (("enc.conv", self._encoder_convs), ("dec.conv", self._decoder_convs)):
             for i, module in enumerate(convs):
                 self._check(module)
                 self._name[id(module)] = f"{prefix}{i}"
+                self._pad[id(module)] = int(module.padding_total) if hasattr(module, "padding_total") else 0
         for tf in (p.encoder_transformer, p.decoder_transformer):
             if tf.config.sliding_window is None:
                 raise ValueError("streaming Mimi needs transformers with a sliding window (bounded state)")
+        self._shapes = self._state_shapes()
+        self.pool: dict[str, torch.Tensor] = {}
+        self._free: list[int] = []
+        self._grow(4)
+        self._encode = BucketedGraphs(self._encode_rows, pads=(0.0, False, 0), enabled=cuda_graphs)
+        self._decode = BucketedGraphs(self._decode_rows, pads=(0, 0), enabled=cuda_graphs)
 
     def _check(self, module: nn.Module) -> None:
         conv = module.conv
@@ -104,72 +122,108 @@ class MimiCodec:
             raise ValueError(f"streaming Mimi: pad_mode {module.pad_mode!r} is not supported")
 
     # ------------------------------------------------------------------------------------- state
-    def open(self) -> MimiStreamState:
-        """A new stream: zero tails and empty transformer windows (allocated at once: fixed size)."""
-        t: dict[str, torch.Tensor] = {}
-        dev = self.device
-        for module in self._encoder_convs + self._decoder_convs:  # (the downsampler is in the encoder's list)
+    def _state_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        shapes = {}
+        for module in self._encoder_convs + self._decoder_convs:
             conv = module.conv
             if isinstance(conv, nn.ConvTranspose1d):
-                t[self._name[id(module)]] = torch.zeros(1, conv.out_channels, conv.kernel_size[0] - conv.stride[0],
-                                                        device=dev)
-            elif int(module.padding_total) > 0:
-                t[self._name[id(module)]] = torch.zeros(1, conv.in_channels, int(module.padding_total), device=dev)
+                shapes[self._name[id(module)]] = ((conv.out_channels, conv.kernel_size[0] - conv.stride[0]), torch.float32)
+            elif self._pad[id(module)] > 0:
+                shapes[self._name[id(module)]] = ((conv.in_channels, self._pad[id(module)]), torch.float32)
         for prefix, tf in (("enc.tf", self.parts.encoder_transformer), ("dec.tf", self.parts.decoder_transformer)):
             cfg = tf.config
-            past = cfg.sliding_window - 1
             for i in range(len(tf.layers)):
                 for kv in "kv":
-                    t[f"{prefix}{i}{kv}"] = torch.zeros(1, cfg.num_key_value_heads, past, cfg.head_dim, device=dev)
-            t[f"{prefix}.count"] = torch.zeros(1, dtype=torch.long, device=dev)
-        return MimiStreamState(t)
+                    shapes[f"{prefix}{i}{kv}"] = ((cfg.num_key_value_heads, cfg.sliding_window - 1, cfg.head_dim),
+                                                  torch.float32)
+            shapes[f"{prefix}.count"] = ((), torch.long)
+        return shapes
 
-    @staticmethod
-    def _stack(states: list[MimiStreamState]) -> dict[str, torch.Tensor]:
-        if len(states) == 1:
-            return dict(states[0].tensors)
-        return {k: torch.cat([s.tensors[k] for s in states]) for k in states[0].tensors}
+    def _grow(self, rows: int) -> None:
+        old = len(next(iter(self.pool.values()))) if self.pool else 0
+        for key, (shape, dtype) in self._shapes.items():
+            extra = torch.zeros(rows - old, *shape, dtype=dtype, device=self.device)
+            self.pool[key] = torch.cat([self.pool[key], extra]) if old else extra
+        self._free.extend(range(max(old, 1), rows))   # row 0 is scratch
+        if hasattr(self, "_encode"):
+            self._encode.reset()   # the graphs read and write the old pool
+            self._decode.reset()
 
-    @staticmethod
-    def _unstack(batch: dict[str, torch.Tensor], states: list[MimiStreamState]) -> None:
-        for i, s in enumerate(states):
-            # copies, so that an idle stream does not keep the whole batch's tensors alive
-            s.tensors = {k: v[i:i + 1].clone() for k, v in batch.items()} if len(states) > 1 else batch
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of carried state per stream (fixed)."""
+        return sum(t[0].numel() * t.element_size() for t in self.pool.values())
+
+    def open(self) -> MimiStreamState:
+        """A new stream: zero tails and an empty transformer window in a free row of the pool."""
+        if not self._free:
+            self._grow(2 * len(self.pool["enc.tf.count"]))
+        slot = self._free.pop()
+        for t in self.pool.values():
+            t[slot].zero_()
+        return MimiStreamState(slot)
+
+    def close(self, state: MimiStreamState) -> None:
+        """Give the stream's row back (idempotent)."""
+        if not state.closed:
+            state.closed = True
+            self._free.append(state.slot)
+
+    def _rows(self, states: list[MimiStreamState]) -> torch.Tensor:
+        if any(s.closed for s in states):
+            raise ValueError("a closed Mimi stream cannot be used")
+        return torch.tensor([s.slot for s in states], dtype=torch.long, device=self.device)
+
+    def _gather(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {k: v.index_select(0, rows) for k, v in self.pool.items()}
+
+    def _scatter(self, rows: torch.Tensor, st: dict[str, torch.Tensor]) -> None:
+        for k, v in self.pool.items():
+            v.index_copy_(0, rows, st[k])
 
     # ------------------------------------------------------------------------------------- encode
     @torch.no_grad()
     def encode(self, states: list[MimiStreamState], pcm: torch.Tensor) -> torch.Tensor:
-        """pcm [N, n · frame_size] (24 kHz) for N streams → codes [N, num_codebooks, n]; advances the states."""
-        if pcm.shape[-1] % self.frame_size or pcm.shape[0] != len(states):
-            raise ValueError(f"encode takes whole frames of {self.frame_size} samples, one row per stream")
-        p = self.parts
-        st = self._stack(states)
+        """pcm [N, frame_size] (24 kHz) for N streams → codes [N, num_codebooks, 1]; advances the states."""
+        if pcm.shape != (len(states), self.frame_size):
+            raise ValueError(f"encode takes one frame of {self.frame_size} samples per stream, got {tuple(pcm.shape)}")
         fresh = torch.tensor([not s.started for s in states], device=self.device)
-        x = pcm.to(self.device, torch.float32)[:, None, :]
+        codes = self._encode(pcm.to(self.device, torch.float32), fresh, self._rows(states))[0].clone()
+        for s in states:
+            s.started = True
+        return codes
+
+    def _encode_rows(self, pcm: torch.Tensor, fresh: torch.Tensor, rows: torch.Tensor) -> list[torch.Tensor]:
+        p = self.parts
+        st = self._gather(rows)
+        x = pcm[:, None, :]
         for layer in p.encoder_seanet.layers:
             x = self._layer(layer, x, st, fresh)
         x = self._transformer(p.encoder_transformer, x.transpose(1, 2), st, "enc.tf").transpose(1, 2)
         latents = self._conv(p.downsample, x, st, fresh) if p.downsample is not None else x
         codes = self.model.quantizer.encode(latents, self.num_codebooks).transpose(0, 1)
-        self._unstack(st, states)
-        for s in states:
-            s.started = True
-        return codes
+        self._scatter(rows, st)
+        return [codes]
 
     # ------------------------------------------------------------------------------------- decode
     @torch.no_grad()
     def decode(self, states: list[MimiStreamState], codes: torch.Tensor) -> torch.Tensor:
-        """codes [N, K, n] for N streams → pcm [N, n · frame_size] (float32); advances the states."""
+        """codes [N, K, 1] for N streams → pcm [N, frame_size] (float32); advances the states."""
+        if codes.shape != (len(states), self.num_codebooks, 1):
+            raise ValueError(f"decode takes one frame of {self.num_codebooks} codes per stream, got {tuple(codes.shape)}")
+        return self._decode(codes.to(self.device), self._rows(states))[0].clone()
+
+    def _decode_rows(self, codes: torch.Tensor, rows: torch.Tensor) -> list[torch.Tensor]:
         p = self.parts
-        st = self._stack(states)
-        x = self.model.quantizer.decode(codes.to(self.device))
+        st = self._gather(rows)
+        x = self.model.quantizer.decode(codes)
         if p.upsample is not None:
             x = self._convtr(p.upsample, x, st)
         x = self._transformer(p.decoder_transformer, x.transpose(1, 2), st, "dec.tf").transpose(1, 2)
         for layer in p.decoder_seanet.layers:
             x = self._layer(layer, x, st, None)
-        self._unstack(st, states)
-        return x[:, 0]
+        self._scatter(rows, st)
+        return [x[:, 0]]
 
     # ------------------------------------------------------------------------------------- pieces
     def _layer(self, layer: nn.Module, x: torch.Tensor, st: dict, fresh) -> torch.Tensor:
@@ -186,12 +240,12 @@ class MimiCodec:
         return layer(x)  # ELU, Identity: stateless
 
     def _conv(self, layer: nn.Module, x: torch.Tensor, st: dict, fresh) -> torch.Tensor:
-        pad = int(layer.padding_total)
+        pad = self._pad[id(layer)]
         if pad == 0:
             return layer.conv(x)
         key = self._name[id(layer)]
         past = st[key]
-        if layer.pad_mode == "replicate" and fresh is not None and bool(fresh.any()):
+        if layer.pad_mode == "replicate" and fresh is not None:   # a new stream starts from its first sample
             past = torch.where(fresh[:, None, None], x[..., :1].expand_as(past), past)
         full = torch.cat([past, x], dim=-1)
         st[key] = full[..., -pad:]
@@ -216,7 +270,7 @@ class MimiCodec:
         n, t, _ = x.shape
         window = tf.config.sliding_window
         past = window - 1
-        count = st[f"{prefix}.count"]
+        count = st[f"{prefix}.count"]                                              # [N]
         steps = torch.arange(t, device=x.device)
         q_pos = count[:, None] + steps                                             # [N, T]
         k_pos = torch.cat([count[:, None] - past + torch.arange(past, device=x.device), q_pos], 1)

@@ -80,8 +80,7 @@ def test_streaming_mimi_equals_full_sequence(moshi):
     assert torch.equal(codes, want_codes)
     assert len(codes.unique()) > 4  # the codebooks are random (the fixture sets them), not all-zero
     state = codec.open()
-    cuts = [0, 1, 4, 5, 11, frames]
-    got = torch.cat([codec.decode([state], want_codes[..., a:b]) for a, b in zip(cuts, cuts[1:])], -1)
+    got = torch.cat([codec.decode([state], want_codes[..., i:i + 1]) for i in range(frames)], -1)
     assert got.shape == want_audio.shape == (1, frames * FRAME)
     torch.testing.assert_close(got, want_audio, rtol=1e-5, atol=1e-5 * float(want_audio.abs().max()))
 
@@ -94,7 +93,7 @@ def test_streams_of_different_ages_share_a_batch(moshi):
     codec = MimiCodec(mimi, NUM_CODEBOOKS)
     a_audio, b_audio = (torch.from_numpy(speech(14, seed=s))[None] for s in (1, 2))
     a, b = codec.open(), codec.open()
-    shapes = {k: v.shape for k, v in a.tensors.items()}
+    shapes = {k: v.shape for k, v in codec.pool.items()}
     a_codes = [codec.encode([a], a_audio[:, i * FRAME:(i + 1) * FRAME]) for i in range(3)]
     a_pcm = [codec.decode([a], c) for c in a_codes]
     b_codes, b_pcm = [], []
@@ -108,7 +107,9 @@ def test_streams_of_different_ages_share_a_batch(moshi):
         want_codes, want_audio = full_sequence(mimi, audio[:, :n * FRAME])
         assert torch.equal(torch.cat(codes, -1), want_codes)
         torch.testing.assert_close(torch.cat(pcm, -1), want_audio, rtol=1e-5, atol=1e-5 * float(want_audio.abs().max()))
-    assert {k: v.shape for k, v in a.tensors.items()} == shapes == {k: v.shape for k, v in b.tensors.items()}
+    assert {k: v.shape for k, v in codec.pool.items()} == shapes   # nothing grew with the streams' age
+    codec.close(a)
+    assert codec.open().slot == a.slot   # rows are reused
 
 
 # ------------------------------------------------------------------------------------------------ depth
@@ -273,3 +274,76 @@ async def test_worker_pcm_in_text_and_audio_out(moshi):
     assert got_audio == want_audio
     assert got_text == want_text
     assert got_audio[0] == b"" and all(len(a) == 2 * FRAME for a in got_audio[1:])
+
+
+# ------------------------------------------------------------------------------------------------ CUDA
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+def test_cuda_graphs_equal_eager(moshi):
+    """Mimi and the depth transformer replayed as CUDA graphs (batch buckets with padding rows, streams of
+    different ages joining) give what the same code gives eagerly."""
+    path, _ = moshi
+    heads = load_heads(Path(path), hf_config(read_config(Path(path))), torch.float32, "cuda")
+    eager, graphed = (MimiCodec(heads.audio_encoder, NUM_CODEBOOKS, cuda_graphs=g) for g in (False, True))
+    starts = (0, 2, 3)                       # batch sizes 1, 1, 2, 3, 3...: buckets 1, 2, 4 (one padding row)
+    se, sg = [eager.open() for _ in starts], [graphed.open() for _ in starts]
+    g = torch.Generator().manual_seed(11)
+    for t in range(7):
+        live = [i for i, s in enumerate(starts) if t >= s]
+        pcm = (torch.randn(len(live), FRAME, generator=g) * 0.2).cuda()
+        ce = eager.encode([se[i] for i in live], pcm)
+        cg = graphed.encode([sg[i] for i in live], pcm)
+        assert torch.equal(ce, cg)
+        torch.testing.assert_close(graphed.decode([sg[i] for i in live], cg),
+                                   eager.decode([se[i] for i in live], ce), rtol=1e-4, atol=1e-5)
+    depth_e, depth_g = DepthTransformer(heads.depth_decoder, cuda_graphs=False), DepthTransformer(heads.depth_decoder)
+    for n in (3, 5, 3):
+        hidden = torch.randn(n, heads.lm_head.in_features, generator=g).cuda()
+        text = torch.randint(0, VOCAB, (n,), generator=g).cuda()
+        assert torch.equal(depth_g.generate(hidden, text), depth_e.generate(hidden, text))
+
+
+@cuda
+def test_cuda_rollout_follows_the_cpu_rollout(moshi, monkeypatch):
+    """The whole adapter + engine on CUDA (graphs, Triton attention) against the CPU path on the same audio:
+    text tokens equal, audio within a few PCM16 steps."""
+    path, _ = moshi
+    audio = speech(5, seed=12)
+
+    def run(device: str):
+        engine = Engine(EngineConfig(model=path, device=device, dtype="float32", num_blocks=64, max_chunk_tokens=8,
+                                     policy=POLICY))
+        adapter = build_adapter(AdapterContext(tokenizer=engine.tokenizer, checkpoint=engine.checkpoint,
+                                               embed=engine.model.embed, device=engine.device, dtype=torch.float32,
+                                               max_input_tokens=64, budget_ms=80.0))
+        adapter.open_session("s", "", "")
+        eid = engine.open_session()
+        texts = []
+        for t in range(5):
+            p = adapter.prepare([TickAudio("s", pcm=audio[t * FRAME:(t + 1) * FRAME])])[0]
+            adapter.on_hidden([("s", engine.step([StepInput(eid, embeds=p.embeds, return_hidden=True)])[0].hidden)])
+            texts.append(adapter.sessions["s"].text)
+        return texts, pcm16(adapter.take_audio("s"))
+
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)   # Mimi's convolutions in true float32
+    cpu_text, cpu_audio = run("cpu")
+    gpu_text, gpu_audio = run("cuda")
+    assert gpu_text == cpu_text
+    np.testing.assert_allclose(gpu_audio, cpu_audio, atol=8)
+
+
+def test_text_padding_is_not_spoken(moshi):
+    """Kyutai's text stream pads between words (ids 3 and 0): no text for those, the word for the others."""
+    path, _ = moshi
+    engine = Engine(engine_config(path))
+    adapter = make_adapter(path, engine)
+    adapter.open_session("s", "", "")
+    sess = adapter.sessions["s"]
+    codes = torch.zeros(NUM_CODEBOOKS, dtype=torch.long)
+    for token in (3, 0, 3):
+        adapter.advance(sess, token, codes)
+    assert adapter.on_output("s", [], False) == ""
+    adapter.advance(sess, 10, codes)
+    assert adapter.on_output("s", [], False).strip() == engine.tokenizer.decode([10])

@@ -17,7 +17,7 @@ from metronome import Engine, EngineConfig, KVPolicy, StepInput
 from metronome.errors import ModelLoadError
 from metronome.models.loader import load_model
 
-VOCAB = 128          # ids the SmolLM2 tokenizer decodes; the tiny model's text vocabulary
+VOCAB = 128          # the tiny model's text vocabulary (and its tiny tokenizer's)
 CODEBOOK = 32        # Mimi codebook size = Moshi's audio vocabulary (the extra id CODEBOOK is "initial")
 NUM_CODEBOOKS = 8
 
@@ -52,10 +52,20 @@ def make_moshi_checkpoint(path, seed: int = 0, tokenizer: bool = False):
                 b.normal_()
     model.save_pretrained(path)
     if tokenizer:
-        from tests.conftest import save_smollm2_tokenizer
-
-        save_smollm2_tokenizer(path)
+        save_tiny_tokenizer(path)
     return model
+
+
+def save_tiny_tokenizer(path) -> None:
+    """A word-level tokenizer of VOCAB entries; ids 0-3 are <unk> <s> </s> <pad>, as in Kyutai's text vocabulary."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>", "<pad>"]
+    words = specials + [f"w{i}" for i in range(VOCAB - len(specials))]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                            pad_token="<pad>").save_pretrained(path)
 
 
 @pytest.fixture(scope="module")
@@ -169,3 +179,20 @@ def test_gpu_bench_smoke(tmp_path, monkeypatch):
     for row in saved["rows"]:
         assert row["tick_ms"] >= row["prefill_ms"] > 0 and row["depth_ms"] > 0 and row["mimi_decode_ms"] > 0
         assert all(t["audio_bytes"] == 2 * 1920 for t in row["ticks"])   # every session spoke one 80 ms frame
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("attention", ["triton", "torch"])
+def test_frames_on_the_cuda_engine_match_transformers(moshi, attention):
+    """The CUDA path (fused Triton RoPE, CUDA graphs at start) gives transformers' hidden states too."""
+    path, ref = moshi
+    text, codes = random_frames(6, seed=4)
+    embeds = frame_embeds(ref, text, codes)
+    with torch.no_grad():
+        want = ref.decoder(inputs_embeds=embeds[None]).last_hidden_state[0]
+    eng = Engine(EngineConfig(model=path, device="cuda", dtype="float32", attention=attention, num_blocks=64,
+                              max_chunk_tokens=8, policy=KVPolicy(sinks=4, window=64, block_size=16)))
+    sid = eng.open_session()
+    got = [eng.step([StepInput(sid, embeds=embeds[t:t + 1].cuda(), return_hidden=True)])[0].hidden.cpu()
+           for t in range(6)]
+    torch.testing.assert_close(torch.stack(got), want, rtol=1e-3, atol=1e-4)
