@@ -6,6 +6,7 @@ be unique across the tree and ``tests/models/omni/test_moshi.py`` exists.
 
 from __future__ import annotations
 
+import base64
 from pathlib import Path
 
 import grpc
@@ -347,3 +348,34 @@ def test_text_padding_is_not_spoken(moshi):
     assert adapter.on_output("s", [], False) == ""
     adapter.advance(sess, 10, codes)
     assert adapter.on_output("s", [], False).strip() == engine.tokenizer.decode([10])
+
+
+async def test_gateway_streams_moshi_audio_deltas(moshi):
+    """A WebSocket client's 16 kHz PCM16 → gateway (80 ms ticks) → worker (resampled to 24 kHz, Moshi) →
+    ``response.output_audio.delta`` events of one 80 ms frame each at 24 kHz."""
+    import aiohttp
+
+    from metronome.config import AimdConfig, GatewayConfig
+    from metronome.serving.gateway import serve_gateway
+    from tests.serving.test_gateway import chunks, of_type, recv_until, tone
+
+    path, _ = moshi
+    worker = await serve_worker(WorkerConfig(engine_config(path), adapter="moshi", budget_ms=80.0, port=0,
+                                             max_input_tokens=64))
+    gateway = await serve_gateway(GatewayConfig(workers=(worker.address,), port=0, budget_ms=80.0, tokens_per_tick=1,
+                                                aimd=AimdConfig(initial_cap=4, min_cap=4, target_fraction=1.0)))
+    try:
+        async with aiohttp.ClientSession() as http, http.ws_connect(f"ws://{gateway.address}/v1/realtime") as ws:
+            await recv_until(ws, of_type("session.created"))
+            for chunk in chunks(tone(0.6)):
+                await ws.send_json({"type": "input_audio_buffer.append", "audio": chunk})
+            deltas = []
+            while len(deltas) < 2:
+                events = await recv_until(ws, of_type("response.output_audio.delta"), timeout=20.0)
+                deltas.append(events[-1])
+    finally:
+        await gateway.stop()
+        await worker.stop(0)
+    for delta in deltas:
+        assert delta["sample_rate"] == 24000
+        assert len(base64.b64decode(delta["delta"])) == 2 * FRAME
