@@ -64,7 +64,6 @@ class _Session:
     text: int                      # text token of the next column
     moshi: torch.Tensor            # Moshi's K codes of the next column (delayed layout), long [K]
     user_prev: torch.Tensor        # the user's codes of the previous audio frame, long [K]
-    moshi_cb0: int = -1            # codebook 0 of the column just fed (its frame completes next tick)
     step: int = 0                  # columns fed to the temporal transformer
     fed: bool = False              # a column went to the engine this tick (its hidden state is due)
     pending: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
@@ -151,17 +150,15 @@ class MoshiAdapter(InteractionAdapter):
 
         Public so that tests can drive the adapter with given user codes (bypassing Mimi's encoder)."""
         user = user.to(self.device)
-        texts, cols = [], []
-        for sess, u in zip(sessions, user):
-            delayed_user = torch.cat([u[:1], sess.user_prev[1:]])
-            cols.append(torch.cat([sess.moshi, delayed_user]))
-            texts.append(sess.text)
-            sess.user_prev = u.clone()
-            sess.moshi_cb0 = int(sess.moshi[0])
+        moshi = torch.stack([sess.moshi for sess in sessions])
+        previous = torch.stack([sess.user_prev for sess in sessions])
+        columns = torch.cat([moshi, user[:, :1], previous[:, 1:]], 1)   # Moshi's K, then the user's K (delayed)
+        for sess, u in zip(sessions, user.unbind(0)):
+            sess.user_prev = u
             sess.fed = True
         with torch.no_grad():
-            text = self.embed(torch.tensor(texts, dtype=torch.long, device=self.device))
-            return (text.to(self.dtype) + self.heads.audio_embeds(torch.stack(cols)).to(self.dtype))
+            text = self.embed(torch.tensor([sess.text for sess in sessions], dtype=torch.long, device=self.device))
+            return text.to(self.dtype) + self.heads.audio_embeds(columns).to(self.dtype)
 
     # ------------------------------------------------------------------------------ output
     def on_hidden(self, batch: list[tuple[str, torch.Tensor]]) -> None:
@@ -178,21 +175,22 @@ class MoshiAdapter(InteractionAdapter):
         # frame 0 is the initial frame): one Mimi decode for every session that has one.
         speaking = [i for i, (_, sess) in enumerate(sessions) if sess.step > 0]
         if speaking:
-            cb0 = torch.tensor([sessions[i][1].moshi_cb0 for i in speaking], device=codes.device)
+            cb0 = torch.stack([sessions[i][1].moshi[0] for i in speaking])   # column s, not yet replaced
             frames = torch.cat([cb0[:, None], codes[speaking, 1:]], 1)[:, :, None]
             pcm = self.codec.decode([sessions[i][1].mimi for i in speaking], frames)
             pcm16 = (pcm.clamp(-1, 1) * 32767).round().to(torch.int16).cpu().numpy().astype("<i2")
             for row, i in enumerate(speaking):
                 sessions[i][1].audio_out += pcm16[row].tobytes()
-        for (_, sess), t, c in zip(sessions, text.tolist(), codes):
-            self.advance(sess, int(t), c)
+        columns = codes.clone()
+        opening = [i for i, (_, sess) in enumerate(sessions) if sess.step == 0]
+        if opening:  # column 1's delayed codebooks belong to audio frame 0, the initial frame
+            columns[opening, 1:] = self.audio_vocab_size
+        for (_, sess), t, column in zip(sessions, text.tolist(), columns.unbind(0)):
+            self.advance(sess, int(t), column)
 
-    def advance(self, sess: _Session, text: int, codes: torch.Tensor) -> None:
-        """Column s+1 is (text, codes with the delay applied)."""
-        codes = codes.clone()
-        if sess.step == 0:  # column 1's delayed codebooks belong to audio frame 0, the initial frame
-            codes[1:] = self.audio_vocab_size
-        sess.text, sess.moshi = text, codes
+    def advance(self, sess: _Session, text: int, column: torch.Tensor) -> None:
+        """The session's next column is (``text``, Moshi's codes ``column`` [K], delays applied)."""
+        sess.text, sess.moshi = text, column
         sess.step += 1
         sess.fed = False
         if text not in self.text_padding_ids:   # Moshi's text stream is mostly padding between words
