@@ -38,6 +38,25 @@ class TokenBucket:
         return False
 
 
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def step_request_wire(entries: list[list[bytes]], tokens_per_tick: int, tick: int) -> bytes:
+    """A serialised ``StepRequest`` from ``take_tick_wire`` entries (send it with an identity serializer)."""
+    parts = [part for entry in entries for part in entry]
+    if tokens_per_tick:
+        parts += [b"\x10", _varint(tokens_per_tick)]
+    if tick:
+        parts += [b"\x18", _varint(tick)]
+    return b"".join(parts)
+
+
 class Connection(Protocol):
     """What a session needs from its WebSocket: write a text frame, close with a code."""
 
@@ -107,6 +126,32 @@ class ClientSession:
     def clear_audio(self) -> None:
         self.audio.clear()
         self.audio_bytes = 0
+
+    def take_tick_wire(self) -> list[bytes]:
+        """``take_tick_input``, already in protobuf wire format: one ``StepRequest.sessions`` entry, in parts.
+
+        For ``step_request_wire``: the audio chunks go into the request as they are, so a whole Step is
+        one ``b"".join`` instead of a message per session, a copy into the request and a serialisation
+        (at 1,000 sessions, 32 MB per tick: about half the build + send time).
+        """
+        sid = self.sid.encode()
+        text = "".join(self.texts).encode()
+        head = [b"\x0a", _varint(len(sid)), sid]
+        if self.new_turn:
+            head.append(b"\x10\x01")
+        if self.audio_bytes:
+            head += [b"\x1a", _varint(self.audio_bytes)]
+        tail = [b"\x20", _varint(self.sample_rate)]
+        if text:
+            tail += [b"\x2a", _varint(len(text)), text]
+        if self.cancel:
+            tail.append(b"\x30\x01")
+        head_b, tail_b = b"".join(head), b"".join(tail)
+        parts = [b"\x0a" + _varint(len(head_b) + self.audio_bytes + len(tail_b)) + head_b, *self.audio, tail_b]
+        self.clear_audio()
+        self.texts.clear()
+        self.new_turn = self.cancel = False
+        return parts
 
     def take_tick_input(self) -> pb.SessionInput:
         """Everything buffered since the last tick, as one SessionInput; the buffers start empty again."""

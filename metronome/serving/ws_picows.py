@@ -204,5 +204,7 @@ async def start_server(app: App, host: str, port: int, *, max_frame_bytes: int,
             return PicowsConnection(app, max_frame_bytes, send_queue_events)
         return _response(reply)
 
+    # The loop's own TCP transport (uvloop's, in C), not aiofastnet's: measured alike at 400 sessions
+    # (14.0 vs 14.6 CPU-us per message, within noise), and one transport fewer to reason about.
     return await ws_create_server(route, host, port, max_frame_size=max_frame_bytes, enable_auto_pong=True,
-                                  websocket_handshake_timeout=10.0)
+                                  websocket_handshake_timeout=10.0, use_aiofastnet=False)

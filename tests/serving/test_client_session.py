@@ -65,3 +65,37 @@ def test_audio_waiting_for_a_tick_is_bounded():
 def test_token_bucket_allows_bursts_then_limits():
     bucket = TokenBucket(rate=10, burst=5)
     assert sum(bucket.take() for _ in range(20)) == 5
+
+
+def test_the_wire_encoded_step_request_equals_the_protobuf_one():
+    from metronome.serving.client_session import step_request_wire
+    from metronome.serving.proto import worker_pb2 as pb
+
+    # The encoder writes these fields by number: a change to the proto must show up here.
+    assert [(f.name, f.number) for f in pb.SessionInput.DESCRIPTOR.fields] == [
+        ("sid", 1), ("new_turn", 2), ("audio_pcm16", 3), ("sample_rate", 4), ("text", 5), ("cancel", 6),
+        ("max_tokens", 7)]
+    assert [(f.name, f.number) for f in pb.StepRequest.DESCRIPTOR.fields] == [
+        ("sessions", 1), ("tokens_per_tick", 2), ("tick", 3)]
+
+    def sessions():
+        a = make(buffered_s=30.0)                      # 1 MB of audio: multi-byte length varints
+        for _ in range(40):
+            a.append_audio(bytes(range(256)) * 100)
+        b = make()                                     # nothing buffered: defaults only
+        c = make()
+        c.sid = "séance_ü"
+        c.sample_rate = 48000
+        c.texts += ["hällo ", "wörld"]
+        c.new_turn = c.cancel = True
+        c.append_audio(b"\x01\x02")
+        return [a, b, c]
+
+    for tokens, tick in ((25, 1), (0, 0), (300, 2**40)):
+        wire = step_request_wire([s.take_tick_wire() for s in sessions()], tokens, tick)
+        expected = pb.StepRequest(sessions=[s.take_tick_input() for s in sessions()], tokens_per_tick=tokens,
+                                  tick=tick)
+        assert pb.StepRequest.FromString(wire) == expected
+    drained = sessions()[0]
+    drained.take_tick_wire()
+    assert not drained.audio and drained.audio_bytes == 0  # taken, as take_tick_input does
