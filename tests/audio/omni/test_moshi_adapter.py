@@ -1,5 +1,7 @@
 """The Moshi adapter against transformers' Moshi and Mimi (tiny random configuration), and end to end over gRPC.
 
+The serving stack is imported inside its tests, so the rest runs where grpc is absent or older (the GPU box).
+
 Named ``test_moshi_adapter`` (not ``test_moshi``): test folders have no ``__init__``, so basenames must
 be unique across the tree and ``tests/models/omni/test_moshi.py`` exists.
 """
@@ -9,7 +11,6 @@ from __future__ import annotations
 import base64
 from pathlib import Path
 
-import grpc
 import numpy as np
 import pytest
 import torch
@@ -23,9 +24,6 @@ from metronome.audio.pcm import decode_pcm16, encode_pcm16
 from metronome.errors import ConfigError
 from metronome.models.loader import read_config
 from metronome.models.omni.moshi import hf_config
-from metronome.serving.proto import worker_pb2 as pb
-from metronome.serving.proto import worker_pb2_grpc
-from metronome.serving.worker import WorkerConfig, serve_worker
 from tests.models.omni.test_moshi import CODEBOOK, NUM_CODEBOOKS, VOCAB, make_moshi_checkpoint
 
 FRAME = 1920  # 80 ms at 24 kHz
@@ -239,6 +237,12 @@ def test_partial_frames_wait_and_bad_input_is_refused(moshi):
 # ------------------------------------------------------------------------------------------------ worker
 async def test_worker_pcm_in_text_and_audio_out(moshi):
     """PCM16 at 24 kHz over gRPC Step → text and audio_pcm16 equal an in-process adapter + engine on the same audio."""
+    import grpc
+
+    from metronome.serving.proto import worker_pb2 as pb
+    from metronome.serving.proto import worker_pb2_grpc
+    from metronome.serving.worker import WorkerConfig, serve_worker
+
     path, _ = moshi
     worker = await serve_worker(WorkerConfig(engine_config(path), adapter="moshi", budget_ms=80.0, port=0,
                                              max_input_tokens=64))
@@ -357,6 +361,7 @@ async def test_gateway_streams_moshi_audio_deltas(moshi):
 
     from metronome.config import AimdConfig, GatewayConfig
     from metronome.serving.gateway import serve_gateway
+    from metronome.serving.worker import WorkerConfig, serve_worker
     from tests.serving.test_gateway import chunks, of_type, recv_until, tone
 
     path, _ = moshi
