@@ -16,7 +16,9 @@ One tick per session = one Moshi frame, exactly the worker's path through ``metr
 ``prepare`` (Mimi-encode 1920 new samples of every session in one batch + the summed input embeddings:
 "encoder"), ``engine.step`` (one position per session, KV under SinkWindow: "prefill"; no decode rounds:
 Moshi's text comes from its own head), ``on_hidden`` (text head + the depth transformer's 8 codebook steps
-for all sessions: "depth"; Mimi-decode of every session's new frame: "mimi decode"). Sessions are pre-aged
+for all sessions: "depth"; Mimi-decode of every session's new frame: "mimi decode"). The depth transformer
+and Mimi replay CUDA graphs per batch-size bucket (captured in the warm-up ticks); the engine's one-position
+prefill runs eagerly (the engine graphs decode rounds only, and Moshi has none). Sessions are pre-aged
 until their window is full (default S = 16, W = 2984: the same 3000 steps as Moshi's native ring). Reported
 per N: the tick and its split, and the largest N whose tick stays within 0.3·B. Results: a table on stdout
 and ``$OUT/models_moshi.json`` (OUT defaults to ./out).
@@ -266,7 +268,7 @@ def report(results: dict) -> None:
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="moshi-7b", choices=sorted(SHAPES))
-    p.add_argument("--sessions", default="1,4,8,16,24,32,48,64")
+    p.add_argument("--sessions", default="1,4,8,16,24,32,40,48,56,64")
     p.add_argument("--ticks", type=int, default=5)
     p.add_argument("--budget-ms", type=float, default=80.0)
     p.add_argument("--sinks", type=int, default=16)
