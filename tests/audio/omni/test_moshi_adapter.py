@@ -176,6 +176,41 @@ def test_greedy_rollout_equals_transformers_generate(moshi):
     np.testing.assert_allclose(audio, want_audio, atol=2 / 32767)
 
 
+def test_rollout_with_changing_user_audio_equals_transformers_forward(moshi):
+    """Random user codes every frame (generate cannot take them after its prompt): transformers' forward with a
+    cache, one frame at a time, its depth decoder's greedy generate, and its own delay pattern for the user's
+    stream give the text tokens and Moshi's codes of our rollout."""
+    path, ref = moshi
+    frames = 6
+    g = torch.Generator().manual_seed(8)
+    user = torch.randint(0, CODEBOOK, (1, NUM_CODEBOOKS, frames), generator=g)
+    delayed_user = ref.build_delay_pattern_mask(user, bos_token_id=CODEBOOK, pad_token_id=CODEBOOK,
+                                                max_length=frames + 1)[0]
+    text, moshi_col, cache = torch.tensor([[VOCAB]]), torch.full((1, NUM_CODEBOOKS, 1), CODEBOOK), None
+    want_text, want_cols = [], []
+    with torch.no_grad():
+        for f in range(frames):
+            out = ref(input_ids=text, user_audio_codes=delayed_user[..., f:f + 1], moshi_audio_codes=moshi_col,
+                      cache=cache, use_cache=True)
+            cache = out.cache
+            text = out.logits[:, -1].argmax(-1, keepdim=True)
+            codes = ref.depth_decoder.generate(last_hidden_state=out.last_hidden_state[:, -1:], input_ids=text,
+                                               min_length=NUM_CODEBOOKS + 1, max_length=NUM_CODEBOOKS + 1,
+                                               do_sample=False)[:, 1:]
+            if f == 0:   # column 1's delayed codebooks belong to the initial audio frame
+                codes[:, 1:] = CODEBOOK
+            moshi_col = codes[:, :, None]
+            want_text.append(int(text))
+            want_cols.append(codes[0])
+    engine = Engine(engine_config(path))
+    texts, columns = rollout(make_adapter(path, engine), engine, user[0].t())
+    assert texts == want_text
+    assert torch.equal(columns, torch.stack(want_cols, 1))
+    engine = Engine(engine_config(path))   # and the user's codes matter: other codes, another rollout
+    other = rollout(make_adapter(path, engine), engine, torch.randint(0, CODEBOOK, (frames, NUM_CODEBOOKS), generator=g))
+    assert other[0] != texts or not torch.equal(other[1], columns)
+
+
 def test_user_audio_changes_the_rollout_and_sessions_batch(moshi):
     """Two sessions with different audio in the same ticks match each one run alone (batched heads and depth)."""
     path, _ = moshi
