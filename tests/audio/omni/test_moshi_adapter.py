@@ -191,8 +191,8 @@ def test_rollout_with_changing_user_audio_equals_transformers_forward(moshi):
     with torch.no_grad():
         for f in range(frames):
             out = ref(input_ids=text, user_audio_codes=delayed_user[..., f:f + 1], moshi_audio_codes=moshi_col,
-                      cache=cache, use_cache=True)
-            cache = out.cache
+                      past_key_values=cache, use_cache=True)   # (renamed `cache` after transformers 5.17)
+            cache = out.cache if "cache" in out else out.past_key_values
             text = out.logits[:, -1].argmax(-1, keepdim=True)
             codes = ref.depth_decoder.generate(last_hidden_state=out.last_hidden_state[:, -1:], input_ids=text,
                                                min_length=NUM_CODEBOOKS + 1, max_length=NUM_CODEBOOKS + 1,
