@@ -174,13 +174,14 @@ def plot(raw: dict, analysis: dict, out: Path) -> list[str]:
     table = analysis["table"]
     sinks = sorted({r["sinks"] for r in table})
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
-    for s in sinks:
+    for i, s in enumerate(sinks):
         rs = sorted([r for r in table if r["sinks"] == s], key=lambda r: r["window"])
         w = [r["window"] for r in rs]
-        axes[0].plot(w, [r["p50_ms"] for r in rs], marker="o", label=f"S={s} p50")
-        axes[0].plot(w, [r["p99_ms"] for r in rs], marker="x", ls="--", label=f"S={s} p99")
-        axes[1].plot(w, [r["blocks_per_session"] for r in rs], marker="o", label=f"S={s} held (steady)")
-        axes[1].plot(w, [r["reserved_blocks"] for r in rs], marker="s", ls=":", label=f"S={s} reserved")
+        c = f"C{i}"
+        axes[0].plot(w, [r["p50_ms"] for r in rs], color=c, marker="o", label=f"S={s} p50")
+        axes[0].plot(w, [r["p99_ms"] for r in rs], color=c, marker="x", ls="--", label=f"S={s} p99")
+        axes[1].plot(w, [r["blocks_per_session"] for r in rs], color=c, marker="o", label=f"S={s} held (steady)")
+        axes[1].plot(w, [r["reserved_blocks"] for r in rs], color=c, marker="s", ls=":", label=f"S={s} reserved")
     for ax in axes:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("window W (tokens)")
