@@ -17,24 +17,32 @@ from metronome.serving.proto import worker_pb2 as pb
 from metronome.serving.protocol import DEFAULT_SAMPLE_RATE, encode
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenBucket:
-    """Sustained ``rate`` events/s with bursts of ``burst``; ``take()`` is False when over the limit."""
+    """Sustained ``rate`` events/s with bursts of ``burst``; ``take()`` is False when over the limit.
+
+    Called for every client event, so it is kept to one clock read and a few float operations.
+    """
 
     rate: float
     burst: float
-    tokens: float = -1.0
+    tokens: float = -1.0  # -1: start full
     stamp: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        if self.tokens < 0:
+            self.tokens = self.burst
 
     def take(self) -> bool:
         now = time.monotonic()
-        if self.tokens < 0:
-            self.tokens = self.burst
-        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        tokens = self.tokens + (now - self.stamp) * self.rate
+        if tokens > self.burst:
+            tokens = self.burst
         self.stamp = now
-        if self.tokens >= 1.0:
-            self.tokens -= 1.0
+        if tokens >= 1.0:
+            self.tokens = tokens - 1.0
             return True
+        self.tokens = tokens
         return False
 
 
