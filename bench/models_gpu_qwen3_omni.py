@@ -318,7 +318,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny shape in float32: checks the code path")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda; cpu with --smoke)")
-    p.add_argument("--sessions", default=None, help="N sweep (default 16,64,128,256,384,512; smoke 1,2)")
+    p.add_argument("--sessions", default=None, help="N sweep (default 8,16,24,32,48,64,96,128,256; smoke 1,2)")
     p.add_argument("--compare-sessions", default=None,
                    help="N for whole ticks with the naive expert loop vs the grouped GEMM, eager ('' skips)")
     p.add_argument("--layer-tokens", default=None, help="T for the one-layer expert-path timing ('' skips)")
@@ -332,7 +332,7 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="JSON path (default $OUT/models_qwen3_omni.json, OUT=./out)")
     args = p.parse_args(argv)
     smoke = args.smoke
-    defaults = dict(sessions="1,2" if smoke else "16,64,128,256,384,512",
+    defaults = dict(sessions="1,2" if smoke else "8,16,24,32,48,64,96,128,256",
                     compare_sessions="2" if smoke else "16,64", layer_tokens="4,16" if smoke else "16,64,256,1024,4096",
                     ticks=1 if smoke else 2, decode=2 if smoke else 25, window=64 if smoke else 1024)
     for key, value in defaults.items():

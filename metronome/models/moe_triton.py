@@ -173,22 +173,31 @@ class MoeLaunch:
     down: TileConfig
 
 
-def choose_launch(num_assignments: int, num_experts: int) -> MoeLaunch:
+def choose_launch(num_assignments: int, num_experts: int, itemsize: int = 2) -> MoeLaunch:
     """Tiles by the mean rows per expert (measured on an H200 at Qwen3-Omni's layer shape, H = 2048,
     I = 768, E = 128, k = 8; ``bench/models_gpu_qwen3_omni.py --tune-moe``).
 
     Decode rounds put a few rows on each expert: the kernels stream weights (3.2-3.6 TB/s there), so
     16-row tiles and long reduction steps with deep pipelines. Prefill batches are compute-bound: tall
-    row tiles reuse each weight tile (about 430 TFLOP/s at 16k tokens).
+    row tiles reuse each weight tile (about 430 TFLOP/s at 16k tokens). These are bf16/fp16 tiles;
+    4-byte operands (float32 models, tests) take half the reduction step and two stages so a program's
+    pipelined tiles still fit in shared memory (227 KiB on Hopper).
     """
     mean = num_assignments / num_experts
     if mean <= 2:
-        return MoeLaunch(16, TileConfig(64, 128, 4, 4), TileConfig(128, 128, 4, 4))
-    if mean <= 16:
-        return MoeLaunch(16, TileConfig(128, 128, 4, 4), TileConfig(128, 128, 4, 3))
-    if mean <= 128:
-        return MoeLaunch(64, TileConfig(64, 64, 4, 3), TileConfig(128, 64, 8, 3))
-    return MoeLaunch(128, TileConfig(128, 64, 8, 3), TileConfig(128, 64, 4, 3))
+        launch = MoeLaunch(16, TileConfig(64, 128, 4, 4), TileConfig(128, 128, 4, 4))
+    elif mean <= 16:
+        launch = MoeLaunch(16, TileConfig(128, 128, 4, 4), TileConfig(128, 128, 4, 3))
+    elif mean <= 128:
+        launch = MoeLaunch(64, TileConfig(64, 64, 4, 3), TileConfig(128, 64, 8, 3))
+    else:
+        launch = MoeLaunch(128, TileConfig(128, 64, 8, 3), TileConfig(128, 64, 4, 3))
+    if itemsize > 2:
+        def narrow(c: TileConfig) -> TileConfig:
+            return TileConfig(c.block_n, min(c.block_k, 64), c.num_warps, 2)
+
+        launch = MoeLaunch(launch.block_m, narrow(launch.gate_up), narrow(launch.down))
+    return launch
 
 
 def launch_gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, act: torch.Tensor, routing: Routing, top_k: int,
@@ -234,7 +243,7 @@ def grouped_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, 
     m = t * k
     if t == 0:
         return x.new_zeros((0, h))
-    launch = launch or choose_launch(m, e)
+    launch = launch or choose_launch(m, e, x.element_size())
     if block_m is not None:
         launch = MoeLaunch(block_m, launch.gate_up, launch.down)
     x = x.contiguous()

@@ -139,3 +139,19 @@ def test_grouped_gemm_replays_in_a_cuda_graph_with_new_routing():
         static_w.copy_(w)
         graph.replay()
         torch.testing.assert_close(out, grouped_moe(x, gate_up, down, ids, w.to(torch.bfloat16)), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("itemsize", [2, 4])
+def test_default_tiles_fit_hopper_shared_memory(itemsize):
+    """Pipelined A and B tiles of every default launch fit in 227 KiB (gate/up loads two B tiles per step).
+
+    Triton's software pipeline keeps ``num_stages - 1`` buffers (the H200 reported 417792 bytes = 3 × one
+    fp32 stage of the 4-stage gate/up tile): float32 must narrow the bf16-tuned tiles.
+    """
+    from metronome.models.moe_triton import choose_launch
+
+    for mean in (1, 8, 64, 512):
+        launch = choose_launch(mean * 128, 128, itemsize)
+        for c, b_tiles in ((launch.gate_up, 2), (launch.down, 1)):
+            per_stage = (launch.block_m * c.block_k + b_tiles * c.block_k * c.block_n) * itemsize
+            assert max(1, c.num_stages - 1) * per_stage <= 227 * 1024, (mean, c)
