@@ -1,6 +1,6 @@
 """GPU benchmark: Qwen3-Omni-30B-A3B's thinker (MoE decoder) and audio encoder at their real shapes.
 
-    PYTHONPATH=$PWD python3 bench/models_gpu_qwen3_omni.py              # on an H200, ~4 min; writes $OUT/models_qwen3_omni.json
+    PYTHONPATH=$PWD python3 bench/models_gpu_qwen3_omni.py              # H200, ~4 min: $OUT/models_qwen3_omni.json
     PYTHONPATH=$PWD python3 bench/models_gpu_qwen3_omni.py --smoke      # a tiny shape on the CPU (the test runs it)
     PYTHONPATH=$PWD python3 bench/models_gpu_qwen3_omni.py --smoke --device cuda   # the same tiny shape on a GPU
 
@@ -196,7 +196,8 @@ def tune_moe(args) -> dict:
     from metronome.models.moe_triton import TileConfig, launch_down, launch_gate_up, route
 
     text = REAL["text"]
-    e, h, inter, k = text["num_experts"], text["hidden_size"], text["moe_intermediate_size"], text["num_experts_per_tok"]
+    e, h, k = text["num_experts"], text["hidden_size"], text["num_experts_per_tok"]
+    inter = text["moe_intermediate_size"]
     dev = torch.device("cuda")
     w_gate_up = torch.randn(e, 2 * inter, h, device=dev, dtype=torch.bfloat16) * 0.02
     w_down = torch.randn(e, h, inter, device=dev, dtype=torch.bfloat16) * 0.02
@@ -374,7 +375,8 @@ def main(argv=None) -> dict:
                      "budget_ms": args.budget_ms, "limit_ms": 0.3 * args.budget_ms}
     bandwidth = measure_copy_bandwidth(device)
     results["copy_bytes_per_s"] = bandwidth
-    results["moe_layer"] = time_expert_paths(spec, device, dtype, _ints(args.layer_tokens), reps=3 if args.smoke else 10)
+    reps = 3 if args.smoke else 10
+    results["moe_layer"] = time_expert_paths(spec, device, dtype, _ints(args.layer_tokens), reps=reps)
 
     build = time.perf_counter()
     model = random_decoder(spec, device, dtype)

@@ -110,8 +110,10 @@ def window_sdpa(module, query, key, value, attention_mask=None, scaling=None, dr
 def audio_tower_weight_name(stored: str) -> str | None:
     """A checkpoint tensor name → the audio encoder's parameter name, or None for every other part.
 
-    >>> audio_tower_weight_name("thinker.audio_tower.layers.0.fc1.weight"), audio_tower_weight_name("thinker.lm_head.weight")
-    ('layers.0.fc1.weight', None)
+    >>> audio_tower_weight_name("thinker.audio_tower.layers.0.fc1.weight")
+    'layers.0.fc1.weight'
+    >>> audio_tower_weight_name("thinker.lm_head.weight") is None
+    True
     """
     name = stored.removeprefix("thinker.")
     return name.removeprefix("audio_tower.") if name.startswith("audio_tower.") else None

@@ -85,7 +85,8 @@ def test_encoder_outputs_equal_the_audio_tower(omni, engine):
         feats, mask = _processor_features(extractor, clip)
         with torch.no_grad():
             want = ref.thinker.get_audio_features(feats, feature_attention_mask=mask).last_hidden_state
-        assert got.shape == want.shape == (frontend.tokens(clip.size), ref.config.thinker_config.text_config.hidden_size)
+        hidden = ref.config.thinker_config.text_config.hidden_size
+        assert got.shape == want.shape == (frontend.tokens(clip.size), hidden)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     assert frontend.tokens_per_block == 13 and frontend.tokens(2 * RATE) == 26
 
