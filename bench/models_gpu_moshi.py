@@ -19,7 +19,7 @@ Moshi's text comes from its own head), ``on_hidden`` (text head + the depth tran
 for all sessions: "depth"; Mimi-decode of every session's new frame: "mimi decode"). The depth transformer
 and Mimi replay CUDA graphs per batch-size bucket (captured in the warm-up ticks); the engine's one-position
 prefill runs eagerly (the engine graphs decode rounds only, and Moshi has none). Sessions are pre-aged
-until their window is full (default S = 16, W = 2984: the same 3000 steps as Moshi's native ring). Reported
+until their window is full (default S = 16, W = 2048: with the rebase interval and chunk it fits Moshi's 3000 positions). Reported
 per N: the tick and its split, and the largest N whose tick stays within 0.3·B. Results: a table on stdout
 and ``$OUT/models_moshi.json`` (OUT defaults to ./out).
 
@@ -272,7 +272,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--ticks", type=int, default=5)
     p.add_argument("--budget-ms", type=float, default=80.0)
     p.add_argument("--sinks", type=int, default=16)
-    p.add_argument("--window", type=int, default=2984)
+    p.add_argument("--window", type=int, default=2048,
+                   help="S + W + W/4 (rebase interval) + chunk + 1 must fit Moshi's 3000 positions")
     p.add_argument("--stop-factor", type=float, default=1.5, help="stop the sweep once a tick exceeds this × 0.3·B")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (exercises the code path)")
     args = p.parse_args(argv)
