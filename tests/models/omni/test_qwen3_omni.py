@@ -82,6 +82,11 @@ def _engine(path: str, window: int = 256) -> Engine:
                                policy=KVPolicy(sinks=4, window=window, block_size=8, positions="absolute")))
 
 
+def _text_model(ref):
+    """The thinker's text model (transformers 5.2x nests it as ``model.language_model``; 5.1x had it as ``model``)."""
+    return getattr(ref.thinker.model, "language_model", ref.thinker.model)
+
+
 def _reference_logits(ref, embeds: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return ref.thinker(inputs_embeds=embeds[None], use_cache=False).logits[0]
@@ -100,7 +105,7 @@ def test_stored_names_and_spec(omni):
     text = ref.config.thinker_config.text_config
     assert (spec.num_experts, spec.num_experts_per_tok, spec.moe_intermediate_size) == (6, 2, 16)
     assert spec.mlp_only_layers == (1,) and spec.qk_norm and spec.norm_topk_prob == text.norm_topk_prob
-    inv = ref.thinker.model.language_model.rotary_emb.inv_freq
+    inv = _text_model(ref).rotary_emb.inv_freq
     torch.testing.assert_close(torch.tensor(spec.inv_freq), inv, atol=0, rtol=0)
 
 
@@ -110,7 +115,7 @@ def test_loaded_weights_equal_the_reference(omni):
     assert isinstance(net, MoeForCausalLM)
     moe, dense = net.model.layers[0].mlp, net.model.layers[1].mlp
     assert isinstance(moe, SparseMoeBlock) and not isinstance(dense, SparseMoeBlock)
-    theirs = ref.thinker.model.language_model.layers[0].mlp.experts
+    theirs = _text_model(ref).layers[0].mlp.experts
     torch.testing.assert_close(moe.experts.gate_up_proj, theirs.gate_up_proj, atol=0, rtol=0)
     torch.testing.assert_close(moe.experts.down_proj, theirs.down_proj, atol=0, rtol=0)
     torch.testing.assert_close(net.lm_head.weight, ref.thinker.lm_head.weight, atol=0, rtol=0)
@@ -134,8 +139,8 @@ def test_audio_only_positions_are_one_dimensional(omni):
     input_ids = torch.tensor([ids])
     mask = torch.ones_like(input_ids)
     for grid in (None, torch.zeros((0, 3), dtype=torch.long)):
-        pos, delta = ref.thinker.model.get_rope_index(input_ids, image_grid_thw=grid, attention_mask=mask,
-                                                      audio_seqlens=mel_frames)
+        owner = ref.thinker.model if hasattr(ref.thinker.model, "get_rope_index") else ref.thinker
+        pos, delta = owner.get_rope_index(input_ids, image_grid_thw=grid, attention_mask=mask, audio_seqlens=mel_frames)
         want = torch.arange(len(ids), dtype=pos.dtype)
         for row in range(3):
             torch.testing.assert_close(pos[row, 0], want)
@@ -209,7 +214,7 @@ def test_cuda_engine_with_graphs_and_grouped_gemm_matches_transformers(tmp_path)
     for _ in range(6):
         nxt = int(_reference_logits(ref, context)[-1].argmax())
         expected.append(nxt)
-        context = torch.cat([context, ref.thinker.model.language_model.embed_tokens(torch.tensor([nxt]))])
+        context = torch.cat([context, ref.thinker.get_input_embeddings()(torch.tensor([nxt]))])
     assert all(d.token_ids == expected for d in decoded)
 
 
