@@ -420,8 +420,10 @@ def analyse(raw: dict) -> dict:
             w = st["policy"]["window"]
             filled = next((tk["t_s"] for tk in st["ticks"] if w and tk["tokens"] and tk["tokens"] > w), None)
             window_fill[a] = filled
-            before = [x for x in sc if filled is None or x["start_s"] < filled]
-            after = [x for x in sc if filled is not None and x["start_s"] >= filled]
+            # When the reply was decoded (the tick the question arrived in), not when it was asked.
+            when = {id(x): st["ticks"][x["tick"]]["t_s"] if x["tick"] is not None else x["start_s"] for x in sc}
+            before = [x for x in sc if filled is None or when[id(x)] < filled]
+            after = [x for x in sc if filled is not None and when[id(x)] >= filled]
             arms[a] = {"policy": st["policy"], "ended": st["ended"], "asked": len(sc),
                        "correct": sum(bool(x["correct"]) for x in sc),
                        "heard_ok": sum(bool(x.get("heard_ok")) for x in sc),
@@ -517,7 +519,7 @@ def markdown(raw: dict, analysis: dict, plots: list[str]) -> str:
               f"{p['probe_budget_ms']:g} ms, {p['probe_tokens_per_tick']} tokens decoded per tick, W = {p['probe_window']}; "
               f"reply = text of the tick the question arrives in and up to {p['answer_ticks'] - 1} more. "
               f"Simulated time (ticks back to back): the result does not depend on machine load.", "",
-              "| arm | policy | correct | before window full | after window full | by age quarter | question heard (ASR) "
+              "| arm | policy | correct | answered before the window was full | after | by age quarter | question heard (ASR) "
               "| context at end | ended early |", "|---|---|---|---|---|---|---|---|---|"]
         for a, r in analysis["probe"].items():
             pol = r["policy"]
