@@ -1,12 +1,15 @@
 """CUDA graphs for decode rounds: one captured forward per batch-size bucket, replayed every round.
 
 A decode round feeds exactly one token per session, so its shapes depend only on the batch size.
-Each bucket's graph reads static device buffers (token ids, positions, KV slots, compact block
+Each bucket's graph reads static device buffers (input embeddings, positions, KV slots, compact block
 tables, window offsets, the Triton kernel's work items) that the host refills before every replay;
 Python and kernel-launch overhead leave the round. Rows past the live batch are padding: their
 K/V go to a scratch block outside the pool and their attention work items are empty.
 
 Buckets are captured from the largest down so they share one memory pool (as vLLM does).
+
+The graphs start from input *embeddings*: token ids are embedded just before the replay (one small
+gather), so a forward of one embedding row per session — Moshi's frame per tick — replays them too.
 
 Example (on CUDA): ``graphs = DecodeGraphs(runner, max_batch=256)`` then, for a round of 37 sessions,
 ``hidden = graphs.run(segments)`` replays the 48-row graph and returns the first 37 rows.
@@ -48,6 +51,7 @@ class DecodeGraphs:
         n = self.buckets[-1]
         self.width = table_width
         self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.embeds = torch.zeros((n, runner.spec.hidden_size), dtype=runner.dtype, device=dev)
         self.positions = torch.zeros(n, dtype=torch.long, device=dev)
         self.slot_mapping = torch.zeros(n, dtype=torch.long, device=dev)
         self.block_tables = torch.full((n, table_width), -1, dtype=torch.int32, device=dev)
@@ -82,6 +86,7 @@ class DecodeGraphs:
                 plan = TritonPlan(meta, spec.num_heads, spec.num_kv_heads, attention.options["block_n"], [launch],
                                   attention.options["num_warps"], attention.options["num_stages"])
                 self._pad(0, batch)
+                self.embeds[:batch] = runner.model.embed(self.input_ids[:batch])
                 forward = self._forward_fn(batch, plan)
                 forward()  # compile and warm up outside the capture
                 torch.cuda.synchronize()
@@ -96,8 +101,7 @@ class DecodeGraphs:
         model, runner = self.runner.model, self.runner
 
         def forward() -> torch.Tensor:
-            embeds = model.embed(self.input_ids[:batch])
-            return model(embeds, self.positions[:batch], runner.kv_caches, runner.attention, plan)
+            return model(self.embeds[:batch], self.positions[:batch], runner.kv_caches, runner.attention, plan)
 
         return forward
 
@@ -117,7 +121,7 @@ class DecodeGraphs:
 
     def fits(self, segments: list[ForwardSegment]) -> bool:
         return (len(segments) <= self.buckets[-1]
-                and all(len(s.token_ids) == 1 and s.embeds is None for s in segments)
+                and all(len(s) == 1 for s in segments)
                 and all(s.session.live_blocks <= self.width for s in segments))
 
     def run(self, segments: list[ForwardSegment], input_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -134,7 +138,8 @@ class DecodeGraphs:
             s = seg.session
             t = s.num_tokens
             row = s.table_row()
-            rows.append([seg.token_ids[0], t - s.position_base, s.physical(t // bs) * bs + t % bs, s.window_first,
+            token = seg.token_ids[0] if seg.token_ids else 0   # an embeddings row: its id is unused
+            rows.append([token, t - s.position_base, s.physical(t // bs) * bs + t % bs, s.window_first,
                          i, i, 1, t, *row] + [-1] * (width - len(row)))
         slot = self.round % len(self.staging)
         self.round += 1
@@ -152,6 +157,11 @@ class DecodeGraphs:
         self.items[:b] = gpu[:, 4:8].to(torch.int32)
         self.block_tables[:b] = gpu[:, 8:].to(torch.int32)
         self._pad(b, bucket)
+        self.embeds[:b] = self.runner.model.embed(self.input_ids[:b])
+        given = [(i, seg.embeds) for i, seg in enumerate(segments) if seg.embeds is not None]
+        if given:
+            rows_at = torch.tensor([i for i, _ in given], device=self.runner.device)
+            self.embeds[rows_at] = torch.cat([e for _, e in given]).to(self.runner.device, self.runner.dtype)
         g = self.graphs[bucket]
         g.graph.replay()
         return g.hidden[:b].clone()

@@ -38,6 +38,7 @@ OMNI_FAMILIES = {
     "qwen2_5_omni": "metronome.models.omni.qwen2_5_omni",
     "qwen2_5_omni_thinker": "metronome.models.omni.qwen2_5_omni",
     "qwen3_omni_moe": "metronome.models.omni.qwen3_omni",
+    "qwen3_omni_moe_thinker": "metronome.models.omni.qwen3_omni",
     "minicpmo": "metronome.models.omni.minicpm_o",
     "moshi": "metronome.models.omni.moshi",
 }

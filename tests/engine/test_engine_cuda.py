@@ -70,6 +70,39 @@ def test_decode_graphs_replay_what_eager_computes(checkpoints):
             assert a.prompt_logprobs == pytest.approx(b.prompt_logprobs, abs=1e-4, nan_ok=True)
 
 
+def test_one_row_embeds_replay_the_graphs_as_eager_computes(checkpoints):
+    """One embeddings row per session (Moshi's frame per tick) runs on the decode graphs, equal to eager."""
+    path, _ = checkpoints["llama"]
+
+    def run(graphs: bool):
+        engine = Engine(EngineConfig(model=path, device="cuda", attention="triton", cuda_graphs=graphs,
+                                     num_blocks=400, max_chunk_tokens=32, max_batch_tokens=256,
+                                     policy=KVPolicy(sinks=4, window=40, block_size=16)))
+        gen = torch.Generator().manual_seed(5)
+        hidden = engine.spec.hidden_size
+        sids = [engine.open_session() for _ in range(3)]
+        replays = []
+        original = engine.runner.graphs.run if graphs else None
+        if graphs:
+            def counting(segments, input_ids=None):
+                replays.append(len(segments))
+                return original(segments, input_ids)
+            engine.runner.graphs.run = counting
+        outs = []
+        for step in range(60):  # past the window: freed blocks, the window's wrap
+            live = sids[: 1 + step % 3]
+            rows = [(torch.randn(1, hidden, generator=gen) * 0.5) for _ in live]
+            outs.append([o.hidden.float().cpu() for o in engine.step(
+                [StepInput(s, embeds=r.to("cuda", torch.bfloat16), return_hidden=True) for s, r in zip(live, rows)])])
+        return outs, replays
+
+    (eager, _), (graphed, replays) = run(False), run(True)
+    assert len(replays) == 60
+    for a_step, b_step in zip(eager, graphed):
+        for a, b in zip(a_step, b_step):
+            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
 def test_graph_rounds_with_stop_tokens_and_sampling_match_eager(checkpoints):
     """Stop tokens and temperature sampling take the per-round (host-synchronised) graph path."""
     from metronome import SamplingParams
