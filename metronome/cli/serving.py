@@ -2,6 +2,9 @@
 
     metronome serve                              # worker(s) + gateway: talk to the embedded speech assistant
     metronome serve --adapter energy             # the deterministic loudness-token stand-in instead
+    metronome serve --model ~/ckpt/Qwen2.5-Omni-7B --device cuda --dtype bfloat16
+                                                 # an omni checkpoint: its own audio path, B = 2 s
+                                                 # (Moshi: 80 ms, MiniCPM-o: 1 s), picked from config.json
     metronome worker --port 50051                # one gRPC worker
     metronome gateway --workers 127.0.0.1:50051  # the WebSocket gateway in front of workers
 """
@@ -19,7 +22,7 @@ import time
 
 import grpc
 
-from metronome.audio.registry import ADAPTERS
+from metronome.audio.registry import ADAPTERS, resolve_adapter
 from metronome.config import AimdConfig, EngineConfig, GatewayConfig, KVPolicy
 
 log = logging.getLogger(__name__)
@@ -39,14 +42,17 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None, help="KV pool size (default: from free memory)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
-    p.add_argument("--adapter", default="cascade", choices=list(ADAPTERS),
-                   help="audio front end: 'cascade' = VAD + Whisper tiny.en into the chat model (default); "
+    p.add_argument("--adapter", default="auto", choices=["auto", *ADAPTERS],
+                   help="audio front end. 'auto' (default): the omni model's own audio path for an omni "
+                        "checkpoint (by config.json's model_type), else 'cascade'; "
+                        "'cascade' = VAD + Whisper tiny.en into the chat model; "
                         "'energy' = deterministic loudness tokens (a stand-in for tests and benchmarks); "
                         "the others are the interaction models' own audio encoders (use with their checkpoint)")
 
 
 def _budget_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--budget-ms", type=float, default=2000.0, help="frame budget B per tick")
+    p.add_argument("--budget-ms", type=float, default=None,
+                   help="frame budget B per tick (default: the adapter's: 2000, Moshi 80, MiniCPM-o 1000)")
 
 
 def _gateway_args(p: argparse.ArgumentParser) -> None:
@@ -93,9 +99,15 @@ def _gateway_config(args: argparse.Namespace, workers: tuple[str, ...], model_na
                                          initial_cap=args.initial_cap))
 
 
+def _resolve(args: argparse.Namespace) -> None:
+    """Fill in ``args.adapter`` ('auto') and ``args.budget_ms`` (None) from the checkpoint."""
+    args.adapter, args.budget_ms = resolve_adapter(args.model, args.adapter, args.budget_ms)
+
+
 def run_worker_cmd(args: argparse.Namespace) -> int:
     import torch
 
+    _resolve(args)
     from metronome.serving.worker import WorkerConfig, run_worker
 
     if args.threads:
@@ -108,6 +120,9 @@ def run_worker_cmd(args: argparse.Namespace) -> int:
 
 def run_gateway_cmd(args: argparse.Namespace) -> int:
     from metronome.serving.gateway import run_gateway
+
+    if args.budget_ms is None:
+        args.budget_ms = 2000.0   # the gateway cannot see the model: B must match the workers'
 
     workers = tuple(w.strip() for w in args.workers.split(",") if w.strip())
     config = _gateway_config(args, workers, args.model_name)
@@ -138,6 +153,7 @@ async def _wait_ready(address: str, proc: subprocess.Popen, timeout_s: float) ->
 def run_serve(args: argparse.Namespace) -> int:
     if args.workers < 1:
         raise SystemExit("--workers must be >= 1")
+    _resolve(args)
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)
     procs, addresses = [], []
     for i in range(args.workers):
