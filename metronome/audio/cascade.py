@@ -53,7 +53,7 @@ import numpy as np
 from metronome.audio.adapter import AdapterContext, InteractionAdapter, PreparedInput, TickAudio
 from metronome.audio.chat import ChatTemplate
 from metronome.audio.detokenize import IncrementalDetokenizer
-from metronome.audio.turns import answer_close, default_stop_tokens, session_header
+from metronome.audio.turns import answer_close, decode_budget, default_stop_tokens, record_output, session_header
 from metronome.audio.vad import SAMPLE_RATE, SileroVad, VadConfig, VadStream
 from metronome.errors import ConfigError
 
@@ -214,12 +214,7 @@ class CascadeAdapter(InteractionAdapter):
                     "(send shorter text)"))
                 continue
             self._sessions[tick.session_id] = new
-            if new.mode == "free_running":
-                max_new, stops = max(0, tick.max_tokens), ()
-            else:
-                left = self.max_response_tokens - new.response_tokens
-                max_new, stops = (min(max(0, tick.max_tokens), left) if new.responding else 0), self.stop_token_ids
-            ends = new.mode != "free_running" and new.responding and 0 < max_new >= left
+            max_new, stops, ends = decode_budget(new, tick.max_tokens, self.max_response_tokens, self.stop_token_ids)
             out[i] = PreparedInput(token_ids=tokens or None, max_new_tokens=max_new, stop_token_ids=stops,
                                    transcript=transcript, ends_response=ends)
         return out  # type: ignore[return-value]
@@ -268,18 +263,7 @@ class CascadeAdapter(InteractionAdapter):
         state = self._sessions.get(session_id)
         if state is None:
             return ""
-        text = state.detok.push(token_ids)
-        if state.mode == "free_running":
-            if token_ids:
-                state.last_decoded = [int(token_ids[-1])]
-            return text
-        state.response_tokens += len(token_ids)
-        if finished:
-            text += state.detok.flush()
-            if state.responding:
-                state.responding = False
-                state.close_next = answer_close(self.chat, token_ids)
-        return text
+        return record_output(state, token_ids, finished, lambda ids: answer_close(self.chat, ids))
 
     # ------------------------------------------------------------------ introspection (tests, metrics)
     def session_state(self, session_id: str) -> dict:

@@ -68,8 +68,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from metronome.audio.adapter import AdapterContext, InteractionAdapter, PreparedInput, TickAudio
+from metronome.audio.adapter import AdapterContext, TickAudio
 from metronome.audio.detokenize import IncrementalDetokenizer
+from metronome.audio.omni.chat_session import ChatSession, ChatSessionAdapter
+from metronome.audio.turns import fitting_header
 from metronome.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -271,18 +273,17 @@ Piece = int | _Audio | _Hold   # a tick's input before assembly: token ids and a
 
 
 @dataclass
-class _Session:
-    mode: str
-    header: list[int]                                 # emitted on the first tick, then cleared
-    detok: IncrementalDetokenizer
-    held: deque                                       # turn mode: chunk embeddings heard during a response
+class _Session(ChatSession):
+    held: deque = field(default_factory=deque)   # turn mode: chunk embeddings heard during a response
     carry: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # < one chunk of PCM
-    started: bool = False                             # free running: the first tick's turn was emitted
-    user_open: bool = False                           # turn mode: a user turn is open
-    responding: bool = False
-    response_tokens: int = 0
-    close_next: list[int] = field(default_factory=list)
-    last_decoded: list[int] = field(default_factory=list)   # free running: last token decoded
+
+
+@dataclass
+class _Plan:
+    """One session's tick before encoding: its pieces and the fresh chunks of PCM they refer to."""
+
+    pieces: list[Piece]
+    chunks: list[np.ndarray]
 
 
 @dataclass
@@ -295,7 +296,7 @@ class MiniCpmoTiming:
     encoder_ms: float = 0.0
 
 
-class MiniCpmoAdapter(InteractionAdapter):
+class MiniCpmoAdapter(ChatSessionAdapter):
     """MiniCPM-o 4.5's speech understanding on the engine (see the module docstring).
 
     ``instruction``: text after the first tick's audio in free-running sessions (the paper's layout:
@@ -310,26 +311,21 @@ class MiniCpmoAdapter(InteractionAdapter):
     def __init__(self, tokenizer, tower: AudioTower, embed, *, max_input_tokens: int = 1024,
                  instruction: str = "", max_response_tokens: int = 256, max_held_chunks: int = 8,
                  max_chunks_per_tick: int = 4, default_mode: str = "turn") -> None:
-        if default_mode not in MODES:
-            raise ConfigError(f"default_mode must be one of {MODES}, got {default_mode!r}")
+        self._init_sessions(tokenizer, default_mode, max_input_tokens)
         if max_response_tokens < 1 or max_held_chunks < 0 or max_chunks_per_tick < 1:
             raise ConfigError("max_response_tokens and max_chunks_per_tick must be >= 1, max_held_chunks >= 0")
-        self.tokenizer = tokenizer
         self.tower = tower
         self.embed = embed
         self.spec = tower.spec
         self.layout = Layout.from_tokenizer(tokenizer)
         self.unit_tokens = self.spec.tokens_per_chunk + 2   # with its audio-start/end markers
         self.mel = LogMel(int(tower.apm.config.num_mel_bins), tower.apm.conv1.weight.device)
-        self.max_input_tokens = max_input_tokens
         self.instruction_ids = list(tokenizer.encode(instruction, add_special_tokens=False)) if instruction else []
         self.max_response_tokens = max_response_tokens
         self.max_held_chunks = max_held_chunks
         self.max_chunks_per_tick = max_chunks_per_tick
-        self.default_mode = default_mode
         self.stop_token_ids = self.layout.stop_token_ids
         self.last_timing = MiniCpmoTiming()
-        self._sessions: dict[str, _Session] = {}
 
     @classmethod
     def from_context(cls, context: AdapterContext, **kwargs) -> "MiniCpmoAdapter":
@@ -342,19 +338,14 @@ class MiniCpmoAdapter(InteractionAdapter):
         return cls(context.tokenizer, tower, context.embed, max_input_tokens=context.max_input_tokens, **kwargs)
 
     # ------------------------------------------------------------------ sessions
-    def open_session(self, session_id: str, mode: str, instructions: str) -> None:
-        mode = self.resolve_mode(mode)
-        if session_id in self._sessions:
-            raise ValueError(f"session {session_id!r} is already open")
-        header = self.layout.header(self.tokenizer, instructions)
-        if len(header) > self.max_input_tokens // 2:
-            raise ValueError(f"instructions are {len(header)} tokens with their chat framing; at most "
-                             f"{self.max_input_tokens // 2} fit")
-        self._sessions[session_id] = _Session(mode, header, IncrementalDetokenizer(self.tokenizer),
-                                              deque(maxlen=self.max_held_chunks))
+    def _new_session(self, mode: str, instructions: str) -> _Session:
+        header = fitting_header(self.layout.header(self.tokenizer, instructions), self.max_input_tokens)
+        return _Session(mode, header, IncrementalDetokenizer(self.tokenizer), held=deque(maxlen=self.max_held_chunks))
 
-    def close_session(self, session_id: str) -> None:
-        self._sessions.pop(session_id, None)
+    def _copy_session(self, s: _Session) -> _Session:
+        new = copy.copy(s)
+        new.held = deque(s.held, maxlen=s.held.maxlen)
+        return new
 
     def input_tokens_per_tick(self, budget_ms: float) -> int:
         # The carry can complete one more chunk than the tick's own audio.
@@ -364,53 +355,31 @@ class MiniCpmoAdapter(InteractionAdapter):
         return chunks * self.unit_tokens + framing
 
     # ------------------------------------------------------------------ ticks
-    def prepare(self, batch: list[TickAudio]) -> list[PreparedInput]:
-        out: list[PreparedInput | None] = [None] * len(batch)
-        plans: list[tuple[int, _Session, list, list[np.ndarray]]] = []
-        for i, tick in enumerate(batch):
-            state = self._sessions.get(tick.session_id)
-            if state is None:
-                out[i] = PreparedInput(error=f"session {tick.session_id!r} is not open in the {self.name} adapter")
-                continue
-            try:
-                pcm = _checked_pcm(tick.pcm)
-            except ValueError as exc:
-                out[i] = PreparedInput(error=str(exc))
-                continue
-            new = copy.copy(state)   # a refused tick leaves the session exactly as it was
-            new.held = deque(state.held, maxlen=state.held.maxlen)
-            chunks = self._chunks(new, pcm, flush=tick.new_turn and new.mode == "turn")
-            if len(chunks) > self.max_chunks_per_tick:
-                out[i] = PreparedInput(error=f"this tick holds {len(chunks)} s of audio; at most "
-                                             f"{self.max_chunks_per_tick} chunks are encoded per tick")
-                continue
-            pieces = self._advance(new, tick, len(chunks))
-            n = sum(self.unit_tokens if isinstance(p, _Audio) else isinstance(p, int) for p in pieces)
-            if n > self.max_input_tokens:
-                out[i] = PreparedInput(error=f"this tick's input is {n} tokens; at most {self.max_input_tokens} "
-                                             "fit in one tick (send shorter text)")
-                continue
-            self._sessions[tick.session_id] = new
-            plans.append((i, new, pieces, chunks))
+    def _plan(self, s: _Session, tick: TickAudio) -> _Plan | str:
+        pcm = np.asarray(tick.pcm, dtype=np.float32)
+        chunks = self._chunks(s, pcm, flush=tick.new_turn and s.mode == "turn")
+        if len(chunks) > self.max_chunks_per_tick:
+            return (f"this tick holds {len(chunks)} s of audio; at most {self.max_chunks_per_tick} chunks are "
+                    "encoded per tick")
+        return _Plan(self._advance(s, tick, len(chunks)), chunks)
 
-        audio = self._encode([c for _, _, _, chunks in plans for c in chunks], len(plans))
+    def _plan_tokens(self, plan: _Plan) -> int:
+        return sum(self.unit_tokens if isinstance(p, _Audio) else isinstance(p, int) for p in plan.pieces)
+
+    def _realise(self, planned: list[tuple[_Session, _Plan]]
+                 ) -> list[tuple[list[int] | None, torch.Tensor | None]]:
+        audio = self._encode([c for _, plan in planned for c in plan.chunks], len(planned))
+        out: list[tuple[list[int] | None, torch.Tensor | None]] = []
         k = 0
-        for i, state, pieces, chunks in plans:
-            tick = batch[i]
-            rows = list(audio[k:k + len(chunks)]) if chunks else []
-            k += len(chunks)
-            embeds, token_ids = self._assemble(state, pieces, rows)
-            ends = False
-            if state.mode == "free_running":
-                max_new, stops = max(0, tick.max_tokens), ()
-            else:
-                left = self.max_response_tokens - state.response_tokens
-                max_new = min(max(0, tick.max_tokens), left) if state.responding else 0
-                stops = self.stop_token_ids
-                ends = state.responding and 0 < max_new >= left
-            out[i] = PreparedInput(token_ids=token_ids, embeds=embeds, max_new_tokens=max_new,
-                                   stop_token_ids=stops, ends_response=ends)
-        return out  # type: ignore[return-value]
+        for state, plan in planned:
+            rows = list(audio[k:k + len(plan.chunks)]) if plan.chunks else []
+            k += len(plan.chunks)
+            embeds, token_ids = self._assemble(state, plan.pieces, rows)
+            out.append((token_ids, embeds))
+        return out
+
+    def _close_after(self, token_ids: list[int]) -> list[int]:
+        return self.layout.close_after([int(t) for t in token_ids])
 
     def _chunks(self, s: _Session, pcm: np.ndarray, flush: bool) -> list[np.ndarray]:
         """Whole chunks of carry + pcm; the rest becomes the carry (zero-padded out on ``flush``)."""
@@ -442,8 +411,7 @@ class MiniCpmoAdapter(InteractionAdapter):
     def _advance(self, s: _Session, tick: TickAudio, chunks: int) -> list[Piece]:
         """This tick's input as token ids and audio units (the state machine of the module docstring)."""
         lay = self.layout
-        pieces: list[Piece] = s.header + s.close_next
-        s.header, s.close_next = [], []
+        pieces: list[Piece] = s.take_prefix()
         heard: list[Piece] = [_Audio()] * chunks
         text = list(self.tokenizer.encode(tick.text, add_special_tokens=False)) if tick.text.strip() else []
 
@@ -464,8 +432,7 @@ class MiniCpmoAdapter(InteractionAdapter):
         starting = bool(text) or tick.new_turn
         if s.responding and (tick.cancel or starting):
             pieces += lay.close   # the answer stops here (barge-in or cancel)
-            s.responding = False
-            s.detok = IncrementalDetokenizer(self.tokenizer)
+            s.cut_answer(self.tokenizer)
         if s.responding:
             if len(s.held) + chunks > self.max_held_chunks:
                 log.info("%d s of audio heard during a response dropped (hold limit %d chunks)",
@@ -512,21 +479,11 @@ class MiniCpmoAdapter(InteractionAdapter):
             return torch.cat([part.to(parts[0].dtype) for part in parts]), None
 
     def on_output(self, session_id: str, token_ids: list[int], finished: bool) -> str:
+        text = super().on_output(session_id, token_ids, finished)
         state = self._sessions.get(session_id)
-        if state is None:
-            return ""
-        text = state.detok.push(token_ids)
-        if state.mode == "free_running":
-            if token_ids:
-                state.last_decoded = [int(token_ids[-1])]
-            return text
-        state.response_tokens += len(token_ids)
-        if finished:
-            text += state.detok.flush()
-            if state.responding:
-                state.responding = False
-                state.close_next = self.layout.close_after([int(t) for t in token_ids])
-        elif state.responding and state.response_tokens >= self.max_response_tokens:
+        if (state is not None and state.mode == "turn" and not finished and state.responding
+                and state.response_tokens >= self.max_response_tokens):
+            # The answer reached max_response_tokens without a stop token: it ends here.
             text += state.detok.flush()
             state.responding = False
             state.close_next = list(self.layout.close)
@@ -535,22 +492,8 @@ class MiniCpmoAdapter(InteractionAdapter):
     # ------------------------------------------------------------------ introspection (tests, metrics)
     def session_state(self, session_id: str) -> dict:
         s = self._sessions[session_id]
-        return {"mode": s.mode, "carry_samples": int(s.carry.size), "held_chunks": len(s.held),
-                "user_open": s.user_open, "responding": s.responding, "started": s.started,
+        return {**super().session_state(session_id), "carry_samples": int(s.carry.size), "held_chunks": len(s.held),
                 "detok_held": s.detok.held}
-
-    @property
-    def sessions(self) -> int:
-        return len(self._sessions)
-
-
-def _checked_pcm(pcm) -> np.ndarray:
-    pcm = np.asarray(pcm, dtype=np.float32)
-    if pcm.ndim != 1:
-        raise ValueError(f"audio must be mono samples (1-D), got shape {pcm.shape}")
-    if pcm.size and not np.isfinite(pcm).all():
-        raise ValueError("audio holds NaN or infinite samples")
-    return pcm
 
 
 def build_adapter(context: AdapterContext) -> MiniCpmoAdapter:
