@@ -32,9 +32,10 @@ class AdapterContext:
     """What an adapter may use of the worker's engine (the audio layer never imports the engine).
 
     ``embed`` maps token ids [n] (long, on ``device``) to the decoder's input embeddings [n, hidden],
-    so adapters can splice audio-encoder outputs between embedded text tokens. ``checkpoint`` is the
-    model's directory (omni adapters load their audio encoders from it); ``None`` for models built in
-    memory.
+    so adapters can splice audio-encoder outputs between embedded text tokens. ``compute_logits`` maps
+    final hidden states [n, hidden] to the decoder's vocabulary logits (adapters that run their own
+    heads, like Moshi's, share it instead of loading a second copy). ``checkpoint`` is the model's
+    directory (omni adapters load their audio encoders from it); ``None`` for models built in memory.
     """
 
     tokenizer: Any
@@ -44,6 +45,7 @@ class AdapterContext:
     dtype: torch.dtype
     max_input_tokens: int
     budget_ms: float
+    compute_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 @dataclass

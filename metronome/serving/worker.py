@@ -95,7 +95,8 @@ def adapter_context(config: WorkerConfig, engine: Engine) -> AdapterContext:
     return AdapterContext(
         tokenizer=engine.tokenizer, checkpoint=engine.checkpoint, embed=engine.model.embed,
         device=engine.device, dtype=DTYPES[engine.config.dtype],
-        max_input_tokens=config.max_input_tokens, budget_ms=config.budget_ms)
+        max_input_tokens=config.max_input_tokens, budget_ms=config.budget_ms,
+        compute_logits=engine.model.compute_logits)
 
 
 def make_adapter(config: WorkerConfig, engine: Engine) -> InteractionAdapter:

@@ -81,8 +81,14 @@ class MoshiAdapter(InteractionAdapter):
     def __init__(self, heads: MoshiHeads, tokenizer, embed, device: torch.device, dtype: torch.dtype, *,
                  text_sampling: Sampling = Sampling(), audio_sampling: Sampling = Sampling(),
                  max_backlog_frames: int = 2, seed: int = 0, cuda_graphs: bool = True,
-                 text_padding_ids: tuple[int, ...] = KYUTAI_TEXT_PADDING) -> None:
+                 text_padding_ids: tuple[int, ...] = KYUTAI_TEXT_PADDING,
+                 text_logits=None) -> None:
+        """``text_logits``: hidden [n, hidden] → text logits (the engine decoder's ``compute_logits``);
+        ``None`` uses ``heads.lm_head``."""
         self.heads = heads
+        if text_logits is None and heads.lm_head is None:
+            raise ConfigError("MoshiHeads without a text head need text_logits (the engine's compute_logits)")
+        self.text_logits = text_logits or heads.lm_head
         self.tokenizer = tokenizer
         self.embed = embed
         self.device, self.dtype = torch.device(device), dtype
@@ -169,7 +175,7 @@ class MoshiAdapter(InteractionAdapter):
         sessions = [(sid, self.sessions[sid]) for sid, _ in fed]
         hidden = torch.stack([h for _, h in fed]).to(self.device, self.dtype)
         with torch.no_grad():
-            text = self.text_sampling.pick(self.heads.lm_head(hidden), self.generator)
+            text = self.text_sampling.pick(self.text_logits(hidden), self.generator)
             codes = self.depth.generate(hidden, text, self.audio_sampling, self.generator)
         # Moshi's audio frame s = codebook 0 of column s + codebooks 1.. of the new column s+1 (s >= 1;
         # frame 0 is the initial frame): one Mimi decode for every session that has one.
@@ -223,5 +229,7 @@ def build_adapter(context: AdapterContext) -> MoshiAdapter:
         raise ConfigError(f"the moshi adapter runs one {FRAME_MS:g} ms frame per tick; budget_ms must be "
                           f"{FRAME_MS:g}, got {context.budget_ms:g}")
     config = hf_config(read_config(Path(context.checkpoint)))
-    heads = load_heads(Path(context.checkpoint), config, context.dtype, context.device)
-    return MoshiAdapter(heads, context.tokenizer, context.embed, context.device, context.dtype)
+    shared = context.compute_logits is not None
+    heads = load_heads(Path(context.checkpoint), config, context.dtype, context.device, text_head=not shared)
+    return MoshiAdapter(heads, context.tokenizer, context.embed, context.device, context.dtype,
+                        text_logits=context.compute_logits)

@@ -5,8 +5,8 @@ Loaded from the checkpoint's tensors the temporal decoder skips (``metronome/mod
     embed_tokens.{0..2K-1}.weight   audio-codebook embeddings of the temporal transformer's input
                                     (Moshi's K codebooks, then the user's K; row ``audio_vocab_size`` is
                                     the "initial" token)
-    decoder.lm_head.weight          the text head (also in the engine's decoder; a second copy here,
-                                    because the adapter sees only the engine's ``embed``)
+    decoder.lm_head.weight          the text head; skipped (``text_head=False``) when the adapter shares
+                                    the engine decoder's (``AdapterContext.compute_logits``)
     depth_decoder.*                 transformers' ``MoshiDepthDecoder`` (module reused for its weights)
     audio_encoder.*                 transformers' ``MimiModel`` (``moshi_mimi.MimiCodec`` streams it)
 
@@ -123,7 +123,7 @@ class DepthTransformer:
 class MoshiHeads(nn.Module):
     """The checkpoint's non-decoder parts (see the module docstring), names as transformers stores them."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, text_head: bool = True) -> None:
         from transformers import AutoModel
         from transformers.models.moshi.modeling_moshi import MoshiDepthDecoder
 
@@ -132,7 +132,7 @@ class MoshiHeads(nn.Module):
         self.vocab_size, self.audio_vocab_size = config.vocab_size, config.audio_vocab_size
         self.embed_tokens = nn.ModuleList(nn.Embedding(config.audio_vocab_size + 1, config.hidden_size)
                                           for _ in range(2 * config.num_codebooks))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False) if text_head else None
         self.depth_decoder = MoshiDepthDecoder._from_config(config.depth_decoder_config)
         self.audio_encoder = AutoModel.from_config(config.audio_encoder_config)
 
@@ -158,7 +158,7 @@ _MIMI_FLAT = (("audio_encoder.encoder.layers.", "audio_encoder.encoder.encoder_s
 def _stored_name(stored: str, names: set[str]) -> str | None:
     """Checkpoint name → MoshiHeads name (``names``: the module's); None for the temporal decoder's tensors."""
     if stored == TEXT_HEAD:
-        return "lm_head.weight"
+        return "lm_head.weight" if "lm_head.weight" in names else None
     for flat, nested in _MIMI_FLAT:
         if stored.startswith(flat) and nested + stored[len(flat):] in names:
             return nested + stored[len(flat):]
@@ -167,13 +167,15 @@ def _stored_name(stored: str, names: set[str]) -> str | None:
     return None
 
 
-def load_heads(checkpoint: Path, config, dtype: torch.dtype, device: torch.device | str) -> MoshiHeads:
-    """MoshiHeads filled from ``checkpoint``; Mimi stays float32, the rest takes ``dtype``."""
+def load_heads(checkpoint: Path, config, dtype: torch.dtype, device: torch.device | str,
+               text_head: bool = True) -> MoshiHeads:
+    """MoshiHeads filled from ``checkpoint``; Mimi stays float32, the rest takes ``dtype``.
+    ``text_head=False`` leaves the text head out (the engine's decoder holds it)."""
     files = sorted(Path(checkpoint).glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{checkpoint} holds no *.safetensors weights")
     with torch.device(device):
-        heads = MoshiHeads(config)
+        heads = MoshiHeads(config, text_head)
     expected = heads.state_dict()
     state = {}
     for file in files:
@@ -193,5 +195,6 @@ def load_heads(checkpoint: Path, config, dtype: torch.dtype, device: torch.devic
     heads.load_state_dict(state, strict=True)
     heads.requires_grad_(False).eval()
     for module in (heads.embed_tokens, heads.lm_head, heads.depth_decoder):
-        module.to(dtype)
+        if module is not None:
+            module.to(dtype)
     return heads
