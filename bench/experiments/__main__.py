@@ -37,6 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="quality: which parts to run (perplexity,probe)")
     p.add_argument("--text-tokens", type=int, default=None, help="quality: override the perplexity text length")
     p.add_argument("--probe-s", type=float, default=None, help="quality: override the probe session length")
+    p.add_argument("--window", type=int, default=None, help="quality: override the perplexity window W")
     from bench.experiments import admission
 
     admission.add_arguments(p)      # --arms, --profiles, --offered
@@ -63,6 +64,10 @@ def run_new(args: argparse.Namespace) -> int:
         elif args.experiment == "ablation":
             raw = module.run_ablation(preset, out, runs=args.runs, duration_s=args.duration_s, progress=progress)
         else:
+            if args.window:
+                from dataclasses import replace
+
+                preset = replace(preset, window=args.window)
             raw = module.run_quality(preset, out, parts=args.parts, progress=progress,
                                      text_tokens_override=args.text_tokens, session_s=args.probe_s)
     print(module.write_report(raw, out))
