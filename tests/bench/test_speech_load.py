@@ -75,6 +75,7 @@ def test_metronome_bench_reanalyses_experiments_4_to_6(tmp_path):
                                      str(tmp_path / name)])
         assert args.experiment == name and args.run(args) == 0
         assert (tmp_path / name / "summary.md").read_text().startswith(f"# {name}")
-    args = _parser().parse_args(["bench", "quality", "--preset", "gpu", "--parts", "perplexity", "--text-tokens", "64"])
-    assert args.parts == ("perplexity",) and args.text_tokens == 64
+    args = _parser().parse_args(["bench", "quality", "--preset", "gpu", "--parts", "perplexity", "--text-tokens", "64",
+                                 "--window", "256"])
+    assert args.parts == ("perplexity",) and args.text_tokens == 64 and args.window == 256
     assert _parser().parse_args(["bench", "admission", "--profiles", "ramp,step"]).profiles == ("ramp", "step")
