@@ -52,9 +52,9 @@ def make_audio(kind: str, seed: int) -> bytes:
     if kind == "speech":
         from metronome.audio.pcm import encode_pcm16
 
-        from bench.experiments.speech import speech_stream
+        from bench.experiments.speech import cached_stream
 
-        return encode_pcm16(speech_stream(SPEECH_LOOP_S, seed))
+        return encode_pcm16(cached_stream(SPEECH_LOOP_S, seed))
     raise ValueError(f"audio must be one of {AUDIO_KINDS}, got {kind!r}")
 
 

@@ -10,11 +10,18 @@ Experiment 6's perplexity runs over the same text.
 
 ``speech_stream`` lays read-aloud paragraphs and questions end to end with short pauses, seeded, as
 float32 16 kHz; ``loadgen`` streams it (looped) in 20 ms chunks. espeak-ng is deterministic, so a
-seed gives the same audio on every run.
+seed gives the same audio on every run. ``cached_stream`` keeps each stream as PCM16 ``.npy`` in
+``$METRONOME_SPEECH_CACHE`` (default ``~/.cache/metronome/speech``): a machine without espeak-ng (the
+GPU image has none) runs the speech presets from a cache made elsewhere and carried there::
+
+    python -m bench.experiments.speech --seeds 0-19 --cache-dir results/speech-cache   # 60-s loops, ~1.9 MB each
+    METRONOME_SPEECH_CACHE=results/speech-cache metronome bench cliff --preset gpu
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
 import shutil
 import subprocess
@@ -124,6 +131,34 @@ def speech_stream(seconds: float, seed: int, *, question_every: int = 3, rate: i
     return np.concatenate(parts)
 
 
+CACHE_ENV = "METRONOME_SPEECH_CACHE"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "metronome" / "speech")
+
+
+def cached_stream(seconds: float, seed: int, *, question_every: int = 3, directory: Path | None = None) -> np.ndarray:
+    """``speech_stream(seconds, seed)``, synthesised once and kept as PCM16 ``.npy`` (keyed by the arguments,
+    the text and the question list); float32 at 16 kHz."""
+    from metronome.audio.pcm import decode_pcm16, encode_pcm16
+
+    text = MANUAL.read_bytes() + repr(QUESTIONS).encode()
+    key = hashlib.sha1(f"{seconds}|{seed}|{question_every}|".encode() + text).hexdigest()[:16]
+    path = Path(directory or cache_dir()) / f"speech-{seconds:g}s-seed{seed}-{key}.npy"
+    if path.is_file():
+        return decode_pcm16(np.load(path).tobytes())
+    if not have_espeak():
+        raise RuntimeError(f"speech audio needs espeak-ng (apt-get install espeak-ng) or a cached stream at {path} "
+                           f"(make one with `python -m bench.experiments.speech` and set ${CACHE_ENV}); or use audio='noise'")
+    audio = speech_stream(seconds, seed, question_every=question_every)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.npy")
+    np.save(tmp, np.frombuffer(encode_pcm16(audio), "<i2"))
+    tmp.replace(path)
+    return decode_pcm16(encode_pcm16(audio))
+
+
 def extract_manual(src: str = MANUAL_SOURCE, dst: Path = MANUAL) -> int:
     """Rebuild ``data/nettle_manual.txt`` from the installed HTML manual: the ``<p>`` prose of at least
     12 words, code (``pre``, ``code``, ``var``, tables) dropped and paragraphs with holes left by it skipped.
@@ -160,3 +195,26 @@ def extract_manual(src: str = MANUAL_SOURCE, dst: Path = MANUAL) -> int:
             if len(t.split()) >= 12 and not re.search(r"\s[,.;:)]", t) and "()" not in t and "[" not in t]
     Path(dst).write_text("\n\n".join(good) + "\n", encoding="utf-8")
     return len(good)
+
+
+def main(argv=None) -> int:
+    """Pre-synthesise the load generator's speech loops into a cache directory (to carry to another machine)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m bench.experiments.speech", description=main.__doc__)
+    p.add_argument("--seeds", default="0-19", help="seeds, e.g. 0-19 or 0,1,2 (the runs' indices)")
+    p.add_argument("--seconds", type=float, default=60.0, help="loop length (loadgen.SPEECH_LOOP_S)")
+    p.add_argument("--cache-dir", type=Path, default=None, help=f"default ${CACHE_ENV} or ~/.cache/metronome/speech")
+    args = p.parse_args(argv)
+    seeds = []
+    for part in args.seeds.split(","):
+        lo, _, hi = part.partition("-")
+        seeds += list(range(int(lo), int(hi or lo) + 1))
+    for seed in seeds:
+        cached_stream(args.seconds, seed, directory=args.cache_dir)
+    print(f"{len(seeds)} streams in {args.cache_dir or cache_dir()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -79,3 +79,17 @@ def test_metronome_bench_reanalyses_experiments_4_to_6(tmp_path):
                                  "--window", "256"])
     assert args.parts == ("perplexity",) and args.text_tokens == 64 and args.window == 256
     assert _parser().parse_args(["bench", "admission", "--profiles", "ramp,step"]).profiles == ("ramp", "step")
+
+
+@needs_espeak
+def test_speech_cache_serves_machines_without_espeak(tmp_path, monkeypatch):
+    a = speech.cached_stream(4.0, seed=2, directory=tmp_path)
+    files = list(tmp_path.glob("speech-4s-seed2-*.npy"))
+    assert len(files) == 1
+    monkeypatch.setattr(speech, "have_espeak", lambda: False)
+    monkeypatch.setattr(speech, "espeak", lambda *a, **k: pytest.fail("espeak-ng must not run on a cache hit"))
+    np.testing.assert_array_equal(speech.cached_stream(4.0, seed=2, directory=tmp_path), a)
+    with pytest.raises(RuntimeError, match="espeak-ng"):
+        speech.cached_stream(4.0, seed=3, directory=tmp_path)
+    monkeypatch.setenv(speech.CACHE_ENV, str(tmp_path))
+    assert speech.main(["--seeds", "2", "--seconds", "4"]) == 0        # already cached: no synthesis needed
