@@ -38,8 +38,10 @@ def test_speech_stream_is_speech_with_pauses_and_deterministic():
 
 
 @needs_espeak
-def test_load_generator_speech_audio_is_pcm16_in_20ms_chunks():
+def test_load_generator_speech_audio_is_pcm16_in_20ms_chunks(tmp_path, monkeypatch):
+    monkeypatch.setenv(speech.CACHE_ENV, str(tmp_path))
     pcm = make_audio("speech", seed=1)
+    assert len(list(tmp_path.glob("speech-60s-seed1-*.npy"))) == 1
     assert len(pcm) >= 2 * 16000 * 59
     samples = decode_pcm16(pcm)
     assert 0.02 < float(np.sqrt(np.mean(samples ** 2))) < 0.5
