@@ -19,16 +19,15 @@ import asyncio
 import json
 import sys
 
-from aiohttp import web
 
 from metronome.config import AimdConfig, EngineConfig, GatewayConfig, KVPolicy
 from metronome.engine.engine import Engine
-from metronome.serving.gateway import Gateway
+from metronome.serving.gateway import serve_gateway
 from metronome.serving.worker import WorkerConfig, serve_worker
 
 
 async def start(spec: dict):
-    """Start the worker and the gateway in this process; returns (worker, gateway runner, gateway host:port)."""
+    """Start the worker and the gateway in this process; returns (worker, gateway server, gateway host:port)."""
     policy = KVPolicy(sinks=spec["sinks"], window=spec["window"], block_size=spec["block_size"])
     engine_cfg = EngineConfig(model=spec["model"], policy=policy, device=spec["device"], dtype=spec["dtype"],
                               num_blocks=spec["num_blocks"], max_chunk_tokens=spec["max_chunk_tokens"],
@@ -51,23 +50,18 @@ async def start(spec: dict):
     gw_cfg = GatewayConfig(workers=(worker.address,), port=0, budget_ms=spec["budget_ms"],
                            tokens_per_tick=spec["tokens_per_tick"], max_buffered_audio_s=60.0,
                            aimd=aimd, controller=controller)
-    gateway = Gateway(gw_cfg)
-    runner = web.AppRunner(gateway.app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    return worker, runner, f"127.0.0.1:{port}"
+    server = await serve_gateway(gw_cfg)   # the production transport (picows), as `metronome serve` runs it
+    return worker, server, server.address
 
 
 async def main(spec: dict) -> None:
     loop = asyncio.get_running_loop()
-    worker, runner, gateway = await start(spec)
+    worker, server, gateway = await start(spec)
     print(json.dumps({"gateway": gateway, "worker": worker.address}), flush=True)
     try:
         await loop.run_in_executor(None, sys.stdin.read)   # the sweep closes stdin to stop us
     finally:
-        await runner.cleanup()
+        await server.stop()
         await worker.stop(0)
 
 

@@ -19,7 +19,7 @@ import grpc
 from metronome.config import GatewayConfig
 from metronome.monitor.fill import live_time_to_wall
 from metronome.serving.admission import AimdController, PaperAimdController
-from metronome.serving.client_session import ClientSession
+from metronome.serving.client_session import ClientSession, step_request_wire
 from metronome.serving.metrics import GatewayMetrics
 from metronome.serving.proto import worker_pb2 as pb
 from metronome.serving.proto import worker_pb2_grpc as pb_grpc
@@ -44,6 +44,9 @@ class WorkerHandle:
     address: str
     channel: grpc.aio.Channel
     stub: pb_grpc.WorkerStub
+    # Step with a request already in wire format (``step_request_wire``): at 1,000 sessions a tick carries
+    # 32 MB of audio, and building it as messages costs ~74 ms of the event loop per tick against ~41 ms.
+    step_wire: Callable = field(init=False, repr=False)
     controller: AimdController | PaperAimdController | None = None  # made once memory capacity is known
     sessions: dict[str, ClientSession] = field(default_factory=dict)
     pending: int = 0                 # admitted at the gateway, OpenSession in flight
@@ -52,6 +55,11 @@ class WorkerHandle:
     ticks: int = 0
     last_tick: TickReport | None = None
     kv_fill: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=FILL_SAMPLES))
+
+    def __post_init__(self) -> None:
+        self.step_wire = self.channel.unary_unary(
+            "/metronome.worker.v1.Worker/Step", request_serializer=None,
+            response_deserializer=pb.StepResponse.FromString)
 
     @property
     def live(self) -> int:
@@ -183,10 +191,9 @@ class WorkerPool:
                     drift: float) -> TickReport | None:
         loop = asyncio.get_running_loop()
         handle.ticks += 1
-        request = pb.StepRequest(sessions=[s.take_tick_input() for s in sessions],
-                                 tokens_per_tick=self.config.tokens_per_tick, tick=handle.ticks)
+        request = step_request_wire([s.take_tick_wire() for s in sessions], self.config.tokens_per_tick, handle.ticks)
         try:
-            response = await handle.stub.Step(request, timeout=self.config.step_timeout_s)
+            response = await handle.step_wire(request, timeout=self.config.step_timeout_s)
         except grpc.aio.AioRpcError as exc:
             log.error("worker %s failed tick %d: %s %s", handle.address, handle.ticks, exc.code().name,
                       exc.details())

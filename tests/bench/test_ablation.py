@@ -55,12 +55,12 @@ async def test_ablation_smoke_point(chat_checkpoint):
     """~2.5 s of 3 sessions at S = 4, W = 32 through the real gateway: steady memory below the reservation."""
     spec = dict(model=chat_checkpoint, device="cpu", dtype="float32", sinks=4, window=32, block_size=16,
                 num_blocks=128, max_chunk_tokens=32, budget_ms=100.0, tokens_per_tick=4, sessions=3)
-    worker, runner, gateway = await start(spec)
+    worker, server, gateway = await start(spec)
     try:
         load = LoadRun(gateway=gateway, worker=worker.address, sessions=3, rate=20.0, duration_s=2.5, sample_s=0.2)
         result = await asyncio.wait_for(load.run(), timeout=25)
     finally:
-        await runner.cleanup()
+        await server.stop()
         await worker.stop(0)
     st = steady_stats({"spec": spec, **result}, steady_from_s=1.5)
     assert st["frames"] > 10 and st["p50_ms"] is not None and st["refused"] == 0

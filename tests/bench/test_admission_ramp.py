@@ -102,11 +102,11 @@ async def test_short_real_ramp_refuses_what_the_cap_does_not_allow(chat_checkpoi
                      num_blocks=256, scrape_s=0.25)
     spec = server_spec(preset, chat_checkpoint, "robust-sink_window")
     assert spec["admission"] == {"controller": "aimd", "initial_cap": 2, "min_cap": 1, "target_fraction": 0.3}
-    worker, runner, gateway = await start(spec)
+    worker, server, gateway = await start(spec)
     try:
         point = await asyncio.wait_for(run_point(gateway, worker.address, preset), timeout=20)
     finally:
-        await runner.cleanup()
+        await server.stop()
         await worker.stop(0)
     point.update(arm="robust-sink_window", controller="aimd", policy="sink_window")
     a = analyse_point(point, preset.budget_ms, preset.target_fraction, preset.tail_fraction, preset.duration_s)

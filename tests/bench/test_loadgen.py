@@ -17,12 +17,12 @@ N = 3
 async def test_load_generator_streams_through_gateway_and_sees_the_pool_run_dry(chat_checkpoint):
     spec = dict(model=chat_checkpoint, device="cpu", dtype="float32", sinks=0, window=None, block_size=16,
                 num_blocks=25, max_chunk_tokens=32, budget_ms=100.0, tokens_per_tick=4, sessions=N)
-    worker, runner, gateway = await start(spec)
+    worker, server, gateway = await start(spec)
     try:
         load = LoadRun(gateway=gateway, worker=worker.address, sessions=N, rate=10.0, duration_s=4.5, sample_s=0.25)
         result = await asyncio.wait_for(load.run(), timeout=25)
     finally:
-        await runner.cleanup()
+        await server.stop()
         await worker.stop(0)
 
     sessions = result["sessions"]

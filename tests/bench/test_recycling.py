@@ -104,13 +104,13 @@ async def test_recycling_smoke_through_the_gateway(chat_checkpoint, tmp_path):
     spec = dict(model=chat_checkpoint, device="cpu", dtype="float32", sinks=0, window=None, block_size=16,
                 num_blocks=256, max_chunk_tokens=32, budget_ms=100.0, tokens_per_tick=2, sessions=2,
                 recycle={"period_s": 1.0, "tail_tokens": 24, "events_path": str(events)})
-    worker, runner, gateway = await start(spec)
+    worker, server, gateway = await start(spec)
     try:
         assert isinstance(worker.service.engine, RecyclingEngine)
         load = LoadRun(gateway=gateway, worker=worker.address, sessions=2, rate=10.0, duration_s=2.6, sample_s=0.25)
         result = await asyncio.wait_for(load.run(), timeout=25)
     finally:
-        await runner.cleanup()
+        await server.stop()
         await worker.stop(0)
     result["events"] = [json.loads(x) for x in events.read_text().splitlines()]
     point = {"arm": "recycling", "run": 0, "sessions_n": 2, "spec": spec, **result}
