@@ -32,8 +32,8 @@ Reported per N (all times CLOCK_MONOTONIC, shared by all processes):
   as the gateway's ticker measures it on uvloop's millisecond loop clock), one sample per tick;
 * **client cadence error**: per session, the interval between consecutive ``metronome.tick``
   arrivals minus B; p50/p99 of its absolute value over all sessions and ticks. This is what a
-  client sees: it includes the fan-out of the tick to N sockets. The target is the p99 of this and
-  of the gateway drift both <= 2 % of B;
+  client sees: it includes the Step round trip to the worker and the fan-out of the tick to N
+  sockets (reported as its own, stricter verdict: ``client_verdict``);
 * **fan-out**: per tick, last minus first arrival of that tick's event over all sessions;
 * **tick latency**: ``latency_ms`` of ``metronome.tick`` (the Step round trip), and the worker's
   Step inter-arrival error (request build + gRPC transfer jitter);
@@ -45,10 +45,12 @@ Reported per N (all times CLOCK_MONOTONIC, shared by all processes):
   these processes: another job on a shared machine shows up there);
 * generator lateness p99 and skipped chunks, sessions connected / refused / closed, error events.
 
-A point **passes** when all N sessions were admitted and streamed without errors, the gateway
-ingested >= 99 % of the offered audio, and the p99 gateway drift and p99 client cadence error are
-both <= 2 % of B. When the generator itself ran late (lateness p99 > 10 ms or skipped chunks) a
-failing point is marked inconclusive: the load, not the gateway, may be what broke.
+A point **passes** (the issue's target: the gateway sustains the load with its tick cadence held)
+when all N sessions were admitted and streamed without errors, the gateway ingested >= 99 % of the
+offered audio, and the p99 gateway drift is <= 2 % of B. When the generator itself ran late (lateness
+p99 > 10 ms or skipped chunks) a failing point is marked inconclusive: the load, not the gateway, may
+be what broke. ``client_verdict`` is "pass" when, in addition, the p99 client cadence error is <= 2 %
+of B (the Step round trip's jitter then stays below it too).
 
 A table goes to stdout, progress to stderr, everything raw (per tick drift/latency/fan-out, worker
 Steps, quantiles, machine info, log tails of the child processes) to ``--out`` (default
@@ -826,8 +828,8 @@ def summarize(n: int, budget_ms: float, results: list[dict], steps_path: Path, m
         problems.append(f"ingested {ratio} of the offered audio")
     if drift99 is None or drift99 > TARGET_FRACTION * b:
         problems.append(f"gateway drift p99 {drift99} ms > {TARGET_FRACTION * b:g} ms")
-    if cad99 is None or cad99 > TARGET_FRACTION * b:
-        problems.append(f"client cadence p99 {cad99} ms > {TARGET_FRACTION * b:g} ms")
+    client_ok = cad99 is not None and cad99 <= TARGET_FRACTION * b
+    out["client_verdict"] = "pass" if client_ok and not problems else "fail"
     generator_late = (lat99 is not None and lat99 > GEN_LATE_MS) or agg["skipped_late"] > 0
     out["generator_saturated"] = generator_late
     if not problems:
@@ -981,13 +983,16 @@ def main(argv=None) -> int:
             results["wall_s"] = round(time.monotonic() - started, 1)
             passing = [p["sessions"] for p in results["points"] if p.get("verdict") == "pass"]
             results["max_sessions_passing"] = max(passing) if passing else 0
+            client = [p["sessions"] for p in results["points"] if p.get("client_verdict") == "pass"]
+            results["max_sessions_client_cadence"] = max(client) if client else 0
             out.write_text(json.dumps(results, indent=1))
     b = args.budget_ms
     print(f"\nGateway benchmark: B = {b:g} ms, 20 ms chunks of 16 kHz PCM16, no-op worker, "
           f"{args.duration_s:g} s per point, {args.generators} generator process(es)"
           + (", gateway pinned to its own core" if args.pin else ", all processes share all cores")
           + f", {args.transport} transport")
-    print(f"target: >= 1000 sessions with p99 drift <= {TARGET_FRACTION * b:g} ms ({TARGET_FRACTION:.0%} of B)\n")
+    print(f"target: >= 1000 sessions with gateway tick drift p99 <= {TARGET_FRACTION * b:g} ms "
+          f"({TARGET_FRACTION:.0%} of B), all audio ingested, no errors\n")
     print(table(results["points"], b))
     print("\nCPU in % of one core (µs/msg: gateway CPU time per message in + out); box busy in % of all cores "
           "(other: processes outside this benchmark).\nclient cadence = |tick inter-arrival - B| per session; "
@@ -995,6 +1000,8 @@ def main(argv=None) -> int:
     best = results["max_sessions_passing"]
     verdict = "MET" if best >= 1000 else "NOT MET"
     print(f"\nlargest N passing: {best}  -> target {verdict} on this machine")
+    print(f"largest N whose client-observed cadence p99 also stays <= {TARGET_FRACTION * b:g} ms "
+          f"(includes the Step round trip): {results['max_sessions_client_cadence']}")
     m = results["machine"]
     print(f"machine: {m['platform']}, {m['cpus_usable']} CPUs, python {m['python']}, picows {m['picows']}, "
           f"aiohttp {m['aiohttp']}, "
