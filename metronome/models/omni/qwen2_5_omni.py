@@ -29,25 +29,13 @@ import torch
 from metronome.errors import ModelLoadError
 from metronome.models.llama import LlamaFamilyForCausalLM
 from metronome.models.loader import load_llama_family
+from metronome.models.omni.qwen_thinker import ThinkerLayout
 from metronome.models.spec import DecoderSpec
 
-MODEL_TYPES = ("qwen2_5_omni", "qwen2_5_omni_thinker")
-
-# Prefixes of the thinker's non-decoder parts (after the optional "thinker." prefix is removed).
-_OTHER_PARTS = ("audio_tower.", "visual.", "model.audio_tower.", "model.visual.")
-
-
-def thinker_config(config: dict) -> dict:
-    """The thinker's config of a full (``thinker_config``) or thinker-only checkpoint's ``config.json``."""
-    model_type = config.get("model_type")
-    if model_type == "qwen2_5_omni":
-        thinker = config.get("thinker_config")
-        if not isinstance(thinker, dict):
-            raise ModelLoadError("config.json of a qwen2_5_omni checkpoint has no thinker_config")
-        return thinker
-    if model_type == "qwen2_5_omni_thinker":
-        return config
-    raise ModelLoadError(f"model_type {model_type!r} is not a Qwen2.5-Omni checkpoint; expected one of {MODEL_TYPES}")
+LAYOUT = ThinkerLayout("qwen2_5_omni", "Qwen2.5-Omni", speech_parts=("talker.", "token2wav."))
+MODEL_TYPES = LAYOUT.model_types
+thinker_config = LAYOUT.thinker_config
+rename = LAYOUT.decoder_name   # stored tensor name -> decoder parameter name (None: not the decoder)
 
 
 def text_spec(config: dict) -> DecoderSpec:
@@ -84,26 +72,6 @@ def text_spec(config: dict) -> DecoderSpec:
         max_position_embeddings=int(text.max_position_embeddings), qkv_bias=True, o_bias=False, mlp_bias=False,
         qk_norm=False, tie_word_embeddings=bool(thinker.get("tie_word_embeddings", False)),
         inv_freq=tuple(inv_freq.tolist()), rope_attention_scaling=1.0, eos_token_ids=eos_ids)
-
-
-def rename(stored: str) -> str | None:
-    """A stored tensor name → the decoder's parameter name, or None for the other parts of the model.
-
-    >>> rename("thinker.model.layers.0.self_attn.q_proj.weight"), rename("thinker.lm_head.weight")
-    ('model.layers.0.self_attn.q_proj.weight', 'lm_head.weight')
-    >>> rename("thinker.audio_tower.conv1.weight"), rename("talker.model.norm.weight"), rename("visual.blocks.0")
-    (None, None, None)
-    >>> rename("model.language_model.norm.weight")
-    'model.norm.weight'
-    """
-    if stored.startswith(("talker.", "token2wav.")):
-        return None
-    name = stored.removeprefix("thinker.")
-    if name.startswith(_OTHER_PARTS):
-        return None
-    if name.startswith("model.language_model."):
-        return "model." + name.removeprefix("model.language_model.")
-    return name
 
 
 def load_decoder(checkpoint: Path, config: dict, dtype: torch.dtype,

@@ -32,25 +32,14 @@ from safetensors import safe_open
 from metronome.errors import ModelLoadError
 from metronome.models.loader import _weight_files, fill_weights
 from metronome.models.moe import MoeForCausalLM, MoeSpec
+from metronome.models.omni.qwen_thinker import ThinkerLayout
 
-MODEL_TYPES = ("qwen3_omni_moe", "qwen3_omni_moe_thinker")
+LAYOUT = ThinkerLayout("qwen3_omni_moe", "Qwen3-Omni", speech_parts=("talker.", "code2wav."))
+MODEL_TYPES = LAYOUT.model_types
+thinker_config = LAYOUT.thinker_config
+rename = LAYOUT.decoder_name   # stored tensor name -> decoder parameter name (None: not the decoder)
 
-# Prefixes of the thinker's non-decoder parts (after the optional "thinker." prefix is removed).
-_OTHER_PARTS = ("audio_tower.", "visual.", "model.audio_tower.", "model.visual.")
 _FUSED_EXPERTS = ".mlp.experts.gate_up_proj"
-
-
-def thinker_config(config: dict) -> dict:
-    """The thinker's config of a full (``thinker_config``) or thinker-only checkpoint's ``config.json``."""
-    model_type = config.get("model_type")
-    if model_type == "qwen3_omni_moe":
-        thinker = config.get("thinker_config")
-        if not isinstance(thinker, dict):
-            raise ModelLoadError("config.json of a qwen3_omni_moe checkpoint has no thinker_config")
-        return thinker
-    if model_type == "qwen3_omni_moe_thinker":
-        return config
-    raise ModelLoadError(f"model_type {model_type!r} is not a Qwen3-Omni checkpoint; expected one of {MODEL_TYPES}")
 
 
 def text_config(config: dict):
@@ -95,24 +84,6 @@ def text_spec(config: dict) -> MoeSpec:
         num_experts=int(text.num_experts), num_experts_per_tok=int(text.num_experts_per_tok),
         moe_intermediate_size=int(text.moe_intermediate_size), norm_topk_prob=bool(text.norm_topk_prob),
         decoder_sparse_step=int(text.decoder_sparse_step), mlp_only_layers=tuple(text.mlp_only_layers or ()))
-
-
-def rename(stored: str) -> str | None:
-    """A stored tensor name → the decoder's parameter name, or None for the other parts of the model.
-
-    >>> rename("thinker.model.layers.0.mlp.experts.3.up_proj.weight"), rename("thinker.lm_head.weight")
-    ('model.layers.0.mlp.experts.3.up_proj.weight', 'lm_head.weight')
-    >>> rename("thinker.audio_tower.conv2d1.weight"), rename("talker.model.norm.weight"), rename("code2wav.x")
-    (None, None, None)
-    """
-    if stored.startswith(("talker.", "code2wav.")):
-        return None
-    name = stored.removeprefix("thinker.")
-    if name.startswith(_OTHER_PARTS):
-        return None
-    if name.startswith("model.language_model."):
-        return "model." + name.removeprefix("model.language_model.")
-    return name
 
 
 def stores_fused_experts(checkpoint: Path) -> bool:
