@@ -43,20 +43,10 @@ def make_spec(name: str):
 
 
 def random_model(spec, device):
+    from bench.random_weights import random_decoder
     from metronome.models.llama import LlamaFamilyForCausalLM
 
-    with torch.device("meta"):
-        net = LlamaFamilyForCausalLM(spec)
-    net = net.to_empty(device=device).to(torch.bfloat16)
-    with torch.no_grad():
-        for name, p in net.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02)
-    net.fuse_projections()
-    net.init_rotary(device)
-    return net.eval().requires_grad_(False)
+    return random_decoder(LlamaFamilyForCausalLM, spec, device, torch.bfloat16)
 
 
 def measure_hardware(device) -> dict:

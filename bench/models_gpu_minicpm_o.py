@@ -59,18 +59,9 @@ def random_decoder(shape: dict, device, dtype):
     from metronome.models.omni.minicpm_o import decoder_spec
 
     spec = decoder_spec(shape["llm"])
-    with torch.device("meta"):
-        net = LlamaFamilyForCausalLM(spec)
-    net = net.to_empty(device=device).to(dtype)
-    with torch.no_grad():
-        for name, p in net.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02)
-    net.fuse_projections()
-    net.init_rotary(device)
-    return net.eval().requires_grad_(False)
+    from bench.random_weights import random_decoder as build
+
+    return build(LlamaFamilyForCausalLM, spec, device, dtype)
 
 
 def random_tower(shape: dict, device, dtype):

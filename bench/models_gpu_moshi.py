@@ -87,14 +87,9 @@ class NoText:
 
 
 def randomize(module: torch.nn.Module, seed: int) -> None:
-    """Random weights like an initialised model: N(0, 0.02) matrices and embeddings, unit norms."""
-    gen = torch.Generator(device=next(module.parameters()).device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
+    from bench.random_weights import randomize_
+
+    randomize_(module, seed)
 
 
 def build(shape: str, device: torch.device, dtype: torch.dtype):

@@ -72,16 +72,9 @@ def omni_config(shape: str) -> dict:
 
 
 def randomize(module: torch.nn.Module, seed: int) -> None:
-    """Random weights like an initialised model: N(0, 0.02) matrices, unit norms, zero biases."""
-    gen = torch.Generator(device=next(module.parameters()).device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if "norm" in name or "ln_" in name:
-                p.fill_(1.0) if name.endswith("weight") else p.zero_()
-            elif name.endswith("bias"):
-                p.zero_()
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
+    from bench.random_weights import randomize_
+
+    randomize_(module, seed)
 
 
 def build(shape: str, device: torch.device, dtype: torch.dtype):

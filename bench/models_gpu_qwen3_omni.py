@@ -96,32 +96,19 @@ def make_spec(text: dict):
 def random_decoder(spec, device, dtype):
     from metronome.models.moe import MoeForCausalLM
 
-    with torch.device("meta"):
-        net = MoeForCausalLM(spec, per_expert=False)
-    net = net.to_empty(device=device).to(dtype)
-    with torch.no_grad():
-        for name, p in net.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02)
-    net.fuse_projections()
-    net.init_rotary(device)
-    return net.eval().requires_grad_(False)
+    from bench.random_weights import random_decoder as build
+
+    return build(MoeForCausalLM, spec, device, dtype, per_expert=False)
 
 
 def random_frontend(audio: dict, device, dtype):
     from transformers import Qwen3OmniMoeAudioEncoderConfig
 
+    from bench.random_weights import randomize_
     from metronome.audio.omni.qwen3_omni import AudioFrontEnd, build_audio_encoder, feature_extractor_for
 
     encoder = build_audio_encoder(Qwen3OmniMoeAudioEncoderConfig(**audio), device, dtype)
-    with torch.no_grad():
-        for name, p in encoder.named_parameters():
-            if name.endswith("weight") and ("layer_norm" in name or "ln_post" in name):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02)
+    randomize_(encoder, seed=1)
     return AudioFrontEnd(encoder, feature_extractor_for(None, audio["num_mel_bins"]), device, dtype)
 
 
