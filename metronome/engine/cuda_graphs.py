@@ -158,7 +158,7 @@ class DecodeGraphs:
         self.block_tables[:b] = gpu[:, 8:].to(torch.int32)
         self._pad(b, bucket)
         self.embeds[:b] = self.runner.model.embed(self.input_ids[:b])
-        given = [(i, seg.embeds) for i, seg in enumerate(segments) if seg.embeds is not None]
+        given = [(i, seg.embeds) for i, seg in enumerate(segments) if seg.embeds is not None and len(seg.embeds)]
         if given:
             rows_at = torch.tensor([i for i, _ in given], device=self.runner.device)
             self.embeds[rows_at] = torch.cat([e for _, e in given]).to(self.runner.device, self.runner.dtype)

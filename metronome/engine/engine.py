@@ -190,11 +190,15 @@ class Engine:
             if not isinstance(e, torch.Tensor) or e.dim() != 2 or e.shape[1] != self.spec.hidden_size:
                 shape = tuple(e.shape) if isinstance(e, torch.Tensor) else type(e).__name__
                 return f"embeds must be a tensor of shape [n, {self.spec.hidden_size}], got {shape}"
+            if e.shape[0] == 0:
+                return "embeds must have at least one row (send embeds=None for no new input)"
             if not torch.isfinite(e).all():
                 return "embeds contain NaN or infinite values"
             n = int(e.shape[0])
         if n > self.config.max_chunk_tokens:
             return f"chunk of {n} tokens exceeds max_chunk_tokens={self.config.max_chunk_tokens}"
+        if inp.return_hidden and n == 0 and session.pending_token is None:
+            return "return_hidden needs new input this step (its hidden state is the last input position's)"
         if (inp.max_new_tokens > 0 and n == 0 and session.pending_token is None
                 and session.last_hidden is None and not session.history):
             return "nothing to decode from: the session has no context yet; send input first"

@@ -18,7 +18,7 @@ BLOCK = 1024
 
 @triton.jit
 def _silu_mul(X, OUT, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)   # row * stride passes 2**31 for long prefills of wide MLPs
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
