@@ -279,13 +279,22 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         prefill_ms, decode_ms = self._run_engine(jobs)
         hidden = [(outputs[job.index].sid, job.output.hidden) for job in jobs
                   if job.prepared.return_hidden and not job.output.error and job.output.hidden is not None]
+        heads_failed: set[str] = set()
         if hidden:
-            self.adapter.on_hidden(hidden)
+            try:
+                self.adapter.on_hidden(hidden)
+            except Exception as exc:  # noqa: BLE001  (the adapter's own heads: report on those sessions only)
+                log.exception("tick %d: the %s adapter's heads failed", request.tick, self.adapter.name)
+                heads_failed = {sid for sid, _ in hidden}
+                reason = f"the model's output heads failed this tick: {type(exc).__name__}: {exc}"
 
         for job in jobs:
             out, result = outputs[job.index], job.output
             if result.error:
                 self._session_error(request.tick, out, result.error)
+                continue
+            if out.sid in heads_failed:
+                self._session_error(request.tick, out, reason)
                 continue
             out.tokens.extend(result.token_ids)
             capped = job.prepared.ends_response and len(result.token_ids) >= job.prepared.max_new_tokens

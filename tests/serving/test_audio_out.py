@@ -86,3 +86,37 @@ async def test_hidden_states_become_audio_deltas(chat_checkpoint):
         assert np.frombuffer(base64.b64decode(delta["delta"]), "<i2").any()
     finally:
         await worker.stop()
+
+
+class FailingHeads(HiddenToAudio):
+    """Heads that raise: the sessions that asked for them get an error; a plain session is unaffected."""
+
+    def prepare(self, batch):
+        return [PreparedInput(token_ids=list(PROMPT), return_hidden=t.session_id.startswith("heads"))
+                for t in batch]
+
+    def on_hidden(self, batch):
+        raise RuntimeError("depth transformer out of memory")
+
+
+async def test_failing_adapter_heads_are_reported_on_their_sessions_only(chat_checkpoint):
+    import grpc
+
+    from metronome.serving.proto import worker_pb2 as pb
+    from metronome.serving.proto import worker_pb2_grpc
+
+    engine = Engine(engine_config(chat_checkpoint))
+    worker = await serve_worker(WorkerConfig(engine_config(chat_checkpoint), budget_ms=BUDGET_MS, port=0),
+                                engine=engine, adapter=FailingHeads())
+    try:
+        async with grpc.aio.insecure_channel(worker.address) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            for sid in ("heads-1", "plain-1"):
+                assert (await stub.OpenSession(pb.OpenSessionRequest(sid=sid))).ok
+            response = await stub.Step(pb.StepRequest(tick=1, tokens_per_tick=2, sessions=[
+                pb.SessionInput(sid="heads-1", sample_rate=16000), pb.SessionInput(sid="plain-1", sample_rate=16000)]))
+        out = {o.sid: o for o in response.outputs}
+        assert "output heads failed" in out["heads-1"].error and "out of memory" in out["heads-1"].error
+        assert not out["plain-1"].error
+    finally:
+        await worker.stop()
