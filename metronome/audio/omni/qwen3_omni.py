@@ -85,12 +85,22 @@ def build_audio_encoder(config, device: torch.device | str, dtype: torch.dtype, 
     return thinker.build_audio_encoder(Qwen3OmniMoeAudioEncoder, config, device, dtype, batched)
 
 
+def _conv_frames(n: int) -> int:
+    """Embeddings the encoder's three stride-2 convolutions make of ``n`` mel frames (one chunk)."""
+    return ((((n - 1) // 2 + 1) - 1) // 2 + 1 - 1) // 2 + 1
+
+
 def output_tokens(frames: int, n_window: int) -> int:
-    """Embeddings the encoder makes of ``frames`` mel frames (transformers' output-length formula)."""
+    """Embeddings the encoder makes of ``frames`` mel frames: whole chunks of ``2 * n_window`` frames, then
+    the rest. transformers' formula, which writes the whole chunk's count as 13 (= ``_conv_frames(100)``,
+    the published ``n_window = 50``); computed here so other window sizes stay consistent.
+
+    >>> output_tokens(200, 50), output_tokens(150, 50), output_tokens(7, 50)
+    (26, 20, 1)
+    """
     chunk = 2 * n_window
     rest = frames % chunk
-    tail = 0 if rest == 0 else ((((rest - 1) // 2 + 1) - 1) // 2 + 1 - 1) // 2 + 1
-    return tail + (frames // chunk) * 13
+    return (_conv_frames(rest) if rest else 0) + (frames // chunk) * _conv_frames(chunk)
 
 
 class AudioFrontEnd(thinker.TowerFrontEnd):
