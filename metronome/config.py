@@ -142,8 +142,11 @@ class AimdConfig:
 class GatewayConfig:
     """The WebSocket gateway: where it listens, which workers it drives, and its limits per client.
 
-    Slow readers: each client has a bounded queue of ``send_queue_events`` outgoing events; a client
-    that lets it fill (stops reading) is disconnected with an error rather than growing server memory.
+    Slow readers: each client has a bounded queue of ``send_queue_events`` outgoing events and
+    ``send_queue_bytes`` bytes; a client that lets it fill (stops reading) is disconnected with an error
+    rather than growing server memory. Input per tick is bounded too: audio by ``max_buffered_audio_s``,
+    text by ``max_text_bytes_per_tick`` (beyond it an error event), and a whole Step by
+    ``max_step_bytes`` (sessions that do not fit wait for the next tick).
     """
 
     workers: tuple[str, ...] = ("127.0.0.1:50051",)
@@ -157,7 +160,10 @@ class GatewayConfig:
     max_message_bytes: int = 1 << 20      # larger messages get an error; 4x this closes the socket
     max_buffered_audio_s: float = 10.0    # audio waiting for the next tick, per session
     send_queue_events: int = 512
+    send_queue_bytes: int = 8 << 20       # ... and at most this many bytes of them (events can be ~1 MiB)
     max_messages_per_s: float = 250.0     # sustained client event rate (20 ms chunks are 50/s)
+    max_text_bytes_per_tick: int = 1 << 20  # user text (conversation.item.create) per session per tick
+    max_step_bytes: int = 48 << 20        # one Step request; under the worker's 64 MiB gRPC message limit
     step_timeout_s: float = 30.0
     aimd: AimdConfig = field(default_factory=AimdConfig)
     controller: str = "aimd"  # "aimd" (robust) or "paper" (the prototype's single-sample rule, for experiments)
@@ -171,6 +177,11 @@ class GatewayConfig:
             raise ConfigError(f"max_sessions must be >= 0, got {self.max_sessions}")
         if self.max_message_bytes < 1024 or self.send_queue_events < 8 or self.max_messages_per_s <= 0:
             raise ConfigError("max_message_bytes >= 1024, send_queue_events >= 8, max_messages_per_s > 0")
+        if self.send_queue_bytes < 1024 or self.max_text_bytes_per_tick < 1:
+            raise ConfigError("send_queue_bytes >= 1024 and max_text_bytes_per_tick >= 1")
+        one_session = self.max_text_bytes_per_tick + int(self.max_buffered_audio_s * 48000) * 2 + 4096
+        if self.max_step_bytes < one_session:
+            raise ConfigError(f"max_step_bytes must hold one session's tick at the limits ({one_session} bytes)")
         if self.controller not in ("aimd", "paper"):
             raise ConfigError(f"controller must be 'aimd' or 'paper', got {self.controller!r}")
         if self.aimd.budget_ms != self.budget_ms:

@@ -89,7 +89,7 @@ class ClientSession:
     _response_ids = itertools.count(1)
 
     def __init__(self, sid: str, worker_name: str, conn: Connection, *, max_buffered_audio_s: float,
-                 max_messages_per_s: float) -> None:
+                 max_messages_per_s: float, max_text_bytes: int = 1 << 20) -> None:
         self.sid = sid
         self.worker_name = worker_name
         self.conn = conn
@@ -101,6 +101,8 @@ class ClientSession:
         self.audio_bytes = 0
         self.new_turn = False
         self.texts: list[str] = []
+        self.text_bytes = 0            # UTF-8 bytes in ``texts``: at most ``max_text_bytes`` per tick
+        self.max_text_bytes = max_text_bytes
         self.cancel = False
         self.response_id: str | None = None
         self.rate = TokenBucket(rate=max_messages_per_s, burst=2 * max_messages_per_s)
@@ -110,6 +112,8 @@ class ClientSession:
         # Ticked only once the client sent input: until then session.update may still change the
         # mode and instructions (the worker session is re-opened with them).
         self.started = False
+        # A session.update re-opening the worker session is in flight: the gateway's release waits for it.
+        self.reopening = False
 
     # ------------------------------------------------------------------ input
     @property
@@ -135,6 +139,29 @@ class ClientSession:
         self.audio.clear()
         self.audio_bytes = 0
 
+    def append_text(self, text: str) -> bool:
+        """Buffer user text for the next tick; False (nothing buffered) when the tick's text would overflow.
+
+        Why a bound: text is otherwise limited only per message, and a client sending many 1 MiB items in
+        one tick would make the Step bigger than the worker accepts (and fail every session on it).
+        """
+        size = self.text_bytes + len(text.encode("utf-8", "surrogatepass"))
+        if size > self.max_text_bytes:
+            return False
+        self.texts.append(text)
+        self.text_bytes = size
+        self.started = True
+        return True
+
+    def clear_text(self) -> None:
+        self.texts.clear()
+        self.text_bytes = 0
+
+    @property
+    def tick_bytes(self) -> int:
+        """About how many bytes this session adds to the next Step (its input plus framing)."""
+        return self.audio_bytes + self.text_bytes + 64
+
     def take_tick_wire(self) -> list[bytes]:
         """``take_tick_input``, already in protobuf wire format: one ``StepRequest.sessions`` entry, in parts.
 
@@ -157,7 +184,7 @@ class ClientSession:
         head_b, tail_b = b"".join(head), b"".join(tail)
         parts = [b"\x0a" + _varint(len(head_b) + self.audio_bytes + len(tail_b)) + head_b, *self.audio, tail_b]
         self.clear_audio()
-        self.texts.clear()
+        self.clear_text()
         self.new_turn = self.cancel = False
         return parts
 
@@ -166,7 +193,7 @@ class ClientSession:
         inp = pb.SessionInput(sid=self.sid, new_turn=self.new_turn, audio_pcm16=b"".join(self.audio),
                               sample_rate=self.sample_rate, text="".join(self.texts), cancel=self.cancel)
         self.clear_audio()
-        self.texts.clear()
+        self.clear_text()
         self.new_turn = self.cancel = False
         return inp
 

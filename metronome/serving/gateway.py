@@ -54,6 +54,7 @@ class Gateway:
         self.pool = WorkerPool(config, self.metrics, self._deliver, self._worker_failed)
         self.connections: set[Connection] = set()
         self._tasks: set[asyncio.Task] = set()  # strong references to the per-connection awaits
+        self._stopping = False  # once set, nothing new is spawned (the channels are about to close)
 
     @property
     def max_frame_bytes(self) -> int:
@@ -64,11 +65,14 @@ class Gateway:
         await self.pool.start()
 
     async def stop(self) -> None:
+        """Close every client, free every worker session (CloseSession), then the worker channels."""
+        self._stopping = True
         for conn in list(self.connections):
             conn.close(1001, "server shutting down")
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.pool.close_all_sessions()
         await self.pool.stop()
 
     @property
@@ -77,7 +81,8 @@ class Gateway:
         from metronome.serving.ws_aiohttp import aiohttp_app
 
         web_app = aiohttp_app(self, max_frame_bytes=self.max_frame_bytes,
-                              send_queue_events=self.config.send_queue_events)
+                              send_queue_events=self.config.send_queue_events,
+                              send_queue_bytes=self.config.send_queue_bytes)
         web_app.on_startup.append(lambda _app: self.start())
         web_app.on_cleanup.append(lambda _app: self.stop())
         return web_app
@@ -86,6 +91,9 @@ class Gateway:
         return next((h for h in self.pool.handles if h.address == session.worker_name), None)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        if self._stopping:  # stop() frees the worker sessions itself; the channels may be closed already
+            coro.close()
+            return
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -117,7 +125,9 @@ class Gateway:
         if not self.config.api_key:
             return True
         scheme, _, token = headers.get("Authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and secrets.compare_digest(token.strip(), self.config.api_key)
+        # Bytes, not str: compare_digest refuses non-ASCII str (a TypeError, a 500) and headers can hold any.
+        return scheme.lower() == "bearer" and secrets.compare_digest(
+            token.strip().encode("utf-8", "surrogatepass"), self.config.api_key.encode("utf-8", "surrogatepass"))
 
     # ------------------------------------------------------------------ WebSocket life cycle
     def ws_opened(self, conn: Connection) -> None:
@@ -141,7 +151,8 @@ class Gateway:
             self._refuse(conn, opened.error)
             return
         session = ClientSession(sid, handle.address, conn, max_buffered_audio_s=self.config.max_buffered_audio_s,
-                                max_messages_per_s=self.config.max_messages_per_s)
+                                max_messages_per_s=self.config.max_messages_per_s,
+                                max_text_bytes=self.config.max_text_bytes_per_tick)
         handle.sessions[sid] = session
         self.metrics.sessions_admitted.labels(handle.address).inc()
         self.metrics.sessions_live.labels(handle.address).set(len(handle.sessions))
@@ -174,7 +185,13 @@ class Gateway:
             self._spawn(self._release(handle, session))
 
     async def _release(self, handle: WorkerHandle, session: ClientSession) -> None:
-        """Free the worker-side session at once: its KV returns to the pool within this tick."""
+        """Free the worker-side session at once: its KV returns to the pool within this tick.
+
+        Not while a re-open (``_reopen``) is in flight: its CloseSession + OpenSession would re-create the
+        session after this CloseSession. ``_reopen`` releases it when it is done instead.
+        """
+        if session.reopening:
+            return
         if handle.sessions.pop(session.sid, None) is None:
             return  # the worker already dropped it (worker failure)
         self.metrics.sessions_live.labels(handle.address).set(len(handle.sessions))
@@ -194,21 +211,28 @@ class Gateway:
     def _unhold(self, conn: Connection) -> None:
         """Handle the events that waited, in order; stop early if one of them has to await again."""
         waiting, conn.held = conn.held or [], None
-        for i, data in enumerate(waiting):
-            if conn.closed:
-                return
-            if data is None:
-                self.ws_binary(conn)
-            else:
-                self.ws_text(conn, data)
-            if conn.held is not None:  # that event awaits now: the rest waits behind it
-                conn.held.extend(waiting[i + 1:])
-                return
-        if not conn.closed:
-            conn.resume_reading()
+        try:
+            for i, data in enumerate(waiting):
+                if conn.closed:
+                    return
+                if data is None:
+                    self.ws_binary(conn)
+                else:
+                    self.ws_text(conn, data)
+                if conn.held is not None:  # that event awaits now: the rest waits behind it
+                    conn.held.extend(waiting[i + 1:])
+                    return
+        except Exception:  # a bug: never leave the socket paused (its close would go unnoticed)
+            log.exception("handling held events failed; closing the connection")
+            conn.close(1011, "internal error")
+        finally:
+            if conn.held is None and not conn.closed:
+                conn.resume_reading()
 
     # ------------------------------------------------------------------ frames
     def ws_binary(self, conn: Connection) -> None:
+        if conn.closed:
+            return
         if conn.held is not None:
             conn.held.append(None)
         elif conn.session is not None:
@@ -216,6 +240,8 @@ class Gateway:
 
     def ws_text(self, conn: Connection, data: bytes | memoryview | str) -> None:
         """One client event, handled here and now (the hot path: 50 of these per second per session)."""
+        if conn.closed:
+            return  # closing: events that were already on the wire are not acted on
         if conn.held is not None:
             conn.held.append(bytes(data) if not isinstance(data, str) else data.encode())
             return
@@ -249,6 +275,9 @@ class Gateway:
                 self._handle(conn, session, event)
         except ProtocolError as exc:
             self._client_error(session, exc.code, exc.message)
+        except Exception:  # a bug, not the client's fault: report it and keep the session
+            log.exception("session %s: handling a client event failed", session.sid)
+            self._client_error(session, "internal_error", "the server failed to handle this event")
 
     def _client_error(self, session: ClientSession, code: str, message: str) -> None:
         session.send(self._error(session, code, message))
@@ -270,9 +299,12 @@ class Gateway:
             session.clear_audio()
             session.send({"type": "input_audio_buffer.cleared", "event_id": event.event_id})
         elif isinstance(event, ConversationItemCreate):
-            session.texts.append(event.text())
-            session.started = True
-            session.send({"type": "conversation.item.created", "event_id": event.event_id, "item": event.item})
+            text = event.text()
+            if not session.append_text(text):
+                raise ProtocolError("text_buffer_full", f"more than {self.config.max_text_bytes_per_tick} bytes "
+                                    "of text in one tick; this item was dropped")
+            session.send({"type": "conversation.item.created", "event_id": event.event_id,
+                          "item": event.echo(text)})
         elif isinstance(event, ResponseCreate):
             session.new_turn = session.started = True
         elif isinstance(event, ResponseCancel):
@@ -314,11 +346,19 @@ class Gateway:
         """Re-create the (still empty) worker session with a new mode / system prompt, then go on reading."""
         handle = self._handle_of(session)
         request = pb.OpenSessionRequest(sid=session.sid, mode=mode, instructions=instructions)
+        session.reopening = True  # a close meanwhile does not release; this does, below
         try:
             await handle.stub.CloseSession(pb.CloseSessionRequest(sid=session.sid), timeout=5.0)
             opened = await handle.stub.OpenSession(request, timeout=10.0)
         except grpc.aio.AioRpcError as exc:
             opened = pb.OpenSessionResponse(ok=False, error=f"worker unavailable: {exc.code().name}")
+        finally:
+            session.reopening = False
+            if conn.closed:  # the client left meanwhile: free what was (re-)opened
+                session.disconnected()
+                self._spawn(self._release(handle, session))
+        if conn.closed:
+            return
         if not opened.ok:
             self._client_error(session, "session_failed", f"could not apply the update: {opened.error}")
             session.close("session_failed")
@@ -421,7 +461,7 @@ async def serve_gateway(config: GatewayConfig) -> GatewayServer:
     gateway = Gateway(config)
     await gateway.start()
     server = await start_server(gateway, config.host, config.port, max_frame_bytes=gateway.max_frame_bytes,
-                                send_queue_events=config.send_queue_events)
+                                send_queue_events=config.send_queue_events, send_queue_bytes=config.send_queue_bytes)
     port = server.sockets[0].getsockname()[1]
     return GatewayServer(gateway, server, config.host, port)
 

@@ -25,6 +25,7 @@ from typing import Any, Union
 import msgspec
 
 SUPPORTED_SAMPLE_RATES = (8000, 16000, 22050, 24000, 32000, 44100, 48000)
+ECHO_TEXT_CHARS = 1024  # conversation.item.created echoes at most this much of a user message's text
 DEFAULT_SAMPLE_RATE = 16000
 
 
@@ -93,10 +94,27 @@ class ConversationItemCreate(_Event, tag="conversation.item.create"):
         if self.item.get("type", "message") != "message" or self.item.get("role", "user") != "user":
             raise ProtocolError("unsupported_item", "only user messages can be added to the conversation")
         parts = self.item.get("content") or []
+        if not isinstance(parts, list):
+            raise ProtocolError("invalid_item", "item.content must be a list of content parts")
         texts = [p.get("text", "") for p in parts if isinstance(p, dict) and p.get("type") in ("input_text", "text")]
         if not texts or not all(isinstance(t, str) for t in texts):
             raise ProtocolError("unsupported_item", "a message needs at least one input_text part")
         return "".join(texts)
+
+    def echo(self, text: str) -> dict[str, Any]:
+        """The item for ``conversation.item.created``: rebuilt from its text, cut to ``ECHO_TEXT_CHARS``.
+
+        Not the client's item as sent: that may carry up to a whole message of anything (unknown fields
+        are accepted), and echoing it doubles what a client that does not read holds of server memory.
+        """
+        item_id = self.item.get("id")
+        item: dict[str, Any] = {"type": "message", "role": "user",
+                                "content": [{"type": "input_text", "text": text[:ECHO_TEXT_CHARS]}]}
+        if isinstance(item_id, str) and len(item_id) <= 64:
+            item["id"] = item_id
+        if len(text) > ECHO_TEXT_CHARS:
+            item["truncated"] = True  # Metronome extension: the worker got all of it
+        return item
 
 
 class ResponseCreate(_Event, tag="response.create"):

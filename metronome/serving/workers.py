@@ -23,6 +23,7 @@ from metronome.serving.client_session import ClientSession, step_request_wire
 from metronome.serving.metrics import GatewayMetrics
 from metronome.serving.proto import worker_pb2 as pb
 from metronome.serving.proto import worker_pb2_grpc as pb_grpc
+from metronome.serving.protocol import error_event
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,8 @@ class WorkerPool:
         self.on_failure = on_failure
         self.handles: list[WorkerHandle] = []
         self._tasks: list[asyncio.Task] = []
+        self._closes: set[asyncio.Task] = set()  # CloseSession for sessions a failure ended
+        self._stopping = False
 
     async def start(self) -> None:
         for address in self.config.workers:
@@ -103,11 +106,38 @@ class WorkerPool:
             self._tasks.append(asyncio.create_task(self._tick_loop(handle), name=f"ticker {address}"))
 
     async def stop(self) -> None:
+        self._stopping = True
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._closes:
+            await asyncio.wait(list(self._closes), timeout=5.0)
         for handle in self.handles:
             await handle.channel.close()
+
+    async def close_all_sessions(self) -> None:
+        """CloseSession for every live session on every worker (at shutdown: the workers keep running)."""
+        calls = []
+        for handle in self.handles:
+            sessions, handle.sessions = list(handle.sessions), {}
+            self.metrics.sessions_live.labels(handle.address).set(0)
+            calls += [self._close_on_worker(handle, sid) for sid in sessions]
+        await asyncio.gather(*calls)
+
+    async def _close_on_worker(self, handle: WorkerHandle, sid: str) -> None:
+        try:
+            await handle.stub.CloseSession(pb.CloseSessionRequest(sid=sid), timeout=5.0)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("closing %s on %s failed: %s", sid, handle.address, exc.code().name)
+
+    def _close_later(self, handle: WorkerHandle, sids: list[str]) -> None:
+        """Free the worker side of sessions a failure ended (the gateway forgets them: nobody else will)."""
+        if self._stopping or not sids:
+            return
+        task = asyncio.get_running_loop().create_task(
+            asyncio.wait_for(asyncio.gather(*(self._close_on_worker(handle, sid) for sid in sids)), 10.0))
+        self._closes.add(task)
+        task.add_done_callback(self._closes.discard)
 
     # ------------------------------------------------------------------ placement
     def reserve(self) -> WorkerHandle | None:
@@ -127,7 +157,9 @@ class WorkerPool:
         except grpc.aio.AioRpcError as exc:
             if handle.healthy:
                 log.warning("worker %s stopped answering: %s", handle.address, exc.code().name)
-                self._fail_sessions(handle, "worker_unavailable")
+                # A timeout may be a busy worker, not a dead one: its sessions are closed there too.
+                self._fail_sessions(handle, "worker_unavailable",
+                                    close=exc.code() != grpc.StatusCode.UNAVAILABLE)
             handle.healthy = False
             self.metrics.worker_up.labels(handle.address).set(0)
             return
@@ -154,11 +186,23 @@ class WorkerPool:
             await asyncio.sleep(HEALTH_INTERVAL_S)
             await self._check_health(handle)
 
-    def _fail_sessions(self, handle: WorkerHandle, code: str) -> None:
-        for session in list(handle.sessions.values()):
+    def _fail_sessions(self, handle: WorkerHandle, code: str, *, close: bool) -> None:
+        """End every session on the worker; ``close``: it may still be alive, so free them there too."""
+        sessions = list(handle.sessions.values())
+        for session in sessions:
             self.on_failure(handle, session, code)
         handle.sessions.clear()
         self.metrics.sessions_live.labels(handle.address).set(0)
+        if close:
+            self._close_later(handle, [s.sid for s in sessions])
+
+    def _fail_tick(self, handle: WorkerHandle, sessions: list[ClientSession], code: str) -> None:
+        """End the sessions of one failed tick (the worker is alive): here and on the worker."""
+        for session in sessions:
+            self.on_failure(handle, session, code)
+            handle.sessions.pop(session.sid, None)
+        self.metrics.sessions_live.labels(handle.address).set(len(handle.sessions))
+        self._close_later(handle, [s.sid for s in sessions])
 
     # ------------------------------------------------------------------ ticker
     async def _tick_loop(self, handle: WorkerHandle) -> None:
@@ -174,7 +218,12 @@ class WorkerPool:
             drift = started - next_at
             sessions = [s for s in handle.sessions.values() if s.started]
             if handle.healthy and sessions:
-                report = await self._tick(handle, sessions, started, drift)
+                try:
+                    report = await self._tick(handle, sessions, started, drift)
+                except Exception:  # a bug must not stop this worker's ticker for every session on it
+                    log.exception("tick %d on %s failed", handle.ticks, handle.address)
+                    self._fail_tick(handle, sessions, "step_failed")
+                    report = None
                 if report is not None:
                     m.ticks.labels(name).inc()
                     m.tick_latency.labels(name).observe(report.latency_ms / 1e3)
@@ -187,25 +236,58 @@ class WorkerPool:
             if loop.time() > next_at:  # overran: the next tick fires at once
                 next_at = loop.time()
 
+    def _fit_step(self, sessions: list[ClientSession], tick: int) -> list[ClientSession]:
+        """The sessions whose input fits one Step of ``max_step_bytes``; the others keep theirs for a later tick.
+
+        Why: a Step over the worker's gRPC message limit fails as a whole. Taking from a rotating start
+        means a session left out now is early in the order of a later tick.
+        """
+        limit = self.config.max_step_bytes
+        if sum(s.tick_bytes for s in sessions) <= limit:
+            return sessions
+        start = tick % len(sessions)
+        chosen, size = [], 0
+        for session in sessions[start:] + sessions[:start]:
+            n = session.tick_bytes
+            if chosen and size + n > limit:
+                continue
+            chosen.append(session)
+            size += n
+        log.warning("tick %d: %d of %d sessions fit in %d bytes; the rest wait", tick, len(chosen), len(sessions),
+                    limit)
+        return chosen
+
+    @staticmethod
+    def _tick_lost(code: str) -> dict:
+        return error_event("tick_failed", f"the worker refused this tick's input ({code}); it was dropped",
+                           type="server_error")
+
     async def _tick(self, handle: WorkerHandle, sessions: list[ClientSession], started: float,
                     drift: float) -> TickReport | None:
         loop = asyncio.get_running_loop()
         handle.ticks += 1
+        sessions = self._fit_step(sessions, handle.ticks)
         request = step_request_wire([s.take_tick_wire() for s in sessions], self.config.tokens_per_tick, handle.ticks)
         try:
             response = await handle.step_wire(request, timeout=self.config.step_timeout_s)
         except grpc.aio.AioRpcError as exc:
-            log.error("worker %s failed tick %d: %s %s", handle.address, handle.ticks, exc.code().name,
-                      exc.details())
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                              grpc.StatusCode.CANCELLED):
+            code = exc.code()
+            log.error("worker %s failed tick %d: %s %s", handle.address, handle.ticks, code.name, exc.details())
+            if code == grpc.StatusCode.UNAVAILABLE:  # unreachable: its sessions are gone with it
                 handle.healthy = False
                 self.metrics.worker_up.labels(handle.address).set(0)
-                self._fail_sessions(handle, "worker_unavailable")
-            else:
+                self._fail_sessions(handle, "worker_unavailable", close=False)
+            elif code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+                handle.healthy = False  # hung or overloaded, maybe alive: free its sessions there too
+                self.metrics.worker_up.labels(handle.address).set(0)
+                self._fail_sessions(handle, "worker_unavailable", close=True)
+            elif code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT):
+                # The request, not the sessions: this tick's input is lost, every session lives on.
                 for session in sessions:
-                    self.on_failure(handle, session, "step_failed")
-                    handle.sessions.pop(session.sid, None)
+                    if not session.closed:
+                        session.send(self._tick_lost(code.name))
+            else:
+                self._fail_tick(handle, sessions, "step_failed")
             return None
         latency_ms = (loop.time() - started) * 1e3
         report = TickReport(handle.ticks, latency_ms, drift * 1e3, latency_ms <= self.config.budget_ms, len(sessions))

@@ -10,15 +10,26 @@ import asyncio
 import base64
 import json
 import os
+import socket
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 
 import aiohttp
+import grpc
 import pytest
 from aiohttp import web
+from picows import WSMsgType
 
 from metronome.config import AimdConfig, GatewayConfig
-from metronome.serving.gateway import Gateway
+from metronome.serving import protocol, ws_aiohttp, ws_picows
+from metronome.serving.client_session import ClientSession
+from metronome.serving.gateway import Gateway, serve_gateway
+from metronome.serving.metrics import GatewayMetrics
+from metronome.serving.proto import worker_pb2 as pb
+from metronome.serving.proto import worker_pb2_grpc as pb_grpc
+from metronome.serving.workers import WorkerPool
+from metronome.serving.ws_aiohttp import AiohttpConnection
 from metronome.serving.ws_picows import PicowsConnection
 from tests.serving.test_gateway import BUDGET_MS, chunks, of_type, recv_until, running_gateway, start_worker, tone
 
@@ -337,3 +348,319 @@ async def test_the_aiohttp_transport_still_serves_sessions(worker):
                 await sock.close()
     finally:
         await runner.cleanup()
+
+
+# ------------------------------------------------------------------ regressions: resources a client could hold forever
+class RecordingWorker(pb_grpc.WorkerServicer):
+    """A model-free worker that records which sessions are open on it (what a leak would leave behind).
+
+    ``fail_steps``: status codes the next Steps abort with, one per Step.
+    """
+
+    def __init__(self) -> None:
+        self.open: set[str] = set()
+        self.calls: list[tuple[str, str]] = []
+        self.fail_steps: list[grpc.StatusCode] = []
+        self.steps = 0
+
+    async def OpenSession(self, request, context):
+        self.calls.append(("open", request.sid))
+        self.open.add(request.sid)
+        return pb.OpenSessionResponse(ok=True)
+
+    async def CloseSession(self, request, context):
+        self.calls.append(("close", request.sid))
+        known = request.sid in self.open
+        self.open.discard(request.sid)
+        return pb.CloseSessionResponse(closed=known)
+
+    async def Health(self, request, context):
+        return pb.HealthResponse(ready=True, model="recording", budget_ms=BUDGET_MS, capacity_sessions=64,
+                                 kv_blocks_total=64, sessions=len(self.open), input_sample_rate=16000)
+
+    async def Step(self, request, context):
+        self.steps += 1
+        if self.fail_steps:
+            await context.abort(self.fail_steps.pop(0), "injected")
+        return pb.StepResponse(outputs=[pb.SessionOutput(sid=s.sid, tokens=[1], text=".") for s in request.sessions])
+
+
+@dataclass
+class RecordingServer:
+    servicer: RecordingWorker
+    server: grpc.aio.Server
+    address: str
+
+
+@pytest.fixture
+async def recording():
+    servicer = RecordingWorker()
+    server = grpc.aio.server()
+    pb_grpc.add_WorkerServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    yield RecordingServer(servicer, server, f"127.0.0.1:{port}")
+    await server.stop(0)
+
+
+async def until(condition, timeout: float = 10.0) -> None:
+    """Wait (polling the loop) until ``condition()`` holds; fail after ``timeout`` seconds."""
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.01)
+
+
+async def non_reading_client(addr: str, first_frames: bytes = b"") -> RawClient:
+    """A client with a tiny receive buffer; it reads only when the test says so (its reader stops at 64 KiB)."""
+    host, port = addr.rsplit(":", 1)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    key = base64.b64encode(os.urandom(16)).decode()
+    writer.write((f"GET /v1/realtime HTTP/1.1\r\nHost: {addr}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                  f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n").encode() + first_frames)
+    assert b" 101 " in (await reader.readuntil(b"\r\n\r\n")).split(b"\r\n", 1)[0]
+    return RawClient(reader, writer)
+
+
+def backed_up(gateway: Gateway) -> PicowsConnection:
+    """Fill the only connection's outgoing buffers (its client does not read): a graceful close cannot finish."""
+    (conn,) = gateway.connections
+    conn.transport.send(WSMsgType.TEXT, b"x" * (32 << 20))
+    assert conn.transport.underlying_transport.get_write_buffer_size() > 0
+    return conn
+
+
+@pytest.mark.parametrize("how", ["close_frame", "oversized_frame"])
+async def test_a_closing_client_that_does_not_read_is_aborted_and_its_sessions_freed(recording, monkeypatch, how):
+    """Client-initiated closes (a Close frame) and picows' own (a frame over the limit) both end within a grace."""
+    monkeypatch.setattr(ws_picows, "CLOSE_GRACE_S", 0.3)
+    async with running_gateway([recording], max_message_bytes=MAX_MESSAGE) as (gateway, addr):
+        client = await non_reading_client(addr)
+        await client.event("session.created")
+        conn = backed_up(gateway)
+        if how == "close_frame":
+            client.send(frame((1000).to_bytes(2, "big"), opcode=0x8))
+        else:  # only the header of a frame far over 4x max_message_bytes: picows closes with 1009 itself
+            client.send(bytes([0x81, 0x80 | 127]) + (1 << 20).to_bytes(8, "big") + b"mask")
+        await client.writer.drain()
+        await until(lambda: conn.closed)  # set as the close starts: nothing more is handled or sent
+        await until(lambda: not gateway.connections and not gateway.pool.handles[0].sessions
+                    and not recording.servicer.open)
+        assert conn.gone
+        client.writer.transport.abort()
+
+
+async def test_an_exception_in_the_frame_handler_closes_the_socket_within_the_grace(recording, monkeypatch):
+    monkeypatch.setattr(ws_picows, "CLOSE_GRACE_S", 0.3)
+    async with running_gateway([recording]) as (gateway, addr):
+        client = await non_reading_client(addr)
+        await client.event("session.created")
+        conn = backed_up(gateway)
+        monkeypatch.setattr(gateway, "ws_binary", lambda conn: 1 / 0)
+        client.send(frame(b"\x00", opcode=0x2))
+        await until(lambda: not gateway.connections and not recording.servicer.open)
+        assert conn.session.close_reason == "protocol_error"
+        client.writer.transport.abort()
+
+
+async def test_a_close_right_after_a_reopening_session_update_leaks_no_worker_session(recording):
+    """session.update (new instructions: CloseSession + OpenSession on the worker) and a Close in one write."""
+    async with running_gateway([recording]) as (gateway, addr):
+        client = await RawClient.connect(addr)
+        await client.event("session.created")
+        update = json.dumps({"type": "session.update", "session": {"instructions": "be brief"}}).encode()
+        later = json.dumps({"type": "input_audio_buffer.commit"}).encode()
+        client.send(frame(update) + frame((1000).to_bytes(2, "big"), opcode=0x8) + frame(later))
+        await until(lambda: not gateway.connections and not gateway._tasks)
+        assert not recording.servicer.open, recording.servicer.calls
+        assert [c for c, _ in recording.servicer.calls][-1] == "close"
+        client.close()
+
+
+BAD_ITEM = json.dumps({"type": "conversation.item.create", "item": {"content": 5}}).encode()
+COMMIT = json.dumps({"type": "input_audio_buffer.commit", "event_id": "after"}).encode()
+
+
+@pytest.mark.parametrize("held", [False, True])
+async def test_an_item_whose_content_is_not_a_list_gets_an_error_and_the_session_lives_on(recording, held):
+    """Direct, and held while OpenSession is in flight (sent with the handshake): reading must resume."""
+    async with running_gateway([recording]) as (gateway, addr):
+        client = await RawClient.connect(addr, first_frames=frame(BAD_ITEM) if held else b"")
+        await client.event("session.created")
+        if not held:
+            client.send(frame(BAD_ITEM))
+        assert (await client.event("error"))[-1]["error"]["code"] == "invalid_item"
+        client.send(frame(COMMIT))
+        assert (await client.event("input_audio_buffer.committed"))[-1]["event_id"] == "after"
+        client.close()
+        await until(lambda: not gateway.connections and not recording.servicer.open)
+
+
+async def test_an_unexpected_exception_in_an_event_handler_is_an_internal_error_event(recording, monkeypatch):
+    async with running_gateway([recording]) as (gateway, addr):
+        client = await RawClient.connect(addr)
+        await client.event("session.created")
+        monkeypatch.setattr(gateway, "_handle", lambda *args: {}["boom"])
+        client.send(frame(COMMIT))
+        assert (await client.event("error"))[-1]["error"]["code"] == "internal_error"
+        monkeypatch.undo()
+        client.send(frame(COMMIT))
+        assert (await client.event("input_audio_buffer.committed"))[-1]["event_id"] == "after"
+        client.close()
+
+
+def item_event(text: str, event_id: str) -> bytes:
+    return json.dumps({"type": "conversation.item.create", "event_id": event_id,
+                       "item": {"content": [{"type": "input_text", "text": text}]}}).encode()
+
+
+async def test_text_per_tick_is_capped_and_a_long_item_is_echoed_cut(recording):
+    async with running_gateway([recording], max_message_bytes=8192, max_text_bytes_per_tick=3000) as (gateway, addr):
+        client = await RawClient.connect(addr)
+        await client.event("session.created")
+        client.send(frame(item_event("a" * 2000, "i1")) + frame(item_event("b" * 2000, "i2")))  # one read: one tick
+        created = (await client.event("conversation.item.created"))[-1]
+        assert created["event_id"] == "i1" and created["item"]["truncated"] is True
+        assert created["item"]["content"][0]["text"] == "a" * protocol.ECHO_TEXT_CHARS
+        assert (await client.event("error"))[-1]["error"]["code"] == "text_buffer_full"
+        await client.event("metronome.tick")  # that tick took the text: the next one has room again
+        client.send(frame(item_event("c" * 10, "i3")))
+        created = (await client.event("conversation.item.created"))[-1]
+        assert created["item"]["content"][0]["text"] == "c" * 10 and "truncated" not in created["item"]
+        client.close()
+
+
+def created_sid(gateway: Gateway) -> str:
+    (sid,) = gateway.pool.handles[0].sessions
+    return sid
+
+
+async def test_a_step_takes_only_the_sessions_that_fit_and_the_rest_wait_their_turn():
+    config = GatewayConfig(port=0, max_text_bytes_per_tick=500_000, max_buffered_audio_s=1.0,
+                           max_step_bytes=1_300_000)
+    pool = WorkerPool(config, GatewayMetrics(config.budget_ms), lambda *a: None, lambda *a: None)
+
+    class Quiet:
+        def send(self, data):
+            return True
+
+    sessions = [ClientSession(f"s{i}", "w", Quiet(), max_buffered_audio_s=1.0, max_messages_per_s=50.0,
+                              max_text_bytes=500_000) for i in range(5)]
+    for s in sessions:
+        assert s.append_text("x" * 400_000) and not s.append_text("x" * 200_000)
+    ticked: set[str] = set()
+    for tick in range(1, 4):
+        waiting = [s for s in sessions if s.texts]
+        if not waiting:
+            break
+        chosen = pool._fit_step(waiting, tick)
+        assert chosen and sum(s.tick_bytes for s in chosen) <= config.max_step_bytes
+        for s in chosen:
+            s.take_tick_wire()
+            ticked.add(s.sid)
+    assert ticked == {s.sid for s in sessions}  # everyone got through within a few ticks
+
+
+async def test_a_refused_step_keeps_the_sessions_and_a_failed_one_closes_them_on_the_worker(recording):
+    async with running_gateway([recording]) as (gateway, addr):
+        client = await RawClient.connect(addr)
+        await client.event("session.created")
+        recording.servicer.fail_steps = [grpc.StatusCode.RESOURCE_EXHAUSTED]
+        client.send(frame(append_event()))
+        assert (await client.event("error"))[-1]["error"]["code"] == "tick_failed"
+        client.send(frame(append_event()))
+        await client.event("metronome.tick")  # it lives on
+        assert len(recording.servicer.open) == 1
+        recording.servicer.fail_steps = [grpc.StatusCode.INTERNAL]
+        client.send(frame(append_event()))
+        assert (await client.event("error"))[-1]["error"]["code"] == "step_failed"
+        await until(lambda: not recording.servicer.open)  # the gateway forgot it: it closed it on the worker
+        client.close()
+
+
+async def test_an_exception_in_a_tick_fails_that_tick_and_the_ticker_goes_on(recording, monkeypatch):
+    async with running_gateway([recording]) as (gateway, addr):
+        client = await RawClient.connect(addr)
+        await client.event("session.created")
+        session = gateway.pool.handles[0].sessions[created_sid(gateway)]
+        monkeypatch.setattr(session, "take_tick_wire", lambda: 1 / 0)
+        client.send(frame(append_event()))
+        assert (await client.event("error"))[-1]["error"]["code"] == "step_failed"
+        await until(lambda: not recording.servicer.open)
+        other = await RawClient.connect(addr)
+        await other.event("session.created")
+        other.send(frame(append_event()))
+        await other.event("metronome.tick")
+        client.close()
+        other.close()
+
+
+async def test_the_backlog_of_a_backed_up_socket_is_bounded_in_bytes():
+    conn = PicowsConnection(app=None, max_frame_bytes=MAX_MESSAGE, send_queue_events=100, send_queue_bytes=100)
+    conn.transport = FakeTransport()
+    conn.pause_writing()
+    assert conn.send(b"a" * 60) and not conn.send(b"b" * 60)
+    assert not conn.send_many([b"c" * 20, b"d" * 30]) and conn.send_many([b"e" * 20, b"f" * 20])
+    assert conn.backlog_bytes == 100
+    conn.resume_writing()
+    assert conn.backlog_bytes == 0 and conn.send(b"g" * 60)
+    aio = AiohttpConnection(ws=None, send_queue_events=100, send_queue_bytes=100)
+    assert aio.send(b"a" * 60) and not aio.send(b"b" * 60) and not aio.send_many([b"c" * 20, b"d" * 30])
+    assert aio.send_many([b"e" * 20, b"f" * 20]) and aio.queued_bytes == 100
+
+
+async def test_the_aiohttp_transport_frees_a_slow_consumer_that_never_reads(recording, monkeypatch):
+    monkeypatch.setattr(ws_aiohttp, "CLOSE_GRACE_S", 0.3, raising=False)
+    config = GatewayConfig(workers=(recording.address,), port=0, budget_ms=BUDGET_MS, send_queue_events=8,
+                           max_messages_per_s=1e6)
+    gateway = Gateway(config)
+    runner = web.AppRunner(gateway.app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        client = await non_reading_client(f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+        await client.event("session.created")
+        session = next(iter(gateway.pool.handles[0].sessions.values()))
+        bad = frame(b"{not json" + b" " * 1000)
+        async with asyncio.timeout(60):
+            while not session.closed:
+                client.send(bad * 200)
+                await client.writer.drain()
+                await asyncio.sleep(0)
+        assert session.close_reason == "slow_consumer"
+        await until(lambda: not gateway.connections and not recording.servicer.open)
+        client.writer.transport.abort()
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_non_ascii_authorization_header_is_a_401(recording):
+    async with running_gateway([recording], api_key="sekret") as (gateway, addr):
+        host, port = addr.rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        key = base64.b64encode(os.urandom(16)).decode()
+        writer.write((f"GET /v1/realtime HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                      f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
+                      "Authorization: Bearer s\xe9kret\r\n\r\n").encode("latin-1"))
+        status = (await asyncio.wait_for(reader.readuntil(b"\r\n"), 10)).decode()
+        assert " 401 " in status, status
+        writer.close()
+
+
+async def test_stopping_the_gateway_closes_every_session_on_the_worker(recording):
+    config = GatewayConfig(workers=(recording.address,), port=0, budget_ms=BUDGET_MS)
+    server = await serve_gateway(config)
+    clients = [await RawClient.connect(server.address) for _ in range(3)]
+    for client in clients:
+        await client.event("session.created")
+    assert len(recording.servicer.open) == 3
+    await server.stop()
+    assert not recording.servicer.open
+    for client in clients:  # the sockets end after the stop: nothing may be spawned on the closed channels
+        await client.close_frame()
+        client.close()
+    assert not server.gateway._tasks
