@@ -99,11 +99,12 @@ def fill_weights(net: nn.Module, checkpoint: Path, rename: Callable[[str], str |
         raise ModelLoadError(f"{checkpoint}: weights missing from the checkpoint: {sorted(missing)[:5]}")
 
 
-def load_llama_family(checkpoint: Path, spec: DecoderSpec, dtype: torch.dtype, device: str | torch.device,
-                      rename: Callable[[str], str | None] = lambda name: name) -> LlamaFamilyForCausalLM:
-    """A Llama-family decoder of ``spec`` filled from ``checkpoint`` (``rename`` as in ``fill_weights``)."""
-    with torch.device("meta"):
-        net = LlamaFamilyForCausalLM(spec)
+def load_decoder_weights(net: nn.Module, checkpoint: Path, dtype: torch.dtype, device: str | torch.device,
+                         rename: Callable[[str], str | None] = lambda name: name) -> nn.Module:
+    """Materialise ``net`` (built on the meta device) on ``device`` in ``dtype``, fill it from ``checkpoint``
+    (``rename`` as in ``fill_weights``; a tied ``lm_head`` is skipped), fuse its projections and build its
+    rotary tables: a decoder ready for the engine."""
+    spec = net.spec
     net = net.to_empty(device=device).to(dtype)
 
     def tied_aware(stored: str) -> str | None:
@@ -114,6 +115,14 @@ def load_llama_family(checkpoint: Path, spec: DecoderSpec, dtype: torch.dtype, d
     net.fuse_projections()
     net.init_rotary(device)
     return net.eval().requires_grad_(False)
+
+
+def load_llama_family(checkpoint: Path, spec: DecoderSpec, dtype: torch.dtype, device: str | torch.device,
+                      rename: Callable[[str], str | None] = lambda name: name) -> LlamaFamilyForCausalLM:
+    """A Llama-family decoder of ``spec`` filled from ``checkpoint`` (``rename`` as in ``fill_weights``)."""
+    with torch.device("meta"):
+        net = LlamaFamilyForCausalLM(spec)
+    return load_decoder_weights(net, checkpoint, dtype, device, rename)
 
 
 def load_model(model: str, dtype: torch.dtype, device: str | torch.device) -> tuple[nn.Module, Path]:

@@ -30,7 +30,7 @@ import torch
 from safetensors import safe_open
 
 from metronome.errors import ModelLoadError
-from metronome.models.loader import _weight_files, fill_weights
+from metronome.models.loader import _weight_files, load_decoder_weights
 from metronome.models.moe import MoeForCausalLM, MoeSpec
 from metronome.models.omni.qwen_thinker import ThinkerLayout
 
@@ -101,13 +101,4 @@ def load_decoder(checkpoint: Path, config: dict, dtype: torch.dtype, device: str
     spec = text_spec(config)
     with torch.device("meta"):
         net = MoeForCausalLM(spec, per_expert=not stores_fused_experts(checkpoint))
-    net = net.to_empty(device=device).to(dtype)
-
-    def tied_aware(stored: str) -> str | None:
-        name = rename(stored)
-        return None if name == "lm_head.weight" and spec.tie_word_embeddings else name
-
-    fill_weights(net, checkpoint, tied_aware)
-    net.fuse_projections()
-    net.init_rotary(device)
-    return net.eval().requires_grad_(False)
+    return load_decoder_weights(net, checkpoint, dtype, device, rename)
