@@ -95,7 +95,9 @@ events = st.one_of(
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(stream=st.lists(events, min_size=1, max_size=25))
 def test_random_event_streams_never_take_the_gateway_down(stack, stream):
-    with connect(stack.url) as control, connect(stack.url) as fuzzed:
+    # max_queue=None: the test never reads the fuzzed socket's replies; with websockets' default bound of
+    # 16 queued messages its reader would stop, the close handshake would wait out close_timeout (10 s).
+    with connect(stack.url, max_queue=None) as control, connect(stack.url, max_queue=None) as fuzzed:
         recv_until(control, "session.created")
         recv_until(fuzzed, "session.created")
         for message in stream:
