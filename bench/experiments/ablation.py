@@ -12,13 +12,13 @@ once steady (median of the KV samples over the steady part / N), and those block
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
 from bench.experiments.cliff import frames
+from bench.experiments.report import write_outputs
 
 
 @dataclass(frozen=True)
@@ -227,11 +227,4 @@ def markdown(raw: dict, analysis: dict, plots: list[str]) -> str:
 
 
 def write_report(raw: dict, out: Path) -> str:
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    analysis = analyse(raw)
-    (out / "analysis.json").write_text(json.dumps(analysis, indent=1))
-    plots = plot(raw, analysis, out)
-    text = markdown(raw, analysis, plots)
-    (out / "summary.md").write_text(text)
-    return text
+    return write_outputs(raw, out, analyse, plot, markdown)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
 from bench.experiments.admission import analyse
 from bench.experiments.cliff import frames
+from bench.experiments.report import write_outputs
 
 
 def _f(x, spec=".1f", none="–"):
@@ -125,10 +125,4 @@ def markdown(raw: dict, analysis: dict, plots: list[str]) -> str:
 
 
 def write_report(raw: dict, out: Path) -> str:
-    out.mkdir(parents=True, exist_ok=True)
-    analysis = analyse(raw)
-    (out / "analysis.json").write_text(json.dumps(analysis, indent=1))
-    plots = plot(raw, analysis, out)
-    summary = markdown(raw, analysis, plots)
-    (out / "summary.md").write_text(summary)
-    return summary
+    return write_outputs(raw, out, analyse, plot, markdown)

@@ -31,6 +31,7 @@ from time import perf_counter
 import numpy as np
 
 from bench.experiments.cliff import frames
+from bench.experiments.report import write_outputs
 
 
 # ------------------------------------------------------------------------------------ the baseline
@@ -430,11 +431,4 @@ def markdown(raw: dict, analysis: dict, plots: list[str]) -> str:
 
 
 def write_report(raw: dict, out: Path) -> str:
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    analysis = analyse(raw)
-    (out / "analysis.json").write_text(json.dumps(analysis, indent=1))
-    plots = plot(raw, analysis, out)
-    text = markdown(raw, analysis, plots)
-    (out / "summary.md").write_text(text)
-    return text
+    return write_outputs(raw, out, analyse, plot, markdown)

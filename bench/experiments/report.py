@@ -222,15 +222,20 @@ def markdown(raw: dict, analysis: dict, plots: list[str], focus: str) -> str:
     return "\n".join(L) + "\n"
 
 
-def write_report(raw: dict, out: Path, focus: str = "cliff") -> str:
+def write_outputs(raw: dict, out: Path, analyse, plot, markdown) -> str:
+    """What every experiment writes under ``out``: ``analysis.json``, its plots, ``summary.md`` (returned)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     analysis = analyse(raw)
     (out / "analysis.json").write_text(json.dumps(analysis, indent=1))
     plots = plot(raw, analysis, out)
-    text = markdown(raw, analysis, plots, focus)
+    text = markdown(raw, analysis, plots)
     (out / "summary.md").write_text(text)
     return text
+
+
+def write_report(raw: dict, out: Path, focus: str = "cliff") -> str:
+    return write_outputs(raw, out, analyse, plot, lambda r, a, p: markdown(r, a, p, focus))
 
 
 def load_raw(path) -> dict:
