@@ -44,6 +44,13 @@ class RopeInputs:
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
 
+    @classmethod
+    def at(cls, positions: torch.Tensor, rotary: Rotary) -> "RopeInputs":
+        """On CUDA the fused Triton RoPE computes its angles in the kernel; elsewhere cos/sin tables."""
+        if positions.is_cuda:
+            return cls(positions, rotary)
+        return cls(positions, rotary, *rotary.cos_sin(positions))
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -166,10 +173,7 @@ class LlamaFamilyForCausalLM(nn.Module):
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], attention: AttentionBackend,
                 plan: Any) -> torch.Tensor:
-        if inputs_embeds.is_cuda:  # fused Triton RoPE computes its angles in the kernel
-            rope = RopeInputs(positions, self.rotary)
-        else:
-            rope = RopeInputs(positions, self.rotary, *self.rotary.cos_sin(positions))
+        rope = RopeInputs.at(positions, self.rotary)
         x = inputs_embeds
         for layer, kv in zip(self.model.layers, kv_caches):
             x = layer(x, rope, kv, attention, plan)

@@ -123,10 +123,7 @@ class MoshiTemporalForCausalLM(nn.Module):
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], attention: AttentionBackend,
                 plan: Any) -> torch.Tensor:
-        if inputs_embeds.is_cuda:  # the fused Triton RoPE computes its angles in the kernel
-            rope = RopeInputs(positions, self.rotary)
-        else:
-            rope = RopeInputs(positions, self.rotary, *self.rotary.cos_sin(positions))
+        rope = RopeInputs.at(positions, self.rotary)
         x = inputs_embeds
         for layer, kv in zip(self.model.layers, kv_caches):
             x = layer(x, rope, kv, attention, plan)
