@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 EXPERIMENTS = ("cliff", "fill-model", "admission", "recycling", "ablation", "quality")
+PRESET_NAMES = ("cpu", "gpu", "gpu-short")
 NEW = {"recycling": "bench.experiments.recycling", "ablation": "bench.experiments.ablation",
        "quality": "bench.experiments.quality"}
 
@@ -23,7 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(both run the same sweep and write both analyses); admission: the AIMD ramp; recycling: "
                         "application-level recycling vs SinkWindow; ablation: W and S; quality: perplexity and "
                         "the spoken-question probe")
-    p.add_argument("--preset", choices=("cpu", "gpu"), default="cpu")
+    p.add_argument("--preset", choices=PRESET_NAMES, default="cpu",
+                   help="cpu: minutes on this machine; gpu: the paper's scale on an H200; gpu-short: what one "
+                        "30-minute device session holds (cliff, fill-model, admission)")
     p.add_argument("--out", type=Path, default=None,
                    help="results folder (default results/experiments/<experiment>-<preset>-<timestamp>/)")
     p.add_argument("--from", dest="from_raw", type=Path, default=None,
@@ -43,12 +46,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     admission.add_arguments(p)      # --arms, --profiles, --offered
 
 
+def preset_of(presets: dict, args: argparse.Namespace):
+    if args.preset not in presets:
+        raise SystemExit(f"{args.experiment} has no preset {args.preset!r}; its presets: {', '.join(presets)}")
+    return presets[args.preset]
+
+
 def run_new(args: argparse.Namespace) -> int:
     """Experiments 4-6: each module has PRESETS, a run function and write_report."""
     import importlib
 
     module = importlib.import_module(NEW[args.experiment])
-    preset = module.PRESETS[args.preset]
+    preset = preset_of(module.PRESETS, args)
     if args.from_raw:
         from bench.experiments.report import load_raw
 
@@ -84,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         return run_new(args)
     from bench.experiments.presets import PRESETS
 
-    preset = PRESETS[args.preset]
+    preset = preset_of(PRESETS, args)
     if args.from_raw:
         from bench.experiments.report import load_raw
 

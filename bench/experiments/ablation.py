@@ -54,12 +54,12 @@ CPU = AblationPreset(name="cpu", model="tiny-random", device="cpu", dtype="float
                      windows=(32, 96, 256), sinks=(0, 4, 16), num_blocks=1024, block_size=16, max_chunk_tokens=32,
                      max_position_embeddings=8192)
 
-# SmolLM2-135M on one H200 (defined, not run here): 128 sessions at B = 2 s, ~37.5 tokens per tick (~19/s):
+# A Qwen2.5-7B-shaped random-weight decoder (shapes.py) on one H200 (defined, not run here): 128 sessions at B = 2 s, ~37.5 tokens per tick (~19/s):
 # W = 4096 fills at ~220 s, so the run lasts 300 s and the steady part starts at 240 s.
-GPU = AblationPreset(name="gpu", model="smollm2-135m", device="cuda", dtype="bfloat16", budget_ms=2000.0,
+GPU = AblationPreset(name="gpu", model="random:qwen2.5-7b", device="cuda", dtype="bfloat16", budget_ms=2000.0,
                      tokens_per_tick=25, sessions=128, runs=3, duration_s=300.0, steady_from_s=240.0, arrival_rate=8.0,
                      windows=(256, 1024, 4096), sinks=(0, 4, 16, 64), num_blocks=40000, block_size=16,
-                     max_chunk_tokens=64, max_position_embeddings=8192, sample_s=1.0)
+                     max_chunk_tokens=64, max_position_embeddings=32768, sample_s=1.0)
 
 PRESETS = {"cpu": CPU, "gpu": GPU}
 
@@ -72,7 +72,9 @@ def kv_bytes_per_token(model: str, dtype: str) -> int | None:
     try:
         from metronome.models.loader import read_config, resolve_checkpoint
 
-        c = read_config(resolve_checkpoint(model))
+        from bench.experiments.shapes import RANDOM_PREFIX, SHAPES, is_random
+
+        c = SHAPES[model[len(RANDOM_PREFIX):]] if is_random(model) else read_config(resolve_checkpoint(model))
         head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
         return 2 * c["num_hidden_layers"] * c.get("num_key_value_heads", c["num_attention_heads"]) * head_dim * size
     except Exception:                       # noqa: BLE001 - informational

@@ -29,7 +29,7 @@ import re
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -74,13 +74,18 @@ CPU = AdmissionPreset(name="cpu", model="tiny-random", device="cpu", dtype="floa
                       block_size=16, sinks=4, window=64, max_chunk_tokens=32, max_position_embeddings=8192,
                       audio="noise")   # noise: as in the documented run (docs/experiments/admission-cpu)
 
-# The paper's setting scaled to SmolLM2-135M on one H200 (defined, not run here): 512 offered at 8/s, B = 2 s.
-GPU = AdmissionPreset(name="gpu", model="smollm2-135m", device="cuda", dtype="bfloat16", budget_ms=2000.0,
-                      tokens_per_tick=25, offered=512, arrival_rate=8.0, duration_s=180.0, num_blocks=16876,
-                      block_size=16, sinks=16, window=1024, max_chunk_tokens=64, max_position_embeddings=8192,
+# The paper's setting on one H200: 512 offered at 8/s, B = 2 s, target 0.3·B, S = 16, W = 1024, with a
+# Qwen2.5-7B-shaped decoder of random weights (shapes.py). Its tick measured 447-568 ms at N = 256-320
+# (docs/benchmarks/gpu.md, 26 + 25 tokens a session), so N* should land near 300. 40,000 blocks (37 GB)
+# hold 571 SinkWindow sessions: latency, not memory, binds.
+GPU = AdmissionPreset(name="gpu", model="random:qwen2.5-7b", device="cuda", dtype="bfloat16", budget_ms=2000.0,
+                      tokens_per_tick=25, offered=512, arrival_rate=8.0, duration_s=180.0, num_blocks=40000,
+                      block_size=16, sinks=16, window=1024, max_chunk_tokens=64, max_position_embeddings=32768,
                       scrape_s=0.5, sample_s=1.0)
+# One device session: 150-s runs (arrivals end at 64 s; a window fills 42 s after its session arrives).
+GPU_SHORT = replace(GPU, name="gpu-short", duration_s=150.0)
 
-PRESETS = {"cpu": CPU, "gpu": GPU}
+PRESETS = {"cpu": CPU, "gpu": GPU, "gpu-short": GPU_SHORT}
 
 # arm name -> (controller, KV policy)
 ARMS = {"robust-sink_window": ("aimd", "sink_window"),
@@ -211,7 +216,7 @@ def run_admission(preset: AdmissionPreset, out_dir: Path, *, arms=None, profiles
     """Every (profile, arm) on a fresh server; raw result written to ``out_dir/raw.json`` as it goes."""
     from tqdm import tqdm
 
-    from bench.experiments.sweep import Server, machine, make_tiny_checkpoint
+    from bench.experiments.sweep import Server, machine, prepare_model
 
     arms = tuple(arms or ARMS)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -222,13 +227,11 @@ def run_admission(preset: AdmissionPreset, out_dir: Path, *, arms=None, profiles
     plan = [(p, a) for p in profiles for a in arms]
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="metronome-admission-") as tmp:
-        model = preset.model
-        if model == "tiny-random":
-            model = make_tiny_checkpoint(tmp, preset.max_position_embeddings)
+        model = prepare_model(preset.model, tmp, preset.max_position_embeddings)
         bar = tqdm(plan, desc=f"admission {preset.name}", unit="arm", disable=not progress, dynamic_ncols=True)
         for profile, arm in bar:
             bar.set_description(f"{profile} {arm}")
-            spec = server_spec(preset, model, arm)
+            spec = {**server_spec(preset, model["model"], arm), **model}
             t_point = time.monotonic()
             server = Server(spec, out_dir / "logs" / f"{profile}-{arm}.log")
             try:
@@ -341,6 +344,8 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    if args.preset not in PRESETS:
+        raise SystemExit(f"admission has no preset {args.preset!r}; its presets: {', '.join(PRESETS)}")
     preset = PRESETS[args.preset]
     if getattr(args, "from_raw", None):
         from bench.experiments.report import load_raw

@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.experiments.loadgen import LoadRun
-from bench.experiments.sweep import Server, machine, make_tiny_checkpoint
+from bench.experiments.sweep import Server, machine, prepare_model
 
 
 @dataclass
 class Point:
     label: str
-    spec: dict               # server.py's spec, "model" filled in by run_points when it is "tiny-random"
+    spec: dict               # server.py's spec, "model" prepared by run_points (sweep.prepare_model)
     load: dict               # LoadRun keywords (sessions, rate, duration_s, sample_s, seed, audio)
     meta: dict = field(default_factory=dict)   # copied into the raw point (arm, run, S, W, ...)
 
@@ -39,13 +39,13 @@ def run_points(experiment: str, preset: dict, points: list[Point], out_dir: Path
            **(extra or {})}
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix=f"metronome-{experiment}-") as tmp:
-        tiny = None
+        models: dict[str, dict] = {}   # preset model -> prepared (made once per sweep)
         bar = tqdm(points, desc=experiment, unit="point", disable=not progress, dynamic_ncols=True)
         for i, pt in enumerate(bar):
             spec = dict(pt.spec)
-            if spec["model"] == "tiny-random":
-                tiny = tiny or make_tiny_checkpoint(str(Path(tmp) / "tiny"), max_position_embeddings)
-                spec["model"] = tiny
+            if spec["model"] not in models:
+                models[spec["model"]] = prepare_model(spec["model"], tmp, max_position_embeddings)
+            spec.update(models[pt.spec["model"]])
             events = out_dir / "logs" / f"{i:02d}-{pt.label}.events.jsonl"
             if spec.get("recycle"):
                 spec["recycle"] = {**spec["recycle"], "events_path": str(events)}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -56,11 +56,18 @@ CPU = Preset(name="cpu", model="tiny-random", device="cpu", dtype="float32", bud
              sinks=4, window=64, max_chunk_tokens=32, max_position_embeddings=4096, sample_s=0.5,
              wall_ms=125.0, audio="noise")   # noise: as in the documented run (docs/experiments/cliff-cpu)
 
-# The paper's setting, scaled to the packaged SmolLM2 on one H200 (defined, not yet run): B = 2 s,
-# τ = 25, N = 96 and 128, R = 20 five-minute runs, S = 16, W = 1024. num_blocks is chosen so 96 sessions
-# (~12.5 + 25 = 37.5 tokens/tick each) fill the pool at ~150 s like the paper's stall (145-148 s).
-GPU = Preset(name="gpu", model="smollm2-135m", device="cuda", dtype="bfloat16", budget_ms=2000.0, tokens_per_tick=25,
-             sessions=(96, 128), runs=20, duration_s=300.0, arrival_rate=8.0, num_blocks=16876, block_size=16,
-             sinks=16, window=1024, max_chunk_tokens=64, max_position_embeddings=8192, sample_s=1.0)
+# The paper's setting on one H200: B = 2 s, τ = 25, N = 96 and 128, R = 20 five-minute runs, S = 16,
+# W = 1024, with a Qwen2.5-7B-shaped decoder of random weights (shapes.py; the scale of the paper's 7B
+# omni model). A session adds 25 audio tokens (80-ms frames) + 25 decoded per tick, 25 tokens/s: 96
+# sessions (arrived by 12 s) fill 21,600 blocks at ~150 s, like the paper's stall (145-148 s); SinkWindow
+# reserves 70 blocks a session, 308 sessions. Not run here: R = 20 × 5 min is ~7 device-hours.
+GPU = Preset(name="gpu", model="random:qwen2.5-7b", device="cuda", dtype="bfloat16", budget_ms=2000.0,
+             tokens_per_tick=25, sessions=(96, 128), runs=20, duration_s=300.0, arrival_rate=8.0, num_blocks=21600,
+             block_size=16, sinks=16, window=1024, max_chunk_tokens=64, max_position_embeddings=32768, sample_s=1.0)
 
-PRESETS = {"cpu": CPU, "gpu": GPU}
+# What one 30-minute device session holds: N = 128, R = 3 one-minute runs. W = 256 so that the bounded
+# arm's reservation (22 blocks) sits well below what the unbounded arm grows to within a minute; 5,400
+# blocks are filled by 128 Unbounded sessions (25 tokens/s each, arrived by 16 s) at ~35 s.
+GPU_SHORT = replace(GPU, name="gpu-short", sessions=(128,), runs=3, duration_s=60.0, num_blocks=5400, window=256)
+
+PRESETS = {"cpu": CPU, "gpu": GPU, "gpu-short": GPU_SHORT}

@@ -7,6 +7,8 @@ process per data point keeps every point clean (the paper: a reused worker conta
 The Unbounded arm is admitted the way vLLM admits: the engine reports, for an unbounded policy, the
 sessions whose first chunk fits as its memory cap, so the gateway admits all N and the pool is allowed
 to run dry (that is the point).
+With ``spec["random_weights"]`` the model directory holds only a config and a tokenizer (``shapes.py``)
+and the decoder gets random weights on the device.
 With ``spec["recycle"]`` the worker drives the engine through ``recycling.RecyclingEngine`` (experiment
 4's application-level baseline: contexts ended every ``period_s`` and their tails re-prefilled).
 The AIMD controller is pinned open (``initial_cap = min_cap = N``, ``target_fraction = 1``): the
@@ -34,7 +36,12 @@ async def start(spec: dict):
                               seed=spec.get("seed", 0))
     config = WorkerConfig(engine_cfg, adapter="energy", budget_ms=spec["budget_ms"], port=0)
     loop = asyncio.get_running_loop()
-    engine = await loop.run_in_executor(None, Engine, engine_cfg)
+    if spec.get("random_weights"):   # a shape directory (shapes.py): the decoder is drawn, not loaded
+        from bench.experiments.shapes import random_engine
+
+        engine = await loop.run_in_executor(None, random_engine, engine_cfg, spec["model"])
+    else:
+        engine = await loop.run_in_executor(None, Engine, engine_cfg)
     if spec.get("recycle"):   # experiment 4: application-level recycling over the same engine
         from bench.experiments.recycling import RecyclingEngine
 

@@ -34,6 +34,20 @@ def make_tiny_checkpoint(path: str, max_position_embeddings: int, seed: int = 0)
     return path
 
 
+def prepare_model(model: str, directory: str, max_position_embeddings: int) -> dict:
+    """A preset's model → the server spec's ``model`` (and ``random_weights``): ``"tiny-random"`` becomes a
+    tiny random checkpoint, ``"random:<shape>"`` a shape directory whose decoder the server draws at
+    random (``shapes.py``); anything else (a packaged name, a checkpoint directory) passes through."""
+    from bench.experiments.shapes import RANDOM_PREFIX, is_random, make_shape_checkpoint
+
+    if model == "tiny-random":
+        return {"model": make_tiny_checkpoint(str(Path(directory) / "tiny"), max_position_embeddings)}
+    if is_random(model):
+        shape = model[len(RANDOM_PREFIX):]
+        return {"model": make_shape_checkpoint(Path(directory) / shape, shape), "random_weights": True}
+    return {"model": model}
+
+
 ARMS = {"unbounded": lambda p: (0, None), "sink_window": lambda p: (p.sinks, p.window)}
 
 
@@ -94,13 +108,11 @@ def run_sweep(preset: Preset, out_dir: Path, *, sessions=None, runs=None, durati
     plan = [(r, n, arm) for r in range(runs) for n in sessions for arm in arms]
     t_start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="metronome-bench-") as tmp:
-        model = preset.model
-        if model == "tiny-random":
-            model = make_tiny_checkpoint(tmp, preset.max_position_embeddings)
+        model = prepare_model(preset.model, tmp, preset.max_position_embeddings)
         bar = tqdm(plan, desc=f"{preset.name} sweep", unit="run", disable=not progress, dynamic_ncols=True)
         for r, n, arm in bar:
             bar.set_description(f"{arm} N={n} run {r + 1}/{runs}")
-            spec = server_spec(preset, model, arm, n, seed=r)
+            spec = {**server_spec(preset, model["model"], arm, n, seed=r), **model}
             t_point = time.monotonic()
             server = Server(spec, out_dir / "logs" / f"{arm}-N{n}-r{r}.log")
             try:

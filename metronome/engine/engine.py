@@ -16,6 +16,7 @@ import logging
 import numbers
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 from time import perf_counter
 from typing import Sequence
 
@@ -83,16 +84,18 @@ class _Work:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, model: LlamaFamilyForCausalLM | None = None) -> None:
+    def __init__(self, config: EngineConfig, model: LlamaFamilyForCausalLM | None = None,
+                 checkpoint: Path | None = None) -> None:
         """``model``: an already built decoder on ``config.device`` (benchmarks with random weights);
-        by default it is loaded from ``config.model``."""
+        by default it is loaded from ``config.model``. ``checkpoint``: with ``model``, the directory its
+        tokenizer and chat template come from (none by default)."""
         self.config = config
         self.device = torch.device(config.device)
         dtype = DTYPES[config.dtype]
         if model is None:
             self.model, self.checkpoint = load_model(config.model, dtype, self.device)
         else:
-            self.model, self.checkpoint = model, None
+            self.model, self.checkpoint = model, checkpoint
         self.spec = self.model.spec
         self.max_model_len = self.spec.max_position_embeddings
         policy = config.policy
