@@ -74,7 +74,8 @@ class SessionTrace:
     errors: list[str] = field(default_factory=list)
     chunks_sent: int = 0
     chunks_skipped: int = 0
-    # one row per metronome.tick: [t_s, tick, latency_ms, deadline_met, batch, preempted, delta_chars]
+    # one row per metronome.tick: [t_s, tick, latency_ms, deadline_met, batch, preempted, delta_chars,
+    # engine_ms, frontend_ms] (the last two: the worker's share of latency_ms; absent in older raw files)
     ticks: list[list] = field(default_factory=list)
     deltas: int = 0
     delta_chars: int = 0
@@ -110,7 +111,9 @@ class LoadRun:
         self.t0 = time.monotonic() + 0.2
         self.end = self.duration_s
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
-        async with aiohttp.ClientSession(timeout=timeout) as http:
+        # limit=0: aiohttp's default pool holds 100 connections, and each client keeps its WebSocket open for
+        # the whole run, so the 101st session would wait for a slot that never frees.
+        async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as http:
             sampler = asyncio.create_task(self._sample())
             progress = asyncio.create_task(self._progress())
             await asyncio.gather(*(self._client(http, tr, audio) for tr in self.traces))
@@ -181,7 +184,8 @@ class LoadRun:
             kind = event.get("type")
             if kind == "metronome.tick":
                 tr.ticks.append([round(self.now(), 4), event["tick"], event["latency_ms"], event["deadline_met"],
-                                 event["batch"], bool(event.get("preempted")), pending_chars])
+                                 event["batch"], bool(event.get("preempted")), pending_chars,
+                                 event.get("engine_ms"), event.get("frontend_ms")])
                 pending_chars = 0
             elif kind == "response.output_text.delta":
                 tr.deltas += 1

@@ -1,8 +1,10 @@
-"""One data point's server: a FRESH worker (engine + energy adapter) and a gateway, in one process.
+"""One data point's server: a FRESH worker (engine + energy adapter) and a gateway, as two processes.
 
-Started by the sweep as ``python -m bench.experiments.server '<json>'``; prints one JSON line
-``{"gateway": host:port, "worker": host:port}`` when ready and serves until stdin closes. A new
-process per data point keeps every point clean (the paper: a reused worker contaminated sweeps).
+Started by the sweep as ``python -m bench.experiments.server '<json>'``: the gateway runs in that
+process and the worker in a child (``--worker``), each with its own interpreter, as ``metronome serve``
+runs them (in one process the gateway's event loop and the engine thread would share one GIL). Prints one JSON line ``{"gateway": host:port,
+"worker": host:port}`` when ready and serves until stdin closes. New processes per data point keep
+every point clean (the paper: a reused worker contaminated sweeps).
 
 The Unbounded arm is admitted the way vLLM admits: the engine reports, for an unbounded policy, the
 sessions whose first chunk fits as its memory cap, so the gateway admits all N and the pool is allowed
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import sys
 
 
@@ -28,8 +31,8 @@ from metronome.serving.gateway import serve_gateway
 from metronome.serving.worker import WorkerConfig, serve_worker
 
 
-async def start(spec: dict):
-    """Start the worker and the gateway in this process; returns (worker, gateway server, gateway host:port)."""
+async def start_worker(spec: dict):
+    """The worker (engine + energy adapter) in this process; returns the started ``WorkerServer``."""
     policy = KVPolicy(sinks=spec["sinks"], window=spec["window"], block_size=spec["block_size"])
     engine_cfg = EngineConfig(model=spec["model"], policy=policy, device=spec["device"], dtype=spec["dtype"],
                               num_blocks=spec["num_blocks"], max_chunk_tokens=spec["max_chunk_tokens"],
@@ -46,7 +49,11 @@ async def start(spec: dict):
         from bench.experiments.recycling import RecyclingEngine
 
         engine = RecyclingEngine(engine, **spec["recycle"])
-    worker = await serve_worker(config, engine=engine)
+    return await serve_worker(config, engine=engine)
+
+
+async def start_gateway(spec: dict, worker_address: str):
+    """The production gateway (picows) over one worker; returns the started server."""
     n = spec["sessions"]
     aimd = AimdConfig(initial_cap=n + 2, min_cap=n + 2, target_fraction=1.0)
     controller = "aimd"
@@ -54,22 +61,55 @@ async def start(spec: dict):
         adm = dict(spec["admission"])
         controller = adm.pop("controller", "aimd")
         aimd = AimdConfig(**adm)
-    gw_cfg = GatewayConfig(workers=(worker.address,), port=0, budget_ms=spec["budget_ms"],
+    gw_cfg = GatewayConfig(workers=(worker_address,), port=0, budget_ms=spec["budget_ms"],
                            tokens_per_tick=spec["tokens_per_tick"], max_buffered_audio_s=60.0,
                            aimd=aimd, controller=controller)
-    server = await serve_gateway(gw_cfg)   # the production transport (picows), as `metronome serve` runs it
+    return await serve_gateway(gw_cfg)
+
+
+async def start(spec: dict):
+    """Worker and gateway in THIS process (tests); returns (worker, gateway server, gateway host:port).
+    The experiments run them as two processes (``main``), as ``metronome serve`` does."""
+    worker = await start_worker(spec)
+    server = await start_gateway(spec, worker.address)
     return worker, server, server.address
 
 
-async def main(spec: dict) -> None:
-    loop = asyncio.get_running_loop()
-    worker, server, gateway = await start(spec)
-    print(json.dumps({"gateway": gateway, "worker": worker.address}), flush=True)
+async def _until_stdin_closes() -> None:
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+
+
+async def worker_main(spec: dict) -> None:
+    worker = await start_worker(spec)
+    print(json.dumps({"worker": worker.address}), flush=True)
     try:
-        await loop.run_in_executor(None, sys.stdin.read)   # the sweep closes stdin to stop us
+        await _until_stdin_closes()
     finally:
-        await server.stop()
         await worker.stop(0)
+
+
+async def main(spec: dict) -> None:
+    """The gateway here, the worker in a child process (its own interpreter and GIL, as in production)."""
+    child = subprocess.Popen([sys.executable, "-m", "bench.experiments.server", "--worker", json.dumps(spec)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        line = await asyncio.get_running_loop().run_in_executor(None, child.stdout.readline)
+        if not line:
+            raise RuntimeError(f"the worker process exited with {child.wait()} before it was ready")
+        worker = json.loads(line)["worker"]
+        server = await start_gateway(spec, worker)
+        print(json.dumps({"gateway": server.address, "worker": worker}), flush=True)
+        try:
+            await _until_stdin_closes()   # the sweep closes stdin to stop us
+        finally:
+            await server.stop()
+    finally:
+        child.stdin.close()
+        try:
+            child.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
 
 
 if __name__ == "__main__":
@@ -82,4 +122,7 @@ if __name__ == "__main__":
         uvloop.install()
     except ImportError:
         pass
-    asyncio.run(main(json.loads(sys.argv[1])))
+    if sys.argv[1] == "--worker":
+        asyncio.run(worker_main(json.loads(sys.argv[2])))
+    else:
+        asyncio.run(main(json.loads(sys.argv[1])))

@@ -38,6 +38,8 @@ class TickReport:
     drift_ms: float
     deadline_met: bool
     batch: int
+    engine_ms: float = 0.0     # the worker's engine time (prefill + decode) within latency_ms
+    frontend_ms: float = 0.0   # the worker's audio front end within latency_ms
 
 
 @dataclass
@@ -290,7 +292,8 @@ class WorkerPool:
                 self._fail_tick(handle, sessions, "step_failed")
             return None
         latency_ms = (loop.time() - started) * 1e3
-        report = TickReport(handle.ticks, latency_ms, drift * 1e3, latency_ms <= self.config.budget_ms, len(sessions))
+        report = TickReport(handle.ticks, latency_ms, drift * 1e3, latency_ms <= self.config.budget_ms, len(sessions),
+                            response.gpu_ms, response.frontend_ms)
         handle.last_tick = report
         m, name = self.metrics, handle.address
         m.worker_time.labels(name, "frontend").inc(response.frontend_ms / 1e3)

@@ -29,6 +29,9 @@ async def test_load_generator_streams_through_gateway_and_sees_the_pool_run_dry(
     assert all(s["refused"] is None and s["connected_s"] is not None for s in sessions)
     assert all(s["chunks_sent"] > 150 for s in sessions)          # ~50 chunks/s for ~4 s each
     assert all(len(s["ticks"]) > 15 and s["deltas"] > 5 for s in sessions)
+    # the worker's engine and front-end times ride on every tick event, inside the tick's latency
+    rows = [t for s in sessions for t in s["ticks"]]
+    assert all(0 < t[7] <= t[2] and 0 <= t[8] <= t[2] for t in rows)
     # Phase-staggered, open-loop arrivals: session i connects at about i / rate.
     assert [round(s["arrival_s"], 2) for s in sessions] == [0.0, 0.1, 0.2]
     kv = result["kv"]
@@ -40,3 +43,26 @@ async def test_load_generator_streams_through_gateway_and_sees_the_pool_run_dry(
     assert a["preempted_frames"] > 0 and a["first_preempted_s"] is not None
     fit = fit_fill([k["t_s"] for k in kv], [k["used"] / k["total"] for k in kv], sessions=N)
     assert fit is not None and fit["r_per_session"] > 0
+
+
+def test_more_than_a_hundred_sessions_through_the_two_process_server(chat_checkpoint, tmp_path):
+    """The sweep's server (gateway here, worker in its own process) carries 110 clients at once: every
+    session connects on its schedule and gets ticks (aiohttp's default pool stopped the loadgen at 100)."""
+    from bench.experiments.sweep import Server
+
+    n = 110
+    spec = dict(model=chat_checkpoint, device="cpu", dtype="float32", sinks=4, window=32, block_size=16,
+                num_blocks=1024, max_chunk_tokens=32, budget_ms=500.0, tokens_per_tick=1, sessions=n)
+    server = Server(spec, tmp_path / "server.log")
+    try:
+        assert server.addresses["gateway"] != server.addresses["worker"]
+        load = LoadRun(gateway=server.addresses["gateway"], worker=server.addresses["worker"], sessions=n,
+                       rate=200.0, duration_s=3.0, sample_s=0.5)
+        result = asyncio.run(asyncio.wait_for(load.run(), timeout=60))
+    finally:
+        server.stop()
+    sessions = result["sessions"]
+    assert all(s["refused"] is None and not s["errors"] for s in sessions)
+    assert all(s["connected_s"] is not None and s["connected_s"] < s["arrival_s"] + 1.0 for s in sessions)
+    assert all(len(s["ticks"]) >= 2 for s in sessions)
+    assert max(t[4] for s in sessions for t in s["ticks"]) == n          # one tick carried every session
