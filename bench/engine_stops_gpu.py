@@ -1,0 +1,97 @@
+"""Where a served tick's engine time goes: the worker's inputs (stop tokens) against the benchmark's (none).
+
+The worker passes each adapter's stop tokens, which takes decode off the pipelined path (the host
+reads every round's tokens before it prepares the next). This runs the served cliff's shape — a
+Qwen2.5-7B-shaped random decoder, S = 16, W = 256, N sessions with full windows, 25 prefill + 25
+decode tokens a tick — with and without stop tokens, rebased and absolute positions, and profiles
+one tick of each path (host time against GPU kernel time).
+
+    python bench/engine_stops_gpu.py --sessions 64,128 --out results/engine_stops.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from bench.engine_gpu import make_spec, random_model
+
+
+def run_ticks(engine, sids, ticks: int, prefill: int, decode: int, stops: tuple[int, ...], gen) -> dict:
+    from metronome import SamplingParams, StepInput
+
+    sampling = SamplingParams(stop_token_ids=stops)
+    rows = []
+    for _ in range(ticks):
+        inputs = [StepInput(s, token_ids=torch.randint(3, 40000, (prefill,), generator=gen).tolist(),
+                            max_new_tokens=decode, sampling=sampling) for s in sids]
+        start = time.perf_counter()
+        engine.step(inputs)
+        rows.append({"tick_ms": (time.perf_counter() - start) * 1e3, "prefill_ms": engine.last_timing.prefill_ms,
+                     "decode_ms": engine.last_timing.decode_ms, "rounds": engine.last_timing.decode_rounds})
+    return {"median_tick_ms": statistics.median(r["tick_ms"] for r in rows),
+            "median_prefill_ms": statistics.median(r["prefill_ms"] for r in rows),
+            "median_decode_ms": statistics.median(r["decode_ms"] for r in rows), "ticks": rows}
+
+
+def profile_tick(engine, sids, prefill, decode, stops, gen) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run_ticks(engine, sids, 1, prefill, decode, stops, gen)
+    events = prof.key_averages()
+    gpu_us = sum(e.self_device_time_total for e in events)
+    top_cpu = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
+    return {"gpu_kernel_ms": gpu_us / 1e3,
+            "top_host_ops": [{"name": e.key, "calls": e.count, "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 2)}
+                             for e in top_cpu]}
+
+
+def main() -> None:
+    from metronome import Engine, EngineConfig, KVPolicy
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sessions", default="64,128")
+    p.add_argument("--window", type=int, default=256)
+    p.add_argument("--ticks", type=int, default=8)
+    p.add_argument("--out", default="results/engine_stops.json")
+    args = p.parse_args()
+    spec = make_spec("qwen2.5-7b")
+    model = random_model(spec, torch.device("cuda"))
+    stops = (0, 2)   # SmolLM2's <|endoftext|> and <|im_end|>: what the energy adapter passes
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args), "runs": []}
+    for positions in ("rebased", "absolute"):
+        policy = KVPolicy(sinks=16, window=args.window, block_size=16, positions=positions)
+        t0 = time.perf_counter()
+        engine = Engine(EngineConfig(model="random", device="cuda", dtype="bfloat16", policy=policy,
+                                     num_blocks=8192, max_chunk_tokens=64), model=model)
+        print(f"{positions}: engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
+        for n in [int(x) for x in args.sessions.split(",")]:
+            gen = torch.Generator().manual_seed(n)
+            sids = [engine.open_session() for _ in range(n)]
+            for _ in range(8):      # 8 × 51 tokens: past S + W, the window slides
+                run_ticks(engine, sids, 1, 26, 25, (), gen)
+            for label, st in (("no stop tokens", ()), ("stop tokens", stops)):
+                r = run_ticks(engine, sids, args.ticks, 26, 25, st, gen)
+                r.update(positions=positions, N=n, stops=label)
+                if n == max(int(x) for x in args.sessions.split(",")) and positions == "rebased":
+                    r["profile"] = profile_tick(engine, sids, 26, 25, st, gen)
+                results["runs"].append(r)
+                print(json.dumps({k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items()
+                                  if k not in ("ticks", "profile")}), flush=True)
+                if "profile" in r:
+                    print(json.dumps(r["profile"])[:1500], flush=True)
+            for s in sids:
+                engine.close_session(s)
+        del engine
+        torch.cuda.empty_cache()
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
