@@ -211,10 +211,9 @@ class Engine:
     def _forward(self, segments: list[ForwardSegment], works: dict[int, _Work],
                  input_ids: torch.Tensor | None = None) -> tuple[list[ForwardSegment], torch.Tensor]:
         """Rebase, allocate, run, commit. Segments of preempted sessions are dropped (and reported)."""
-        for seg in segments:
-            delta = self.scheduler.rebase_delta(seg.session)
-            if delta:
-                self.runner.rebase(seg.session, delta)
+        moves = [(seg.session, delta) for seg in segments if (delta := self.scheduler.rebase_delta(seg.session))]
+        if moves:
+            self.runner.rebase(moves)
         kept, preempted = self.scheduler.allocate(segments)
         for session in preempted:
             work = works.get(session.session_id)

@@ -43,6 +43,11 @@ class Rotary:
 
     def shift(self, x: torch.Tensor, delta: int) -> torch.Tensor:
         """Move already-rotated keys [N, heads, head_dim] by ``delta`` positions (pure rotation)."""
-        angle = float(delta) * self.inv_freq.double()
-        emb = torch.cat((angle, angle)).to(torch.float32)
-        return self.apply(x, emb.cos()[None, :].expand(x.shape[0], -1), emb.sin()[None, :].expand(x.shape[0], -1))
+        return self.apply(x, *self.shift_tables(torch.full((x.shape[0],), delta, device=x.device)))
+
+    def shift_tables(self, deltas: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin tables [N, head_dim] that move row i by ``deltas[i]`` positions (no attention scaling:
+        a pure rotation of keys already stored). Angles in float64: deltas reach thousands of positions."""
+        angle = deltas.to(torch.float64)[:, None] * self.inv_freq.to(torch.float64)[None, :]
+        emb = torch.cat((angle, angle), dim=-1)
+        return emb.cos().to(torch.float32), emb.sin().to(torch.float32)

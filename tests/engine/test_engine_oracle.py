@@ -89,6 +89,28 @@ def test_rebased_equals_absolute_without_sinks(checkpoints):
     assert rebased.scheduler.sessions[r].position_base > 0  # it really did rebase
 
 
+def test_sessions_rebased_together_match_each_alone(checkpoints):
+    """Sessions whose windows move in the same forward (one batched re-rotation, different deltas and
+    lengths) get exactly what each gets stepping alone in its own engine, with sinks."""
+    path, _ = checkpoints["qwen2"]
+    policy = dict(sinks=2, window=20, block_size=4, positions="rebased", rebase_every=4)
+    together = engine_for(path, **policy)
+    alone = [engine_for(path, **policy) for _ in range(3)]
+    sids = [together.open_session() for _ in range(3)]
+    solo = [e.open_session() for e in alone]
+    rng = random.Random(3)
+    for _ in range(12):
+        chunks = [[rng.randrange(128) for _ in range(rng.randint(1, 13))] for _ in range(3)]
+        outs = together.step([StepInput(s, token_ids=c, max_new_tokens=3, prompt_logprobs=True)
+                              for s, c in zip(sids, chunks)])
+        for i, (engine, sid, chunk) in enumerate(zip(alone, solo, chunks)):
+            ref, = engine.step([StepInput(sid, token_ids=chunk, max_new_tokens=3, prompt_logprobs=True)])
+            assert outs[i].token_ids == ref.token_ids
+            assert outs[i].prompt_logprobs == pytest.approx(ref.prompt_logprobs, abs=2e-5)
+    bases = [together.scheduler.sessions[s].position_base for s in sids]
+    assert min(bases) > 0 and len(set(bases)) > 1        # all moved, by different amounts
+
+
 def test_rebased_runs_past_the_position_limit_while_absolute_sessions_end_cleanly(tmp_path):
     from tests.conftest import make_checkpoint
 
