@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from metronome.attention.metadata import PagedAttentionMetadata
@@ -36,6 +37,25 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     plan: object
     hidden: torch.Tensor  # [batch, hidden] output of the captured forward
+
+
+def staging_rows(segments: list[ForwardSegment], block_size: int) -> np.ndarray:
+    """One decode round's host inputs, a row per segment: ``[token, position, slot, window_first, item row,
+    item row, 1, context length, *block table]``, tables padded with -1 to the longest live row only.
+
+    Built in numpy with the table cut to the batch's live blocks: an Unbounded session's graph table is
+    as wide as the model's position limit (2,048 blocks at 32k), and padding every row to it in Python
+    lists cost ~20 ms a round at 128 sessions.
+    """
+    tables = [seg.session.table_row() for seg in segments]
+    out = np.full((len(segments), 8 + max(1, max(map(len, tables), default=1))), -1, dtype=np.int64)
+    for i, (seg, table) in enumerate(zip(segments, tables)):
+        s, t = seg.session, seg.session.num_tokens
+        token = seg.token_ids[0] if seg.token_ids else 0   # an embeddings row: its id is unused
+        out[i, :8] = (token, t - s.position_base, s.physical(t // block_size) * block_size + t % block_size,
+                      s.window_first, i, i, 1, t)
+        out[i, 8:8 + len(table)] = table
+    return out
 
 
 class DecodeGraphs:
@@ -132,21 +152,14 @@ class DecodeGraphs:
         """
         b = len(segments)
         bucket = next(x for x in self.buckets if x >= b)
-        bs, width = self.runner.block_size, self.width
-        rows = []
-        for i, seg in enumerate(segments):
-            s = seg.session
-            t = s.num_tokens
-            row = s.table_row()
-            token = seg.token_ids[0] if seg.token_ids else 0   # an embeddings row: its id is unused
-            rows.append([token, t - s.position_base, s.physical(t // bs) * bs + t % bs, s.window_first,
-                         i, i, 1, t, *row] + [-1] * (width - len(row)))
+        host = staging_rows(segments, self.runner.block_size)
         slot = self.round % len(self.staging)
         self.round += 1
         if self.staging_done[slot] is not None:
             self.staging_done[slot].synchronize()
-        stage = self.staging[slot][:b]
-        stage.copy_(torch.tensor(rows, dtype=torch.long))
+        # A contiguous [b, 8 + m] view of the pinned buffer: only the live table columns travel.
+        stage = self.staging[slot].view(-1)[:host.size].view(host.shape)
+        stage.copy_(torch.from_numpy(host))
         gpu = stage.to(self.runner.device, non_blocking=True)
         self.staging_done[slot] = torch.cuda.Event()
         self.staging_done[slot].record()
@@ -155,7 +168,9 @@ class DecodeGraphs:
         self.slot_mapping[:b] = gpu[:, 2]
         self.window_first[:b] = gpu[:, 3]
         self.items[:b] = gpu[:, 4:8].to(torch.int32)
-        self.block_tables[:b] = gpu[:, 8:].to(torch.int32)
+        m = host.shape[1] - 8
+        self.block_tables[:b, :m] = gpu[:, 8:].to(torch.int32)
+        self.block_tables[:b, m:] = -1
         self._pad(b, bucket)
         self.embeds[:b] = self.runner.model.embed(self.input_ids[:b])
         given = [(i, seg.embeds) for i, seg in enumerate(segments) if seg.embeds is not None and len(seg.embeds)]
