@@ -26,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the spoken-question probe")
     p.add_argument("--preset", choices=PRESET_NAMES, default="cpu",
                    help="cpu: minutes on this machine; gpu: the paper's scale on an H200; gpu-short: what one "
-                        "30-minute device session holds (cliff, fill-model, admission)")
+                        "30-minute device session holds (all but quality)")
     p.add_argument("--out", type=Path, default=None,
                    help="results folder (default results/experiments/<experiment>-<preset>-<timestamp>/)")
     p.add_argument("--from", dest="from_raw", type=Path, default=None,
@@ -41,6 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text-tokens", type=int, default=None, help="quality: override the perplexity text length")
     p.add_argument("--probe-s", type=float, default=None, help="quality: override the probe session length")
     p.add_argument("--window", type=int, default=None, help="quality: override the perplexity window W")
+    p.add_argument("--device", default=None,
+                   help="quality: run the preset on another device (e.g. the gpu preset's scale on the CPU: "
+                        "--preset gpu --device cpu --dtype float32; its results do not depend on timing)")
+    p.add_argument("--dtype", default=None, choices=("float32", "float16", "bfloat16"), help="quality: with --device")
     from bench.experiments import admission
 
     admission.add_arguments(p)      # --arms, --profiles, --offered
@@ -73,10 +77,12 @@ def run_new(args: argparse.Namespace) -> int:
         elif args.experiment == "ablation":
             raw = module.run_ablation(preset, out, runs=args.runs, duration_s=args.duration_s, progress=progress)
         else:
-            if args.window:
-                from dataclasses import replace
+            from dataclasses import replace
 
+            if args.window:
                 preset = replace(preset, window=args.window)
+            if args.device or args.dtype:
+                preset = replace(preset, device=args.device or preset.device, dtype=args.dtype or preset.dtype)
             raw = module.run_quality(preset, out, parts=args.parts, progress=progress,
                                      text_tokens_override=args.text_tokens, session_s=args.probe_s)
     print(module.write_report(raw, out))

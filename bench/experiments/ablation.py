@@ -12,7 +12,7 @@ once steady (median of the KV samples over the steady part / N), and those block
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -54,14 +54,19 @@ CPU = AblationPreset(name="cpu", model="tiny-random", device="cpu", dtype="float
                      windows=(32, 96, 256), sinks=(0, 4, 16), num_blocks=1024, block_size=16, max_chunk_tokens=32,
                      max_position_embeddings=8192)
 
-# A Qwen2.5-7B-shaped random-weight decoder (shapes.py) on one H200 (defined, not run here): 128 sessions at B = 2 s, ~37.5 tokens per tick (~19/s):
-# W = 4096 fills at ~220 s, so the run lasts 300 s and the steady part starts at 240 s.
+# A Qwen2.5-7B-shaped random-weight decoder (shapes.py) on one H200 (not run: ~4 device-hours): 128 sessions
+# at B = 2 s, ~50 tokens a tick (25/s): W = 4096 fills ~165 s after a session arrives (the last at 16 s), so
+# the run lasts 300 s and the steady part starts at 240 s.
 GPU = AblationPreset(name="gpu", model="random:qwen2.5-7b", device="cuda", dtype="bfloat16", budget_ms=2000.0,
                      tokens_per_tick=25, sessions=128, runs=3, duration_s=300.0, steady_from_s=240.0, arrival_rate=8.0,
                      windows=(256, 1024, 4096), sinks=(0, 4, 16, 64), num_blocks=40000, block_size=16,
                      max_chunk_tokens=64, max_position_embeddings=32768, sample_s=1.0)
+# One device session's share (~7 min): W ∈ {256, 1024} × S ∈ {0, 16}, one 90-s run each; W = 1024 is full
+# ~42 s after a session arrives, so every window is full from ~58 s and frames from 70 s count as steady.
+GPU_SHORT = replace(GPU, name="gpu-short", runs=1, duration_s=90.0, steady_from_s=70.0, windows=(256, 1024),
+                    sinks=(0, 16))
 
-PRESETS = {"cpu": CPU, "gpu": GPU}
+PRESETS = {"cpu": CPU, "gpu": GPU, "gpu-short": GPU_SHORT}
 
 
 def kv_bytes_per_token(model: str, dtype: str) -> int | None:

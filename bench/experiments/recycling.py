@@ -173,16 +173,19 @@ CPU = RecyclingPreset(name="cpu", model="tiny-random", device="cpu", dtype="floa
                       num_blocks=1024, block_size=16, sinks=4, window=64, max_chunk_tokens=32,
                       max_position_embeddings=8192, recycle_s=3.75, tail_tokens=64, age_bin_s=1.25)
 
-# The paper's setting on one H200 with a Qwen2.5-7B-shaped random-weight decoder (shapes.py; defined, not run here): B = 2 s, recycle every 30 s,
-# re-prefill W = 1024 tokens. A recycled context peaks at ~1024 + 15·37.5 + 64 ≈ 1650 tokens (104 blocks);
-# 128 sessions need ~13.3k blocks: 32768 leave room.
+# The paper's setting on one H200 with a Qwen2.5-7B-shaped random-weight decoder (shapes.py; not run: ~80
+# device-minutes): B = 2 s, recycle every 30 s, re-prefill W = 1024 tokens. A session adds ~50 tokens a tick
+# (25 audio + 25 decoded), so a recycled context peaks at ~1024 + 15·50 + 64 ≈ 1840 tokens (115 blocks);
+# 128 sessions need ~14.7k blocks: 32768 leave room.
 GPU = RecyclingPreset(name="gpu", model="random:qwen2.5-7b", device="cuda", dtype="bfloat16", budget_ms=2000.0,
                       tokens_per_tick=25, sessions=(64, 128), runs=5, duration_s=240.0, arrival_rate=8.0,
                       num_blocks=32768, block_size=16, sinks=16, window=1024, max_chunk_tokens=64,
                       max_position_embeddings=32768, recycle_s=30.0, tail_tokens=1024, age_bin_s=10.0,
                       sample_s=1.0)
+# One device session's share (~4 min): N = 64, one 100-s run per arm (three recycles per session).
+GPU_SHORT = replace(GPU, name="gpu-short", sessions=(64,), runs=1, duration_s=100.0)
 
-PRESETS = {"cpu": CPU, "gpu": GPU}
+PRESETS = {"cpu": CPU, "gpu": GPU, "gpu-short": GPU_SHORT}
 ARMS = ("recycling", "sink_window")
 
 

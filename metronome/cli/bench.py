@@ -1,4 +1,4 @@
-"""``metronome bench <experiment> --preset cpu|gpu``: the experiments of issue 6.
+"""``metronome bench <experiment> --preset cpu|gpu|gpu-short``: the experiments of issue 6.
 
 cliff, fill-model (1, 2), admission (3), recycling (4: application-level recycling vs the in-engine
 window), ablation (5: W and S), quality (6: perplexity and the spoken-question probe with SmolLM2).
@@ -18,6 +18,7 @@ Equivalent without the CLI: ``python -m bench.experiments cliff --preset cpu`` a
     metronome bench quality --preset cpu          # ~6 min; SmolLM2 perplexity per policy + spoken-question probe
     metronome bench quality --preset cpu --parts perplexity --text-tokens 1024
     metronome bench cliff --from results/experiments/<run>/raw.json   # re-analyse without running
+    metronome bench cliff --preset gpu-short      # on an H200 (bench/gpu_experiments.sh runs it on the device machine)
 """
 
 from __future__ import annotations
