@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 
@@ -53,6 +54,7 @@ def profile_tick(engine, sids, prefill, decode, stops, gen) -> dict:
 
 def main() -> None:
     from metronome import Engine, EngineConfig, KVPolicy
+    from metronome.engine.blocks import blocks_per_session
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sessions", default="64,128")
@@ -67,14 +69,17 @@ def main() -> None:
     for positions in ("rebased", "absolute"):
         policy = KVPolicy(sinks=16, window=args.window, block_size=16, positions=positions)
         t0 = time.perf_counter()
+        sessions = [int(x) for x in args.sessions.split(",")]
+        blocks = blocks_per_session(policy, 64, spec.max_position_embeddings) * max(sessions) + 64
         engine = Engine(EngineConfig(model="random", device="cuda", dtype="bfloat16", policy=policy,
-                                     num_blocks=8192, max_chunk_tokens=64), model=model)
+                                     num_blocks=blocks, max_chunk_tokens=64), model=model)
         print(f"{positions}: engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
         for n in [int(x) for x in args.sessions.split(",")]:
             gen = torch.Generator().manual_seed(n)
             sids = [engine.open_session() for _ in range(n)]
-            for _ in range(8):      # 8 × 51 tokens: past S + W, the window slides
-                run_ticks(engine, sids, 1, 26, 25, (), gen)
+            # Age every session past S + W + 2 rebase intervals in 64-token prefill chunks: the window slides.
+            for _ in range(math.ceil((policy.sinks + policy.window + 2 * policy.rebase_interval) / 64)):
+                run_ticks(engine, sids, 1, 64, 0, (), gen)
             for label, st in (("no stop tokens", ()), ("stop tokens", stops)):
                 r = run_ticks(engine, sids, args.ticks, 26, 25, st, gen)
                 r.update(positions=positions, N=n, stops=label)

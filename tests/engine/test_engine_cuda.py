@@ -45,14 +45,16 @@ def test_cuda_bf16_engine_follows_generate(checkpoints):
     assert out.token_ids[:2] == hf_greedy(model, prompt, 2)
 
 
-def test_decode_graphs_replay_what_eager_computes(checkpoints):
-    """Captured decode rounds (padded buckets, scratch slot) give the eager engine's tokens and logprobs."""
+@pytest.mark.parametrize("window", [40, None])
+def test_decode_graphs_replay_what_eager_computes(checkpoints, window):
+    """Captured decode rounds (padded buckets, scratch slot) give the eager engine's tokens and logprobs;
+    unbounded too, whose graph tables span the position limit and are staged cut to the live blocks."""
     path, _ = checkpoints["qwen3"]
 
     def run(graphs: bool):
         engine = Engine(EngineConfig(model=path, device="cuda", attention="triton", cuda_graphs=graphs,
                                      num_blocks=400, max_chunk_tokens=32, max_batch_tokens=256,
-                                     policy=KVPolicy(sinks=4, window=40, block_size=16)))
+                                     policy=KVPolicy(sinks=4 if window else 0, window=window, block_size=16)))
         assert (engine.runner.graphs is not None) == graphs
         rng = random.Random(3)
         sids = [engine.open_session() for _ in range(5)]
