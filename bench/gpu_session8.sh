@@ -4,7 +4,7 @@
 #      live blocks now), stop tokens, one-row embeds; the Triton kernel tests.
 #   2. bench/engine_stops_gpu.py at N = 128 and 320, W = 1024: the served path (stop tokens, rebased
 #      windows) against the benchmark's, i.e. the capacity a gateway would find.
-# Then the experiments, one call each: bash bench/gpu_experiments.sh admission --preset gpu-short ...
+# Then the experiments, one call each: bash bench/gpu_experiments.sh admission gpu-short ...
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-results}

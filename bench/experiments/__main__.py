@@ -91,6 +91,9 @@ def run_new(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if (args.device or args.dtype) and args.experiment != "quality":
+        raise SystemExit("--device and --dtype apply to quality only (the serving experiments run their preset's "
+                         "device: pick the preset)")
     if args.experiment == "admission":
         from bench.experiments import admission
 

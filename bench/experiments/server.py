@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 
@@ -81,8 +82,11 @@ async def _until_stdin_closes() -> None:
 
 async def worker_main(spec: dict) -> None:
     worker = await start_worker(spec)
-    print(json.dumps({"worker": worker.address}), flush=True)
     try:
+        print(json.dumps({"worker": worker.address}), flush=True)
+        # Nobody reads this pipe after the handshake: anything printed later goes to the log (stderr), not
+        # into a pipe that would fill and block the worker.
+        os.dup2(2, 1)
         await _until_stdin_closes()
     finally:
         await worker.stop(0)
@@ -98,8 +102,8 @@ async def main(spec: dict) -> None:
             raise RuntimeError(f"the worker process exited with {child.wait()} before it was ready")
         worker = json.loads(line)["worker"]
         server = await start_gateway(spec, worker)
-        print(json.dumps({"gateway": server.address, "worker": worker}), flush=True)
         try:
+            print(json.dumps({"gateway": server.address, "worker": worker}), flush=True)
             await _until_stdin_closes()   # the sweep closes stdin to stop us
         finally:
             await server.stop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -64,9 +65,10 @@ class Server:
     def __init__(self, spec: dict, log_path: Path) -> None:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
         self.log = open(log_path, "w")
+        # A process group of its own: the gateway and its worker child go together if they must be killed.
         self.proc = subprocess.Popen([sys.executable, "-m", "bench.experiments.server", json.dumps(spec)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     cwd=REPO, env=env)
+                                     cwd=REPO, env=env, start_new_session=True)
         line = self.proc.stdout.readline()
         if not line:
             self.stop()
@@ -74,11 +76,12 @@ class Server:
         self.addresses = json.loads(line)
 
     def stop(self) -> None:
+        """Close stdin (the gateway stops, then its worker, each given 20 s) and wait; past 45 s kill both."""
         try:
             self.proc.stdin.close()
-            self.proc.wait(timeout=20)
+            self.proc.wait(timeout=45)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         self.log.close()
 

@@ -168,11 +168,11 @@ class ModelRunner:
             if lo < session.num_tokens:
                 slots.append(self._token_slots(session, lo, session.num_tokens))
                 deltas.append(torch.full((session.num_tokens - lo,), -delta, dtype=torch.int64))
+        if slots:
+            slots_dev = torch.cat(slots).to(self.device, non_blocking=True)
+            cos, sin = self.model.rotary.shift_tables(torch.cat(deltas).to(self.device, non_blocking=True))
+            for k_cache, _ in self.kv_caches:
+                flat = k_cache.view(-1, self.spec.num_kv_heads, self.spec.head_dim)
+                flat.index_copy_(0, slots_dev, self.model.rotary.apply(flat.index_select(0, slots_dev), cos, sin))
+        for session, delta in moves:
             session.position_base += delta
-        if not slots:
-            return
-        slots_dev = torch.cat(slots).to(self.device, non_blocking=True)
-        cos, sin = self.model.rotary.shift_tables(torch.cat(deltas).to(self.device, non_blocking=True))
-        for k_cache, _ in self.kv_caches:
-            flat = k_cache.view(-1, self.spec.num_kv_heads, self.spec.head_dim)
-            flat.index_copy_(0, slots_dev, self.model.rotary.apply(flat.index_select(0, slots_dev), cos, sin))
