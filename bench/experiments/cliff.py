@@ -90,6 +90,13 @@ def frames(point: dict) -> dict[str, np.ndarray]:
             "preempted": a[:, 4] > 0, "empty": a[:, 5] == 0}
 
 
+def engine_p50_ms(point: dict) -> float | None:
+    """Median of the worker's engine time per tick (the tick rows' 8th column; None in raw files from before
+    the tick event carried it)."""
+    values = [row[7] for s in point["sessions"] for row in s["ticks"] if len(row) > 7 and row[7] is not None]
+    return float(np.median(values)) if values else None
+
+
 def analyse_run(point: dict, bucket_s: float, wall_ms: float, quiet_fraction: float, t_end: float) -> dict:
     f = frames(point)
     t = f["t"]
@@ -111,6 +118,7 @@ def analyse_run(point: dict, bucket_s: float, wall_ms: float, quiet_fraction: fl
         "latency_p50_ms": float(np.median(f["latency_ms"])) if t.size else None,
         "latency_p99_ms": float(np.percentile(f["latency_ms"], 99)) if t.size else None,
         "latency_max_ms": float(f["latency_ms"].max()) if t.size else None,
+        "engine_p50_ms": engine_p50_ms(point),
         "refused": sum(1 for s in point["sessions"] if s["refused"]),
         "chunks_skipped": sum(s["chunks_skipped"] for s in point["sessions"]),
         "chunks_sent": sum(s["chunks_sent"] for s in point["sessions"]),

@@ -41,6 +41,7 @@ async def test_load_generator_streams_through_gateway_and_sees_the_pool_run_dry(
     a = analyse_run(point, bucket_s=0.5, wall_ms=50.0, quiet_fraction=0.5, t_end=4.5)
     assert a["frames"] == sum(len(s["ticks"]) for s in sessions)
     assert a["preempted_frames"] > 0 and a["first_preempted_s"] is not None
+    assert 0 < a["engine_p50_ms"] <= a["latency_p50_ms"]
     fit = fit_fill([k["t_s"] for k in kv], [k["used"] / k["total"] for k in kv], sessions=N)
     assert fit is not None and fit["r_per_session"] > 0
 
