@@ -14,6 +14,7 @@ Frames:
   abuse limit as a single frame: beyond it the socket is closed with 1009);
 * binary: the app answers with an error event (the protocol is JSON text);
 * ping: answered by picows (auto-pong); pong: ignored; close: answered with a close, then disconnect.
+  Our own close sends the Close frame and disconnects when the client's Close comes back.
 
 Slow readers: a send writes to the socket's transport at once. When the transport's buffer passes its
 high-water mark (the kernel socket buffer is full: the client is not reading), picows calls
@@ -101,7 +102,9 @@ class PicowsConnection(WSListener):
         elif kind is _CONT:
             self._continuation(frame)
         elif kind is _CLOSE:
-            self.close(WSCloseCode.OK.value, "")  # answered, flushed, aborted if the peer does not read
+            if not self.closed:
+                self.close(WSCloseCode.OK.value, "")  # our answer; aborted after the grace if the peer does not read
+            self.transport.disconnect(graceful=True)  # both Close frames are out: the handshake is complete
         # PING is answered by picows itself; PONG needs nothing.
 
     def on_ws_disconnected(self, transport) -> None:
@@ -156,7 +159,10 @@ class PicowsConnection(WSListener):
         self.closed = True
         self._clear_backlog()
         self.transport.send_close(WSCloseCode(code), reason.encode()[:120])
-        self.transport.disconnect(graceful=True)
+        # The TCP connection stays open until the peer's Close arrives (``_frame``): closing it now, while the
+        # client is still sending, makes our kernel answer its data with a RST, and a RST discards what the
+        # client has not read yet (the error events that explain the close, and the Close frame itself).
+        # A peer that never answers is aborted after the grace.
         asyncio.get_running_loop().call_later(CLOSE_GRACE_S, self._abort)
 
     def _clear_backlog(self) -> None:
