@@ -338,28 +338,39 @@ class Engine:
         return outputs
 
     def _pipelinable(self, active: list[_Work]) -> bool:
-        """Greedy rounds with no stop tokens on the decode graphs need no host sync until the step ends."""
+        """Greedy rounds of bounded sessions need no host sync per round (stop tokens are read a round late)."""
         graphs = self.runner.graphs
-        return (graphs is not None and self.config.policy.bounded and len(active) <= graphs.buckets[-1]
-                and all(w.inp.sampling.greedy and not w.inp.sampling.stop_token_ids for w in active))
+        return (self.config.policy.bounded and (graphs is None or len(active) <= graphs.buckets[-1])
+                and all(w.inp.sampling.greedy for w in active))
 
     def _decode_pipelined(self, active: list[_Work]) -> int:
-        """Decode rounds whose sampled ids stay on the GPU and feed the next round's graph directly.
+        """Decode rounds whose sampled ids stay on the device and feed the next round directly.
 
-        The host still does all bookkeeping (positions, blocks, rebasing) each round, since none of it
-        depends on token values; it reads the tokens once, at the end.
+        The host does all bookkeeping (positions, blocks, rebasing) each round, since none of it depends
+        on token values. Stop tokens are read one round late, from a round that has already finished,
+        so the host never waits for the round in flight: a session that sampled a stop token in round r
+        has been fed it in round r + 1 before the host knows, and leaves from round r + 2. That write is
+        the one its next step would make first (the stop token joins the context either way), so the
+        session ends the step with the stop token in its cache and nothing pending, where the per-round
+        path leaves it pending; the context is the same. Tokens sampled after a stop are dropped.
         """
         ids = self.runner.compute_logits(torch.stack([w.first_hidden for w in active])).argmax(-1)
         sampled: list[tuple[list[_Work], torch.Tensor]] = [(active, ids)]
+        stops = any(w.inp.sampling.stop_token_ids for w in active)
         current, rounds = active, 0
         for w in active:
             w.remaining -= 1
         while True:
+            if stops and len(sampled) >= 2:   # the tokens fed in the round just launched: computed already
+                fed_works, fed_ids = sampled[-2]
+                for w, token in zip(fed_works, fed_ids.tolist()):
+                    if token in w.inp.sampling.stop_token_ids:
+                        w.remaining = 0
             live, keep, segments = [], [], []
             for i, w in enumerate(current):
                 if w.remaining <= 0 or w.session.status is not SessionStatus.ACTIVE:
                     continue
-                # The token stays on the GPU; [0] only holds its place (bounded: no history is kept).
+                # The token stays on the device; [0] only holds its place (bounded: no history is kept).
                 seg = self._segment(w, [0])
                 if seg is not None:
                     live.append(w)
@@ -376,11 +387,31 @@ class Engine:
             for w in live:
                 w.remaining -= 1
             current = live
-        for works, tokens in sampled:  # the step's one device->host sync
+        per_work: dict[int, list[int]] = {id(w): [] for w in active}
+        for works, tokens in sampled:  # the step's one device->host read of the tokens
             for w, token in zip(works, tokens.tolist()):
-                w.output.token_ids.append(token)
-                w.last_token = token
+                per_work[id(w)].append(token)
+        for w in active:
+            self._finish_pipelined(w, per_work[id(w)])
         return rounds
+
+    @staticmethod
+    def _finish_pipelined(w: _Work, tokens: list[int]) -> None:
+        """A session's sampled tokens, in order: every one but the last was fed to the next round."""
+        stop_at = next((i for i, t in enumerate(tokens) if t in w.inp.sampling.stop_token_ids), None)
+        if stop_at is None:
+            w.output.token_ids.extend(tokens)
+            w.last_token = tokens[-1] if tokens else None
+            return
+        w.output.token_ids.extend(tokens[:stop_at + 1])
+        w.output.finished = True
+        w.remaining = 0
+        if stop_at < len(tokens) - 1:
+            if stop_at != len(tokens) - 2:
+                raise InvariantError("a session decoded more than one round past its stop token")
+            w.last_token = None      # the stop token was fed: it is in the cache already
+        else:
+            w.last_token = tokens[stop_at]
 
     def _decode(self, works: list[_Work]) -> int:
         """Sample the first token from each session's last hidden state, then decode in shared rounds."""

@@ -41,7 +41,8 @@ class StepInput:
 
     The new input (``token_ids`` or ``embeds`` [n, hidden], at most ``max_chunk_tokens``) is
     prefilled, then up to ``max_new_tokens`` tokens are decoded. Decoded tokens join the context: the
-    last one is fed at the start of the session's next step.
+    last one is fed at the start of the session's next step (a stop token that ended greedy rounds of a
+    bounded session may have been fed already, read a round late; the context is the same).
     """
 
     session_id: int

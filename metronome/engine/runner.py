@@ -133,15 +133,20 @@ class ModelRunner:
         """Write every segment's K/V and return final hidden states [T, hidden], segments back to back.
 
         Each session's block table must already cover its new tokens (the engine allocates first).
-        ``input_ids`` (decode graphs only): this round's tokens as a device tensor, one per segment.
+        ``input_ids`` (decode rounds: one token per segment): this round's tokens as a device tensor, used
+        in place of the segments' token ids, so the tokens sampled last round never visit the host.
         """
         if self.graphs is not None and self.graphs.fits(segments):
             return self.graphs.run(segments, input_ids)
         if input_ids is not None:
-            raise ValueError("device-side input ids need the decode graphs")
+            if len(input_ids) != len(segments) or any(len(s) != 1 or s.embeds is not None for s in segments):
+                raise ValueError("device-side input ids are one token per segment (a decode round)")
+            embeds = self.model.embed(input_ids)
+        else:
+            embeds = self._inputs_embeds(segments)
         meta, positions = self._metadata(segments)
         plan = self.attention.prepare(meta)
-        return self.model(self._inputs_embeds(segments), positions, self.kv_caches, self.attention, plan)
+        return self.model(embeds, positions, self.kv_caches, self.attention, plan)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -106,7 +106,7 @@ def test_one_row_embeds_replay_the_graphs_as_eager_computes(checkpoints):
 
 
 def test_graph_rounds_with_stop_tokens_and_sampling_match_eager(checkpoints):
-    """Stop tokens and temperature sampling take the per-round (host-synchronised) graph path."""
+    """Greedy rounds with stop tokens (pipelined on the graphs, stops read a round late) match eager rounds."""
     from metronome import SamplingParams
 
     path, _ = checkpoints["llama"]

@@ -93,8 +93,40 @@ def test_stop_tokens_end_the_step_and_join_the_context(engine, llama):
     out, = engine.step([StepInput(sid, token_ids=[40, 41, 42], max_new_tokens=6,
                                   sampling=SamplingParams(stop_token_ids=(stop,)))])
     assert out.finished and out.token_ids == expected[:expected.index(stop) + 1]
-    assert engine.scheduler.sessions[sid].pending_token == stop
+    # The stop token joins the context: pending for the next step, or (pipelined rounds) already written.
+    session = engine.scheduler.sessions[sid]
+    assert session.num_tokens + (session.pending_token is not None) == 3 + len(out.token_ids)
+    assert session.pending_token in (None, stop)
+    nxt, = engine.step([StepInput(sid, max_new_tokens=3)])
+    assert nxt.token_ids == hf_greedy(model, [40, 41, 42] + out.token_ids, 3)
     engine.close_session(sid)
+
+
+def test_pipelined_rounds_stop_where_per_round_decoding_stops(llama):
+    """Greedy rounds read stop tokens a round late (pipelined); greedy-equivalent sampling (top_k = 1) takes the
+    per-round path. Sessions stopping at their first, a middle or their last token, or not at all, over several
+    steps: the same tokens, the same ``finished``, and the same continuation next step."""
+    path, _ = llama
+
+    def run(sampling_of):
+        e = Engine(EngineConfig(model=path, policy=KVPolicy(sinks=2, window=24, block_size=4), num_blocks=300,
+                                max_chunk_tokens=16, max_batch_tokens=64))
+        sids = [e.open_session() for _ in range(5)]
+        outs = []
+        for step in range(6):
+            inputs = [StepInput(sid, token_ids=[(7 * step + 3 * i) % 120 + 1 for _ in range(1 + (i + step) % 4)],
+                                max_new_tokens=2 + (i + step) % 5, sampling=sampling_of(i, step))
+                      for i, sid in enumerate(sids)]
+            outs.append([(o.token_ids, o.finished) for o in e.step(inputs)])
+        return outs
+
+    # Stop tokens chosen from what the sessions actually decode, so stops land at many positions.
+    plain = run(lambda i, step: SamplingParams())
+    stops = {t for step in plain for tokens, _ in step for t in tokens[::3]}
+    pipelined = run(lambda i, step: SamplingParams(stop_token_ids=tuple(sorted(stops))[i::2]))
+    per_round = run(lambda i, step: SamplingParams(temperature=1.0, top_k=1, stop_token_ids=tuple(sorted(stops))[i::2]))
+    assert pipelined == per_round
+    assert any(f for step in pipelined for _, f in step) and not all(f for step in pipelined for _, f in step)
 
 
 def test_sampling_is_seeded_and_top_k_one_is_greedy(llama):
