@@ -83,6 +83,40 @@ class _Work:
     first_hidden: torch.Tensor | None = None  # hidden state whose logits give the first new token
 
 
+@dataclass
+class _Sampled:
+    """One pipelined round's sampled ids (on the device) for ``works``, in order. With stop tokens to watch, a
+    copy to pinned host memory starts at once, so reading it a round later waits for that copy only, not
+    for the round launched since (``tolist`` on a CUDA tensor would wait for the whole stream)."""
+
+    works: list[_Work]
+    ids: torch.Tensor
+    host: torch.Tensor | None = None
+    copied: torch.cuda.Event | None = None
+
+    @classmethod
+    def of(cls, works: list[_Work], ids: torch.Tensor, watch: bool) -> _Sampled:
+        if not watch or ids.device.type != "cuda":
+            return cls(works, ids)
+        host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+        host.copy_(ids, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return cls(works, ids, host, event)
+
+    def tokens(self) -> list[int]:
+        if self.copied is not None:
+            self.copied.synchronize()
+            return self.host.tolist()
+        return self.ids.tolist()
+
+    def read(self) -> list[tuple[_Work, int]]:
+        return list(zip(self.works, self.tokens()))
+
+    def token_of(self, work: _Work) -> int:
+        return self.tokens()[next(i for i, w in enumerate(self.works) if w is work)]
+
+
 class Engine:
     def __init__(self, config: EngineConfig, model: LlamaFamilyForCausalLM | None = None,
                  checkpoint: Path | None = None) -> None:
@@ -200,7 +234,7 @@ class Engine:
             n = int(e.shape[0])
         if n > self.config.max_chunk_tokens:
             return f"chunk of {n} tokens exceeds max_chunk_tokens={self.config.max_chunk_tokens}"
-        if inp.return_hidden and n == 0 and session.pending_token is None:
+        if inp.return_hidden and n == 0 and session.pending_token is None and not session.stop_written:
             return "return_hidden needs new input this step (its hidden state is the last input position's)"
         if (inp.max_new_tokens > 0 and n == 0 and session.pending_token is None
                 and session.last_hidden is None and not session.history):
@@ -301,6 +335,7 @@ class Engine:
                 self._segment(work, token_ids, inp.embeds)  # kept in history: nothing is lost
                 session.pending_token = None
                 continue
+            session.stop_written = False      # consumed: this step's first hidden state follows the stop token
             if not token_ids and inp.embeds is None:
                 work.first_hidden = session.last_hidden
                 continue
@@ -347,28 +382,33 @@ class Engine:
         """Decode rounds whose sampled ids stay on the device and feed the next round directly.
 
         The host does all bookkeeping (positions, blocks, rebasing) each round, since none of it depends
-        on token values. Stop tokens are read one round late, from a round that has already finished,
-        so the host never waits for the round in flight: a session that sampled a stop token in round r
+        on token values. Stop tokens are read one round late, from a round that has already finished
+        (through a pinned host copy, so the host never waits for the round in flight): a session that sampled a stop token in round r
         has been fed it in round r + 1 before the host knows, and leaves from round r + 2. That write is
         the one its next step would make first (the stop token joins the context either way), so the
         session ends the step with the stop token in its cache and nothing pending, where the per-round
         path leaves it pending; the context is the same. Tokens sampled after a stop are dropped.
         """
         ids = self.runner.compute_logits(torch.stack([w.first_hidden for w in active])).argmax(-1)
-        sampled: list[tuple[list[_Work], torch.Tensor]] = [(active, ids)]
         stops = any(w.inp.sampling.stop_token_ids for w in active)
+        sampled: list[_Sampled] = [_Sampled.of(active, ids, stops)]
         current, rounds = active, 0
         for w in active:
             w.remaining -= 1
         while True:
             if stops and len(sampled) >= 2:   # the tokens fed in the round just launched: computed already
-                fed_works, fed_ids = sampled[-2]
-                for w, token in zip(fed_works, fed_ids.tolist()):
+                for w, token in sampled[-2].read():
                     if token in w.inp.sampling.stop_token_ids:
                         w.remaining = 0
             live, keep, segments = [], [], []
             for i, w in enumerate(current):
                 if w.remaining <= 0 or w.session.status is not SessionStatus.ACTIVE:
+                    continue
+                if (w.inp.sampling.stop_token_ids and self.scheduler.position_error(w.session, 1)
+                        and sampled[-1].token_of(w) in w.inp.sampling.stop_token_ids):
+                    # At the position limit the unread token cannot be fed; read it now (rare): a stop ends
+                    # the decode as the per-round path would, anything else fails the session there.
+                    w.remaining = 0
                     continue
                 # The token stays on the device; [0] only holds its place (bounded: no history is kept).
                 seg = self._segment(w, [0])
@@ -383,13 +423,13 @@ class Engine:
             _, hidden = self._forward(segments, {}, input_ids=ids)
             rounds += 1
             ids = self.runner.compute_logits(hidden).argmax(-1)
-            sampled.append((live, ids))
+            sampled.append(_Sampled.of(live, ids, stops))
             for w in live:
                 w.remaining -= 1
             current = live
         per_work: dict[int, list[int]] = {id(w): [] for w in active}
-        for works, tokens in sampled:  # the step's one device->host read of the tokens
-            for w, token in zip(works, tokens.tolist()):
+        for round_ in sampled:  # without stop tokens, the step's one device->host read of the tokens
+            for w, token in round_.read():
                 per_work[id(w)].append(token)
         for w in active:
             self._finish_pipelined(w, per_work[id(w)])
@@ -410,6 +450,7 @@ class Engine:
             if stop_at != len(tokens) - 2:
                 raise InvariantError("a session decoded more than one round past its stop token")
             w.last_token = None      # the stop token was fed: it is in the cache already
+            w.session.stop_written = True
         else:
             w.last_token = tokens[stop_at]
 

@@ -54,6 +54,9 @@ class Session:
     num_tokens: int = 0       # tokens written to the cache so far (logical length)
     position_base: int = 0    # rebased mode: window token j sits at RoPE position j - position_base
     pending_token: int | None = None       # sampled last step, joins the context next step
+    # The stop token that ended the last step was written already (pipelined rounds read stops a round late):
+    # the next step's hidden state is the one it left, as if that pending token had been fed.
+    stop_written: bool = False
     last_hidden: torch.Tensor | None = None  # final hidden state of the last written token
     status: SessionStatus = SessionStatus.ACTIVE
     error: str | None = None

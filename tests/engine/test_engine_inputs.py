@@ -140,3 +140,70 @@ def test_sampling_is_seeded_and_top_k_one_is_greedy(llama):
     assert run(hot, 1) == run(hot, 1)
     assert run(SamplingParams(temperature=1.0, top_k=1), 1) == hf_greedy(model, [1, 2, 3], 8)
     assert run(SamplingParams(temperature=0.7, top_p=1e-6), 3) == hf_greedy(model, [1, 2, 3], 8)
+
+
+def _bounded(path, positions="rebased"):
+    return Engine(EngineConfig(model=path, policy=KVPolicy(sinks=4, window=32, block_size=8, positions=positions),
+                               num_blocks=300, max_chunk_tokens=16, max_batch_tokens=64))
+
+
+PIPELINED = staticmethod(lambda stop: SamplingParams(stop_token_ids=(stop,)))       # greedy: pipelined rounds
+PER_ROUND = staticmethod(lambda stop: SamplingParams(temperature=1.0, top_k=1, stop_token_ids=(stop,)))
+
+
+@pytest.mark.parametrize("sampling", [PIPELINED, PER_ROUND], ids=["pipelined", "per-round"])
+def test_a_stop_on_the_last_token_stays_pending(llama, sampling):
+    """A stop sampled as the step's last token was never fed, on either path: it is pending."""
+    path, model = llama
+    engine = _bounded(path)
+    prompt = [5, 6, 7]
+    expected = hf_greedy(model, prompt, 5)
+    assert expected.index(expected[4]) == 4              # the stop token first appears as the last one
+    sid = engine.open_session()
+    out, = engine.step([StepInput(sid, token_ids=prompt, max_new_tokens=5, sampling=sampling(expected[4]))])
+    assert out.finished and out.token_ids == expected
+    assert engine.scheduler.sessions[sid].pending_token == expected[4]
+    nxt, = engine.step([StepInput(sid, max_new_tokens=2)])
+    assert nxt.token_ids == hf_greedy(model, prompt + out.token_ids, 2)
+
+
+@pytest.mark.parametrize("sampling", [PIPELINED, PER_ROUND], ids=["pipelined", "per-round"])
+def test_a_stop_at_the_position_limit_finishes_without_failing(llama, sampling):
+    """Absolute positions, one position left: a stop sampled there ends the decode; the session lives on."""
+    path, _ = llama
+    probe = _bounded(path, "absolute")
+    limit = probe.max_model_len
+
+    def filled():
+        engine = _bounded(path, "absolute")
+        sid = engine.open_session()
+        n = 0
+        while n < limit - 1:
+            k = min(16, limit - 1 - n)
+            engine.step([StepInput(sid, token_ids=[(n + j) % 100 + 1 for j in range(k)])])
+            n += k
+        return engine, sid
+
+    engine, sid = filled()
+    free, = engine.step([StepInput(sid, max_new_tokens=3)])
+    assert free.error and len(free.token_ids) == 2          # without a stop the limit ends the session
+    engine, sid = filled()
+    out, = engine.step([StepInput(sid, max_new_tokens=3, sampling=sampling(free.token_ids[1]))])
+    assert out.token_ids == free.token_ids and out.finished and out.error is None
+    assert engine.session_stats(sid).status == "active"
+
+
+def test_return_hidden_after_a_stop_matches_the_per_round_path(llama):
+    """The hidden state after a stop (fed a round late by pipelined rounds) is served once, then refused."""
+    path, model = llama
+    stop = hf_greedy(model, [40, 41, 42], 6)[2]
+    results = []
+    for sampling in (PIPELINED, PER_ROUND):
+        engine = _bounded(path)
+        sid = engine.open_session()
+        engine.step([StepInput(sid, token_ids=[40, 41, 42], max_new_tokens=6, sampling=sampling(stop))])
+        first, = engine.step([StepInput(sid, return_hidden=True)])
+        again, = engine.step([StepInput(sid, return_hidden=True)])
+        assert first.error is None and again.error and "return_hidden needs new input" in again.error
+        results.append(first.hidden)
+    torch.testing.assert_close(results[0], results[1], atol=1e-5, rtol=1e-5)
