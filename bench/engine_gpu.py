@@ -23,23 +23,13 @@ from pathlib import Path
 
 import torch
 
-SHAPES = {
-    # name: (hidden, layers, heads, kv_heads, head_dim, intermediate, vocab, qkv_bias)
-    "qwen2.5-7b": (3584, 28, 28, 4, 128, 18944, 152064, True),
-    "smollm2-135m": (576, 30, 9, 3, 64, 1536, 49152, False),
-}
-
-
 def make_spec(name: str):
-    from metronome.models.spec import DecoderSpec
+    """The decoder spec of a shape in ``bench/experiments/shapes.py`` (the one table of benchmark shapes)."""
+    from metronome.models.spec import spec_from_hf_config
 
-    hidden, layers, heads, kv, hd, inter, vocab, bias = SHAPES[name]
-    inv_freq = tuple((1.0 / (1e6 ** (torch.arange(0, hd, 2).float() / hd))).tolist())
-    return DecoderSpec(model_type="qwen2" if bias else "llama", vocab_size=vocab, hidden_size=hidden,
-                       intermediate_size=inter, num_layers=layers, num_heads=heads, num_kv_heads=kv, head_dim=hd,
-                       rms_norm_eps=1e-6, max_position_embeddings=32768, qkv_bias=bias, o_bias=False, mlp_bias=False,
-                       qk_norm=False, tie_word_embeddings=False, inv_freq=inv_freq, rope_attention_scaling=1.0,
-                       eos_token_ids=())
+    from bench.experiments.shapes import shape_config
+
+    return spec_from_hf_config(shape_config(name))
 
 
 def random_model(spec, device):
@@ -168,6 +158,8 @@ def bench_transformers(spec, n, args, device) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from bench.experiments.shapes import SHAPES
+
     p.add_argument("--shape", default="qwen2.5-7b", choices=sorted(SHAPES))
     p.add_argument("--sessions", default="64,128,256,384,512")
     p.add_argument("--hf-sessions", default="16,64,128", help="N for the transformers arm ('' skips it)")

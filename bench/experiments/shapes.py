@@ -25,13 +25,29 @@ RANDOM_PREFIX = "random:"
 TOKENIZER_ENV = "METRONOME_TOKENIZER_DIR"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
-# Qwen2.5-7B-Instruct's config.json, the fields the engine reads (the same shape as issue 4's tick benchmark).
+# config.json fields of the shapes the GPU benchmarks time (bench/engine_gpu.py reads them too).
 SHAPES = {
+    # Qwen2.5-7B-Instruct, the fields the engine reads.
     "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                        num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, rope_theta=1000000.0,
                        max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False,
                        hidden_act="silu"),
+    # SmolLM2-135M's matrices; RoPE base, position limit and untied head as the 7B shape's (timing only).
+    "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, rope_theta=1000000.0,
+                         max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                         hidden_act="silu", eos_token_id=None),
 }
+
+
+def shape_config(shape: str):
+    """The shape's transformers config (no file written)."""
+    from transformers import AutoConfig
+
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
+    fields = dict(SHAPES[shape])
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
 def is_random(model: str) -> bool:
@@ -50,14 +66,10 @@ def tokenizer_source() -> Path:
 
 def make_shape_checkpoint(path: str | Path, shape: str) -> str:
     """A checkpoint directory with the shape's config and the SmolLM2 tokenizer, no weights."""
-    from transformers import AutoConfig
-
-    if shape not in SHAPES:
-        raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
-    fields = dict(SHAPES[shape])
+    config = shape_config(shape)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    AutoConfig.for_model(fields.pop("model_type"), **fields).save_pretrained(path)
+    config.save_pretrained(path)
     source = tokenizer_source()
     found = [name for name in TOKENIZER_FILES if (source / name).is_file()]
     if "tokenizer.json" not in found:
