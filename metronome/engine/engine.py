@@ -93,6 +93,7 @@ class _Sampled:
     ids: torch.Tensor
     host: torch.Tensor | None = None
     copied: torch.cuda.Event | None = None
+    _tokens: list[int] | None = None   # read once: by the stop check a round later, then at the step's end
 
     @classmethod
     def of(cls, works: list[_Work], ids: torch.Tensor, watch: bool) -> _Sampled:
@@ -105,10 +106,11 @@ class _Sampled:
         return cls(works, ids, host, event)
 
     def tokens(self) -> list[int]:
-        if self.copied is not None:
-            self.copied.synchronize()
-            return self.host.tolist()
-        return self.ids.tolist()
+        if self._tokens is None:
+            if self.copied is not None:
+                self.copied.synchronize()
+            self._tokens = (self.host if self.copied is not None else self.ids).tolist()
+        return self._tokens
 
     def read(self) -> list[tuple[_Work, int]]:
         return list(zip(self.works, self.tokens()))
