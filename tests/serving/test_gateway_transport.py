@@ -13,6 +13,7 @@ import os
 import socket
 import urllib.error
 import urllib.request
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import aiohttp
@@ -313,17 +314,25 @@ async def test_a_client_that_stops_reading_is_closed_as_a_slow_consumer(worker):
 
 
 # ------------------------------------------------------------------ the aiohttp transport (Gateway.app)
-async def test_the_aiohttp_transport_still_serves_sessions(worker):
-    config = GatewayConfig(workers=(worker.address,), port=0, budget_ms=BUDGET_MS, tokens_per_tick=4,
-                           max_message_bytes=MAX_MESSAGE, aimd=AimdConfig(initial_cap=2, min_cap=2, target_fraction=1.0),
-                           max_sessions=2)
+@asynccontextmanager
+async def aiohttp_gateway(config: GatewayConfig):
+    """The gateway served through its aiohttp app (``Gateway.app``); yields (gateway, host:port)."""
     gateway = Gateway(config)
     runner = web.AppRunner(gateway.app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    addr = f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
     try:
+        yield gateway, f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    finally:
+        await runner.cleanup()
+
+
+async def test_the_aiohttp_transport_still_serves_sessions(worker):
+    config = GatewayConfig(workers=(worker.address,), port=0, budget_ms=BUDGET_MS, tokens_per_tick=4,
+                           max_message_bytes=MAX_MESSAGE, aimd=AimdConfig(initial_cap=2, min_cap=2, target_fraction=1.0),
+                           max_sessions=2)
+    async with aiohttp_gateway(config) as (gateway, addr):
         async with aiohttp.ClientSession() as http:
             ws = await http.ws_connect(f"ws://{addr}/v1/realtime")
             await recv_until(ws, of_type("session.created"))
@@ -346,8 +355,6 @@ async def test_the_aiohttp_transport_still_serves_sessions(worker):
                 assert r.status == 200 and (await r.json())["workers"][0]["live"] == 2
             for sock in (ws, other, refused):
                 await sock.close()
-    finally:
-        await runner.cleanup()
 
 
 # ------------------------------------------------------------------ regressions: resources a client could hold forever
@@ -616,13 +623,8 @@ async def test_the_aiohttp_transport_frees_a_slow_consumer_that_never_reads(reco
     monkeypatch.setattr(ws_aiohttp, "CLOSE_GRACE_S", 0.3, raising=False)
     config = GatewayConfig(workers=(recording.address,), port=0, budget_ms=BUDGET_MS, send_queue_events=8,
                            max_messages_per_s=1e6)
-    gateway = Gateway(config)
-    runner = web.AppRunner(gateway.app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        client = await non_reading_client(f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+    async with aiohttp_gateway(config) as (gateway, addr):
+        client = await non_reading_client(addr)
         await client.event("session.created")
         session = next(iter(gateway.pool.handles[0].sessions.values()))
         bad = frame(b"{not json" + b" " * 1000)
@@ -634,8 +636,6 @@ async def test_the_aiohttp_transport_frees_a_slow_consumer_that_never_reads(reco
         assert session.close_reason == "slow_consumer"
         await until(lambda: not gateway.connections and not recording.servicer.open)
         client.writer.transport.abort()
-    finally:
-        await runner.cleanup()
 
 
 async def test_a_non_ascii_authorization_header_is_a_401(recording):
