@@ -6,7 +6,8 @@
 #      windows) against the benchmark's, i.e. the capacity a gateway would find.
 # Then the experiments, one call each: bash bench/gpu_experiments.sh admission gpu-short ...
 set -u
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-results}
 mkdir -p "$OUT"
 echo "== GPU tests"

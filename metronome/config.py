@@ -109,7 +109,9 @@ class AimdConfig:
     The controller reads each tick's latency and moves the session cap: multiplicative decrease by
     ``backoff`` when the robust latency statistic over the last ``window`` ticks exceeds
     ``target_fraction * budget_ms`` (or a deadline was missed), additive increase by ``step`` when
-    latency is under target and live sessions are within ``grow_headroom`` of the cap.
+    latency is under target and live sessions are within ``grow_headroom`` of the cap. Until its first
+    decrease the robust controller starts fast: a verdict under target may multiply the cap by up to
+    ``slow_start`` (1 turns this off), bounded by what the measured latency projects to fit.
     """
 
     budget_ms: float = 2000.0
@@ -117,9 +119,10 @@ class AimdConfig:
     backoff: float = 0.9
     step: int = 1
     window: int = 5
-    initial_cap: int = 4
+    initial_cap: int | None = 4   # None: start at the memory/static ceiling, as the paper's prototype did
     min_cap: int = 1
     grow_headroom: int = 2
+    slow_start: float = 2.0
 
     def __post_init__(self) -> None:
         if self.budget_ms <= 0:
@@ -130,7 +133,9 @@ class AimdConfig:
             raise ConfigError(f"backoff must be in (0, 1), got {self.backoff}")
         if self.step < 1 or self.window < 1 or self.min_cap < 0 or self.grow_headroom < 0:
             raise ConfigError("step and window must be >= 1; min_cap and grow_headroom >= 0")
-        if self.initial_cap < self.min_cap:
+        if not self.slow_start >= 1.0:
+            raise ConfigError(f"slow_start must be >= 1 (1 = additive growth only), got {self.slow_start}")
+        if self.initial_cap is not None and self.initial_cap < self.min_cap:
             raise ConfigError(f"initial_cap ({self.initial_cap}) must be >= min_cap ({self.min_cap})")
 
     @property

@@ -9,7 +9,7 @@ gateway's ``/health`` (cap, live, memory capacity) and ``/metrics`` (admitted, r
 misses) every ``scrape_s``.
 
 Arms (``ARMS``): the robust controller on SinkWindow and on Unbounded, and the paper's single-sample
-controller on SinkWindow. Load profiles (``arrival_times``): ``ramp`` (constant rate), ``step`` (a quarter of
+controller on SinkWindow, which starts with no cap as the paper's prototype did (``initial_cap``). Load profiles (``arrival_times``): ``ramp`` (constant rate), ``step`` (a quarter of
 the rate for a third of the run, then twice the rate) and ``spike`` (a quarter of the rate, plus a burst of
 sessions arriving together at one third of the run).
 
@@ -131,8 +131,15 @@ def server_spec(preset: AdmissionPreset, model: str, arm: str, seed: int = 0) ->
     return dict(model=model, device=preset.device, dtype=preset.dtype, sinks=sinks, window=window,
                 block_size=preset.block_size, num_blocks=preset.num_blocks, max_chunk_tokens=preset.max_chunk_tokens,
                 budget_ms=preset.budget_ms, tokens_per_tick=preset.tokens_per_tick, sessions=preset.offered,
-                seed=seed, admission=dict(controller=controller, initial_cap=preset.initial_cap, min_cap=1,
-                                          target_fraction=preset.target_fraction))
+                seed=seed, admission=dict(controller=controller, initial_cap=initial_cap(preset, controller),
+                                          min_cap=1, target_fraction=preset.target_fraction))
+
+
+def initial_cap(preset: AdmissionPreset, controller: str) -> int | None:
+    """The robust controller starts at ``preset.initial_cap`` and slow-starts from there; the paper's rule
+    starts at the memory cap (None), as its prototype did: with ``+1`` a tick and no slow start, a small
+    initial cap could not reach the paper's N* while its sessions arrive (64 s at 8/s, 32 ticks of 2 s)."""
+    return None if controller == "paper" else preset.initial_cap
 
 
 # ---------------------------------------------------------------------------------------- scraping

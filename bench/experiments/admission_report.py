@@ -98,7 +98,8 @@ def markdown(raw: dict, analysis: dict, plots: list[str]) -> str:
          f"(profiles: {', '.join(sorted({pt.get('profile', 'ramp') for pt in raw['points']}))}; see admission.arrival_times) "
          f"for {raw['duration_s']:.0f} s; "
          f"B = {p['budget_ms']:.0f} ms, target {p['target_fraction']}·B = {p['target_fraction'] * p['budget_ms']:.0f} ms, "
-         f"τ = {p['tokens_per_tick']}, initial cap {p['initial_cap']}, no static cap, KV pool {p['num_blocks']} blocks "
+         f"τ = {p['tokens_per_tick']}, initial cap {p['initial_cap']} (robust controller, slow start; the paper's rule "
+         f"starts at the memory cap, as its prototype), no static cap, KV pool {p['num_blocks']} blocks "
          f"of {p['block_size']} (SinkWindow S={p['sinks']}, W={p['window']}).",
          f"Machine: {m.get('platform', '?')}, {m.get('cpus', '?')} CPUs, torch {m.get('torch', '?')}, "
          f"load avg at start {m.get('load_avg', '?')}. Started {raw.get('started', '?')}, "

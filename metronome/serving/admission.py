@@ -21,7 +21,7 @@ lower; else if ``live >= cap - 2`` then ``cap += 1``. :class:`AimdController` fi
    by at most one rank, so it cannot cut the cap on its own:
 
    >>> from metronome.config import AimdConfig
-   >>> cfg = AimdConfig(budget_ms=2000, initial_cap=10)          # target 0.3·B = 600 ms, window 5
+   >>> cfg = AimdConfig(budget_ms=2000, initial_cap=10, slow_start=1)  # target 600 ms, window 5
    >>> c = AimdController(cfg, memory_cap=100)
    >>> [c.observe(ms, False, live=10).action for ms in (100, 100, 100, 100, 1500)]
    ['hold', 'hold', 'hold', 'hold', 'increase']
@@ -77,6 +77,29 @@ lower; else if ``live >= cap - 2`` then ``cap += 1``. :class:`AimdController` fi
 
    >>> AimdController(AimdConfig(initial_cap=50), memory_cap=30, static_cap=20).cap
    20
+
+7. **Slow start.** Additive growth alone is slow where ticks are long: at ``B = 2 s`` and ``+1`` a
+   tick, a worker that holds 300 sessions needs ten minutes to reach them from a cap of 4, while
+   sessions arriving meanwhile are refused. So until its first decrease the controller grows the way
+   TCP's slow start does, but bounded by the measurement: a verdict under target sets the cap to
+   ``min(slow_start * cap, floor(backoff * fit))``, where ``fit = min live in the window * target /
+   statistic`` is how many sessions the target allows if latency grows in proportion to sessions
+   (a tick's fixed cost makes real latency grow slower, so ``fit`` undershoots; ``backoff`` leaves a
+   margin for noise). The window is then emptied, and the next jump waits for
+   ``SLOW_START_SAMPLES`` (3) fresh samples taken at the new load: the fewest whose median one
+   outlier cannot move. Slow start ends at the first decrease or once a jump would be no bigger
+   than ``step``; from there growth is additive on the full window. Examples 1-6 use
+   ``slow_start=1`` (additive only). Here latency is ``50 + 4·live`` ms (the 600 ms target is
+   crossed at live 137) and demand always fills the cap:
+
+   >>> c = AimdController(AimdConfig(budget_ms=2000, initial_cap=4), memory_cap=1000)
+   >>> caps = [c.observe(50 + 4 * c.cap, False, live=c.cap).cap for _ in range(40)]
+   >>> caps[:21]
+   [4, 4, 8, 8, 8, 16, 16, 16, 32, 32, 32, 64, 64, 64, 112, 112, 112, 121, 121, 121, 122]
+   >>> c.history[17].reason
+   'slow start: p50 of last 3 ticks 498.0 ms <= target 600.0 ms, cap = min(2*cap, 0.9*projected fit) = 121'
+   >>> caps.index(137)  # additive growth alone: 133 ticks
+   36
 """
 
 from __future__ import annotations
@@ -92,6 +115,8 @@ from metronome.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
+# Fresh samples a slow-start verdict needs: the fewest whose median one outlier cannot move on its own.
+SLOW_START_SAMPLES = 3
 HISTORY_LEN = 10_000  # decisions kept in ``history``: ~5.5 h of 2-s ticks, ~13 min of 80-ms ticks
 
 # floor(backoff * live) in floating point: 0.7 * 90 is 62.999...; without the nudge the floor is 62.
@@ -128,7 +153,8 @@ class _CapController:
         self.name = name  # only for log lines: one controller per worker
         self.static_cap = static_cap
         self._memory_cap = _check_memory_cap(memory_cap)
-        self._cap = self._clamp(config.initial_cap)  # fixes the paper's unbounded initial cap
+        # A small initial cap fixes the paper's unbounded one; None keeps the paper's, for experiments.
+        self._cap = self._clamp(self.ceiling if config.initial_cap is None else config.initial_cap)
         self._tick = 0
         self.history: deque[AimdDecision] = deque(maxlen=HISTORY_LEN)
 
@@ -169,7 +195,7 @@ class _CapController:
         # hard limit (admitting beyond memory fails at the worker), so it wins over min_cap.
         return min(self.ceiling, max(self.config.min_cap, cap))
 
-    def _backoff_cap(self, live: int) -> int:
+    def _backoff_cap(self, live: float) -> int:
         return math.floor(self.config.backoff * live + _FLOOR_EPS)
 
     # -- one tick --------------------------------------------------------------------------------
@@ -231,26 +257,49 @@ class AimdController(_CapController):
         super().__init__(config, memory_cap, static_cap, name=name)
         # Latency samples taken since start or since the last decrease (at most ``window``).
         self._samples: deque[float] = deque(maxlen=config.window)
-        self._decreased = False  # only for the wording of "collecting samples" reasons
+        self._lives: deque[int] = deque(maxlen=config.window)  # live sessions at each of those samples
+        self._since = "since start"  # only for the wording of "collecting samples" reasons
+        self._slow_start = config.slow_start > 1.0
 
     def _decide(self, latency_ms: float, missed: bool, live: int) -> tuple[float, int, str]:
         cfg = self.config
         self._samples.append(latency_ms)
+        self._lives.append(live)
         statistic = float(statistics.median(self._samples))
         if missed:
             return self._shrink(live, statistic, f"deadline missed ({latency_ms:.1f} ms, budget {cfg.budget_ms:.1f} ms)")
-        if len(self._samples) < cfg.window:
-            since = "since the last decrease" if self._decreased else "since start"
-            return statistic, self.cap, f"collecting samples: {len(self._samples)} of {cfg.window} {since}"
-        what = f"p50 of last {cfg.window} ticks"
+        needed = min(cfg.window, SLOW_START_SAMPLES) if self._slow_start else cfg.window
+        if len(self._samples) < needed:
+            return statistic, self.cap, f"collecting samples: {len(self._samples)} of {needed} {self._since}"
+        what = f"p50 of last {len(self._samples)} ticks"
         if statistic > cfg.target_ms:
             return self._shrink(live, statistic, f"{what} {statistic:.1f} ms > target {cfg.target_ms:.1f} ms")
+        if self._slow_start:
+            jump = self._slow_start_cap(statistic)
+            if jump > self.cap + cfg.step and live >= self.cap - cfg.grow_headroom and self.cap < self.ceiling:
+                # Judge the next jump on samples taken at the new load only.
+                self._samples.clear()
+                self._lives.clear()
+                self._since = "since the last slow-start increase"
+                return statistic, jump, (f"slow start: {what} {statistic:.1f} ms <= target {cfg.target_ms:.1f} ms, "
+                                         f"cap = min({cfg.slow_start:g}*cap, {cfg.backoff:g}*projected fit) = {jump}")
+            if jump <= self.cap + cfg.step:
+                self._slow_start = False  # near the target: additive from here
         return self._grow(live, statistic, what)
+
+    def _slow_start_cap(self, statistic: float) -> int:
+        """min(slow_start * cap, floor(backoff * fit)): fit is the sessions the target allows if latency
+        grew in proportion to them, from the fewest live sessions the window's samples saw."""
+        cfg = self.config
+        fit = min(self._lives) * cfg.target_ms / max(statistic, 1e-6)
+        return min(math.floor(cfg.slow_start * self.cap + _FLOOR_EPS), self._backoff_cap(fit))
 
     def _on_decrease(self) -> None:
         # The samples in the window were taken at a load the cap no longer allows: start afresh.
         self._samples.clear()
-        self._decreased = True
+        self._lives.clear()
+        self._since = "since the last decrease"
+        self._slow_start = False
 
 
 class PaperAimdController(_CapController):

@@ -16,8 +16,14 @@ from metronome.errors import ConfigError
 from metronome.serving import admission
 from metronome.serving.admission import AimdController, AimdDecision, PaperAimdController
 
-CFG = AimdConfig(budget_ms=2000.0)  # target 600 ms, window 5, backoff 0.9, step 1, headroom 2, initial 4
+# Target 600 ms, window 5, backoff 0.9, step 1, headroom 2, initial 4; additive growth only (the slow
+# start has its own tests below).
+CFG = AimdConfig(budget_ms=2000.0, slow_start=1.0)
 LOW, HIGH = 100.0, 900.0
+
+
+def additive(**kwargs) -> AimdConfig:
+    return AimdConfig(slow_start=1.0, **kwargs)
 
 
 def feed(c, latencies, live, missed=False):
@@ -43,26 +49,26 @@ def test_steady_low_latency_with_live_at_cap_climbs_one_per_tick_and_stops_at_me
 
 
 def test_step_is_configurable_and_never_overshoots_the_ceiling():
-    c = AimdController(AimdConfig(step=3, window=1, initial_cap=4), memory_cap=11)
+    c = AimdController(additive(step=3, window=1, initial_cap=4), memory_cap=11)
     caps = [c.observe(LOW, False, live=c.cap).cap for _ in range(5)]
     assert caps == [7, 10, 11, 11, 11]
 
 
 def test_app_limited_worker_does_not_grow_its_cap():
-    c = AimdController(AimdConfig(initial_cap=30), memory_cap=1000)
+    c = AimdController(additive(initial_cap=30), memory_cap=1000)
     for d in feed(c, [LOW] * 50, live=10):
         assert d.action == "hold"
     assert c.cap == 30
     assert "app-limited: live 10 < cap 30 - headroom 2" == c.history[-1].reason
     # an idle worker grows at most to live + headroom + step (it grows while live >= cap - headroom)
-    idle = AimdController(AimdConfig(initial_cap=1, window=1), memory_cap=1000)
+    idle = AimdController(additive(initial_cap=1, window=1), memory_cap=1000)
     feed(idle, [LOW] * 50, live=0)
     assert idle.cap == 3
 
 
 def test_single_spike_cuts_the_paper_cap_but_not_the_robust_one():
     trace = [LOW] * 8 + [1500.0] + [LOW] * 3
-    cfg = AimdConfig(budget_ms=2000.0, initial_cap=41)  # live 40 sits right under the cap
+    cfg = additive(budget_ms=2000.0, initial_cap=41)  # live 40 sits right under the cap
     robust, paper = AimdController(cfg, memory_cap=1000), PaperAimdController(cfg, memory_cap=1000)
     live = 40
     r, p = feed(robust, trace, live), feed(paper, trace, live)
@@ -73,7 +79,7 @@ def test_single_spike_cuts_the_paper_cap_but_not_the_robust_one():
 
 
 def test_sustained_overload_decreases_once_to_backoff_of_live_then_waits_for_fresh_samples():
-    c = AimdController(AimdConfig(initial_cap=50), memory_cap=1000)
+    c = AimdController(additive(initial_cap=50), memory_cap=1000)
     d = feed(c, [HIGH] * 5, live=50)
     assert [x.action for x in d] == ["hold"] * 4 + ["decrease"]
     assert d[-1].cap_before == 50 and d[-1].cap == 45  # floor(0.9 * 50)
@@ -87,14 +93,14 @@ def test_sustained_overload_decreases_once_to_backoff_of_live_then_waits_for_fre
 
 
 def test_overload_at_unchanged_load_never_decreases_twice():
-    c = AimdController(AimdConfig(initial_cap=50), memory_cap=1000)
+    c = AimdController(additive(initial_cap=50), memory_cap=1000)
     d = feed(c, [HIGH] * 30, live=50)
     assert sum(x.action == "decrease" for x in d) == 1 and c.cap == 45
     assert "waiting for sessions to leave" in d[-1].reason  # window refilled, decrease would not lower
 
 
 def test_decrease_uses_live_when_app_limited_and_never_raises_the_cap():
-    c = AimdController(AimdConfig(initial_cap=100), memory_cap=1000)
+    c = AimdController(additive(initial_cap=100), memory_cap=1000)
     feed(c, [HIGH] * 5, live=20)
     assert c.cap == 18  # floor(0.9 * live), not 0.9 * cap = 90
     # live above the cap (no evictions): floor(0.9 * 30) = 27 > 18 must not raise the cap
@@ -103,18 +109,18 @@ def test_decrease_uses_live_when_app_limited_and_never_raises_the_cap():
 
 
 def test_decrease_respects_min_cap():
-    c = AimdController(AimdConfig(initial_cap=10, min_cap=3, window=1), memory_cap=100)
+    c = AimdController(additive(initial_cap=10, min_cap=3, window=1), memory_cap=100)
     assert c.observe(HIGH, False, live=2).cap == 3
-    c = AimdController(AimdConfig(initial_cap=10, window=1), memory_cap=100)
+    c = AimdController(additive(initial_cap=10, window=1), memory_cap=100)
     assert c.observe(HIGH, False, live=0).cap == 1
 
 
 def test_deadline_miss_decreases_at_once_then_only_as_live_falls():
-    c = AimdController(AimdConfig(initial_cap=20), memory_cap=100)
+    c = AimdController(additive(initial_cap=20), memory_cap=100)
     d = c.observe(2100.0, True, live=20)  # first tick: window far from full, still a decrease
     assert (d.action, d.cap) == ("decrease", 18) and d.reason.startswith("deadline missed (2100.0 ms")
     # a miss counts even when the latency figure itself is under target (e.g. queueing before the Step)
-    c2 = AimdController(AimdConfig(initial_cap=20), memory_cap=100)
+    c2 = AimdController(additive(initial_cap=20), memory_cap=100)
     assert c2.observe(LOW, True, live=20).action == "decrease"
     # repeated misses: no compounding at the same load, follow live down as sessions leave
     d = [c.observe(2100.0, True, live) for live in (20, 20, 19, 15)]
@@ -125,7 +131,7 @@ def test_deadline_miss_decreases_at_once_then_only_as_live_falls():
 
 
 def test_no_increase_on_a_missed_tick_even_when_the_window_looks_fine():
-    c = AimdController(AimdConfig(initial_cap=10), memory_cap=100)
+    c = AimdController(additive(initial_cap=10), memory_cap=100)
     feed(c, [LOW] * 5, live=10)
     assert c.cap == 11
     d = c.observe(LOW, True, live=8)  # floor(0.9*8) = 7 < 11
@@ -135,10 +141,10 @@ def test_no_increase_on_a_missed_tick_even_when_the_window_looks_fine():
 
 
 def test_initial_cap_is_clamped_by_memory_and_static_caps():
-    assert AimdController(AimdConfig(initial_cap=50), memory_cap=30).cap == 30
-    assert AimdController(AimdConfig(initial_cap=50), memory_cap=30, static_cap=20).cap == 20
-    assert PaperAimdController(AimdConfig(initial_cap=50), memory_cap=30, static_cap=20).cap == 20
-    assert AimdController(AimdConfig(initial_cap=5), memory_cap=0).cap == 0  # the ceiling beats min_cap
+    assert AimdController(additive(initial_cap=50), memory_cap=30).cap == 30
+    assert AimdController(additive(initial_cap=50), memory_cap=30, static_cap=20).cap == 20
+    assert PaperAimdController(additive(initial_cap=50), memory_cap=30, static_cap=20).cap == 20
+    assert AimdController(additive(initial_cap=5), memory_cap=0).cap == 0  # the ceiling beats min_cap
 
 
 def test_static_cap_is_respected_while_growing():
@@ -150,7 +156,7 @@ def test_static_cap_is_respected_while_growing():
 
 
 def test_set_memory_cap_lowering_clamps_and_raising_does_not_jump():
-    c = AimdController(AimdConfig(initial_cap=50), memory_cap=100)
+    c = AimdController(additive(initial_cap=50), memory_cap=100)
     c.set_memory_cap(30)
     assert c.cap == 30 and c.memory_cap == 30
     assert not c.admits(30) and c.admits(29)
@@ -167,7 +173,7 @@ def test_set_memory_cap_lowering_clamps_and_raising_does_not_jump():
 
 
 def test_admits():
-    c = AimdController(AimdConfig(initial_cap=3), memory_cap=100)
+    c = AimdController(additive(initial_cap=3), memory_cap=100)
     assert [c.admits(n) for n in range(5)] == [True, True, True, False, False]
 
 
@@ -186,7 +192,7 @@ def test_bad_inputs_are_refused():
 
 
 def test_every_decision_is_recorded_with_a_reason_and_logged(caplog):
-    c = AimdController(AimdConfig(initial_cap=4, window=1), memory_cap=100, name="w0")
+    c = AimdController(additive(initial_cap=4, window=1), memory_cap=100, name="w0")
     with caplog.at_level(logging.DEBUG, logger="metronome.serving.admission"):
         d1 = c.observe(LOW, False, live=4)     # increase
         d2 = c.observe(LOW, False, live=0)     # hold (app-limited)
@@ -204,7 +210,7 @@ def test_every_decision_is_recorded_with_a_reason_and_logged(caplog):
 
 
 def test_history_is_bounded():
-    c = AimdController(AimdConfig(window=1), memory_cap=10)
+    c = AimdController(additive(window=1), memory_cap=10)
     for _ in range(admission.HISTORY_LEN + 5):
         c.observe(LOW, False, live=0)
     assert len(c.history) == admission.HISTORY_LEN and c.history[-1].tick == admission.HISTORY_LEN + 5
@@ -216,11 +222,11 @@ A_MS, B_MS = 50.0, 5.0                 # latency = a + b * live
 N_STAR = (CFG.target_ms - A_MS) / B_MS  # 110 sessions: where latency crosses the 600 ms target
 
 
-def simulate(cls, *, ticks=600, noise=0.0, seed=0, arrivals=3, lifetime=100):
+def simulate(cls, *, ticks=600, noise=0.0, seed=0, arrivals=3, lifetime=100, cfg=CFG, a_ms=A_MS, b_ms=B_MS):
     """Sessions try to connect ``arrivals`` per tick (faster than the cap's +1/tick), each admitted one
     lives ``lifetime`` ticks; a Step's latency is a + b*live with multiplicative uniform noise."""
     rng = random.Random(seed)
-    c = cls(CFG, memory_cap=1000)
+    c = cls(cfg, memory_cap=1000)
     ends: list[int] = []
     caps = []
     for t in range(ticks):
@@ -229,7 +235,7 @@ def simulate(cls, *, ticks=600, noise=0.0, seed=0, arrivals=3, lifetime=100):
             if c.admits(len(ends)):
                 ends.append(t + lifetime)
         live = len(ends)
-        latency = (A_MS + B_MS * live) * (1 + rng.uniform(-noise, noise))
+        latency = (a_ms + b_ms * live) * (1 + rng.uniform(-noise, noise))
         c.observe(latency, latency > CFG.budget_ms, live)
         caps.append(c.cap)
     return c, caps
@@ -257,6 +263,61 @@ def test_noisy_worker_robust_controller_stays_near_target_and_beats_the_paper_ru
     assert r > p + 0.05 * N_STAR  # single noisy samples cut the paper's cap needlessly often
 
 
+# -- slow start -------------------------------------------------------------------------------------
+
+SLOW = AimdConfig(budget_ms=2000.0)  # the defaults: slow_start 2
+
+
+@pytest.mark.parametrize("a_ms, b_ms", [(A_MS, B_MS), (0.0, 600.0 / N_STAR)])  # with and without a fixed cost
+@pytest.mark.parametrize("noise", [0.0, 0.2])
+def test_slow_start_reaches_the_target_crossing_fast_without_overshooting_it(a_ms, b_ms, noise):
+    c, caps = simulate(AimdController, cfg=SLOW, ticks=300, arrivals=16, lifetime=10_000, noise=noise,
+                       a_ms=a_ms, b_ms=b_ms)
+    _, slow = simulate(AimdController, cfg=CFG, ticks=300, arrivals=16, lifetime=10_000, noise=noise,
+                       a_ms=a_ms, b_ms=b_ms)
+    reached = next(t for t, cap in enumerate(caps) if cap >= 0.85 * N_STAR)
+    assert reached <= 55
+    assert next(t for t, cap in enumerate(slow) if cap >= 0.85 * N_STAR) >= 85  # additive: ~ +1 a tick
+    jumps = [d for d in c.history if d.reason.startswith("slow start")]
+    # Sessions are never evicted, so a jump past the crossing would stay admitted: none may pass it.
+    assert len(jumps) >= 4 and all(d.cap <= min(2 * d.cap_before, N_STAR) for d in jumps)
+    gaps = [b.tick - a.tick for a, b in zip(jumps, jumps[1:])]
+    assert min(gaps) >= admission.SLOW_START_SAMPLES  # fresh samples before each jump
+
+
+def test_slow_start_jump_is_bounded_by_the_projection_from_the_fewest_live_sessions():
+    c = AimdController(AimdConfig(initial_cap=40), memory_cap=1000)
+    # live climbed 10 -> 40 inside the window; latency 300 ms: 10 sessions project to 10 * 600/300 = 20 fit
+    d = [c.observe(300.0, False, live) for live in (10, 25, 40)][-1]
+    # floor(0.9 * 20) = 18 is no jump: slow start ends, and growth is additive from here on
+    assert d.cap == 41 and "slow start" not in d.reason
+    assert [c.observe(LOW, False, c.cap).cap for _ in range(4)] == [41, 42, 43, 44]  # once 5 samples are in
+    c2 = AimdController(AimdConfig(initial_cap=40), memory_cap=1000)
+    d2 = [c2.observe(100.0, False, 40) for _ in range(3)][-1]
+    assert d2.cap == 80 and "slow start" in d2.reason  # min(2 * 40, 0.9 * 240)
+    d3 = [c2.observe(200.0, False, 80) for _ in range(3)][-1]
+    assert d3.cap == 160  # min(2 * 80, floor(0.9 * 240) = 216)
+    d4 = [c2.observe(500.0, False, 160) for _ in range(3)][-1]
+    assert d4.cap == 172  # floor(0.9 * 160 * 600 / 500)
+    assert [x.action for x in c2.history] == ["hold", "hold", "increase"] * 3  # 3 fresh samples each
+
+
+def test_slow_start_waits_for_demand_and_ends_at_the_first_decrease():
+    idle = AimdController(AimdConfig(initial_cap=20), memory_cap=1000)
+    feed(idle, [LOW] * 10, live=5)
+    assert idle.cap == 20 and "app-limited" in idle.history[-1].reason
+    c = AimdController(AimdConfig(initial_cap=20), memory_cap=1000)
+    assert feed(c, [HIGH] * 3, live=20)[-1].action == "decrease"  # floor(0.9 * 20) = 18
+    assert c.cap == 18
+    d = [c.observe(LOW, False, live=c.cap) for _ in range(8)]
+    assert [x.cap for x in d] == [18] * 4 + [19, 20, 21, 22]  # additive once a fresh window is full
+
+
+def test_slow_start_below_one_is_refused():
+    with pytest.raises(ConfigError):
+        AimdConfig(slow_start=0.5)
+
+
 # -- invariants ----------------------------------------------------------------------------------------
 
 steps = st.tuples(st.floats(0, 5000, allow_nan=False), st.booleans(), st.integers(0, 300),
@@ -267,11 +328,11 @@ steps = st.tuples(st.floats(0, 5000, allow_nan=False), st.booleans(), st.integer
 @given(window=st.integers(1, 6), initial=st.integers(0, 400), min_cap=st.integers(0, 5),
        memory_cap=st.integers(0, 300), static_cap=st.one_of(st.none(), st.integers(0, 300)),
        headroom=st.integers(0, 4), step=st.integers(1, 4), backoff=st.floats(0.05, 0.95),
-       trace=st.lists(steps, max_size=60), paper=st.booleans())
-def test_cap_stays_in_bounds_and_decisions_are_deterministic(window, initial, min_cap, memory_cap,
-                                                             static_cap, headroom, step, backoff, trace, paper):
+       trace=st.lists(steps, max_size=60), paper=st.booleans(), slow_start=st.sampled_from([1.0, 1.5, 2.0]))
+def test_cap_stays_in_bounds_and_decisions_are_deterministic(window, initial, min_cap, memory_cap, static_cap,
+                                                             headroom, step, backoff, trace, paper, slow_start):
     cfg = AimdConfig(window=window, initial_cap=max(initial, min_cap), min_cap=min_cap,
-                     grow_headroom=headroom, step=step, backoff=backoff)
+                     grow_headroom=headroom, step=step, backoff=backoff, slow_start=slow_start)
     cls = PaperAimdController if paper else AimdController
 
     def run():
@@ -287,7 +348,8 @@ def test_cap_stays_in_bounds_and_decisions_are_deterministic(window, initial, mi
             assert d.action == ("increase" if d.cap > d.cap_before else
                                 "decrease" if d.cap < d.cap_before else "hold")
             if d.action == "increase":
-                assert d.cap - d.cap_before <= step and not (missed and not paper)
+                growth = step if paper else max(step, int(slow_start * d.cap_before + 1e-9) - d.cap_before)
+                assert d.cap - d.cap_before <= growth and not (missed and not paper)
                 assert live >= d.cap_before - headroom
             if d.action == "decrease":
                 assert d.cap == max(min_cap, int(backoff * live + 1e-9))
