@@ -348,6 +348,8 @@ def add_arguments(p) -> None:
     p.add_argument("--profiles", type=lambda s: tuple(s.split(",")), default=("ramp",),
                    help=f"comma-separated load profiles out of {','.join(PROFILES)} (default ramp)")
     p.add_argument("--offered", type=int, default=None, help="override the sessions offered")
+    p.add_argument("--arrival-rate", type=float, default=None,
+                   help="override the open-loop arrivals per second (a lower rate offers load for longer)")
 
 
 def run(args) -> int:
@@ -366,6 +368,10 @@ def run(args) -> int:
         for p in args.profiles:
             if p not in PROFILES:
                 raise SystemExit(f"unknown profile {p!r}; one of {', '.join(PROFILES)}")
+        if args.arrival_rate is not None:
+            if not args.arrival_rate > 0:
+                raise SystemExit(f"--arrival-rate must be > 0, got {args.arrival_rate}")
+            preset = replace(preset, arrival_rate=args.arrival_rate)
         stamp = time.strftime("%Y%m%d-%H%M%S")
         out = args.out or Path("results/experiments") / f"admission-{preset.name}-{stamp}"
         raw = run_admission(preset, out, arms=args.arms, profiles=args.profiles, duration_s=args.duration_s,

@@ -75,7 +75,10 @@ def _interpreting() -> bool:
 
 
 # --------------------------------------------------------------------------------------------- kernels
-@triton.jit
+# ``num_splits`` changes with the batch and the contexts. Triton would compile a variant for each value
+# class it specialises on (== 1, multiple of 16, other) at its first launch, ~1 s inside a tick;
+# ``warm_up`` compiles what is left (the constexpr variants) before the first tick.
+@triton.jit(do_not_specialize=["num_splits"])
 def _paged_attn_fwd(
     Q, K, V, O, BT, WF, ITEMS, LSE_P, O_P,
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -190,7 +193,7 @@ def _paged_attn_fwd(
                  out.to(O.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _paged_attn_combine(
     O, ITEMS, LSE_P, O_P, stride_ot, stride_oh, num_splits,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_D: tl.constexpr,
@@ -417,6 +420,40 @@ class TritonPagedAttention:
         if self.num_kv_heads is None:
             return _LazyPlan(meta)
         return self._plan(meta, self.num_kv_heads)
+
+    def warm_up(self, k_cache: torch.Tensor, v_cache: torch.Tensor, *, block_size: int, sinks: int,
+                window: int | None, sink_blocks: int, block: int, dtype: torch.dtype) -> set[tuple[int, bool]]:
+        """Launch every kernel variant a forward can use once, before the first step: decode and prefill
+        tiles, each without and with split-KV. A variant compiles at its first launch, about a second on an
+        H200; inside a served tick that was a one-off tick of 1.4 s (docs/experiments/admission-gpu-short).
+
+        Attends over cache block ``block`` only (the runner's scratch block) and writes nothing to the
+        caches. Returns the ``(BLOCK_M, split)`` pairs launched, e.g. ``{(16, False), (16, True),
+        (64, False), (64, True)}``.
+        """
+        kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        g = self.num_heads // kv_heads
+        bm_small = max(self.options["decode_block_m"], _next_pow2(g))
+        dev = k_cache.device
+        launched: set[tuple[int, bool]] = set()
+        for n_q in (1, bm_small // g + 1):                # a decode tile, then a prefill tile
+            ctx = 2 * self.options["block_n"] + n_q       # two key tiles: both halves of a split have work
+            width = _cdiv(ctx, block_size)
+            meta = PagedAttentionMetadata(
+                block_size=block_size, sinks=sinks, window=window, sink_blocks=sink_blocks,
+                query_lens=[n_q], context_lens=[ctx],
+                query_start=torch.tensor([0, n_q], dtype=torch.long, device=dev),
+                context_lens_t=torch.tensor([ctx], dtype=torch.long, device=dev),
+                block_tables=torch.full((1, width), block, dtype=torch.int32, device=dev),
+                # sink_blocks here makes every logical block its own table column (see token_slots)
+                window_first=torch.tensor([sink_blocks], dtype=torch.long, device=dev),
+                slot_mapping=torch.zeros(n_q, dtype=torch.long, device=dev))
+            query = torch.zeros((n_q, self.num_heads, head_dim), dtype=dtype, device=dev)
+            for splits in (1, 2):
+                plan = plan_triton(meta, self.num_heads, kv_heads, **{**self.options, "force_splits": splits})
+                paged_attention_triton(query, k_cache, v_cache, meta, self.scale, plan)
+                launched.update((ln.block_m, ln.num_splits > 1) for ln in plan.launches)
+        return launched
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, plan) -> torch.Tensor:

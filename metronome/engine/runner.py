@@ -64,6 +64,12 @@ class ModelRunner:
             from metronome.attention.triton_paged import TritonPagedAttention  # needs the triton package
 
             self.attention = TritonPagedAttention(self.spec.num_heads, num_kv_heads=self.spec.num_kv_heads)
+            if self.device.type == "cuda":
+                k, v = self.kv_caches[0]
+                self.attention.warm_up(k, v, block_size=self.block_size,
+                                       sinks=self.policy.sinks if self.policy.bounded else 0,
+                                       window=self.policy.window, sink_blocks=self.sink_blocks,
+                                       block=num_blocks, dtype=self.dtype)
         else:
             self.attention = TorchPagedAttention(self.spec.num_heads)
 

@@ -65,7 +65,7 @@ lower; else if ``live >= cap - 2`` then ``cap += 1``. :class:`AimdController` fi
    ``live >= cap - grow_headroom``: low latency at a load far below the cap says nothing about the
    cap, and an idle worker must not grow its cap without bound.
 
-   >>> c = AimdController(AimdConfig(initial_cap=10, window=1), memory_cap=100)
+   >>> c = AimdController(AimdConfig(initial_cap=10, window=1, slow_start=1), memory_cap=100)
    >>> c.observe(50, False, live=3).reason
    'app-limited: live 3 < cap 10 - headroom 2'
 
@@ -82,22 +82,22 @@ lower; else if ``live >= cap - 2`` then ``cap += 1``. :class:`AimdController` fi
    tick, a worker that holds 300 sessions needs ten minutes to reach them from a cap of 4, while
    sessions arriving meanwhile are refused. So until its first decrease the controller grows the way
    TCP's slow start does, but bounded by the measurement: a verdict under target sets the cap to
-   ``min(slow_start * cap, floor(backoff * fit))``, where ``fit = min live in the window * target /
-   statistic`` is how many sessions the target allows if latency grows in proportion to sessions
-   (a tick's fixed cost makes real latency grow slower, so ``fit`` undershoots; ``backoff`` leaves a
-   margin for noise). The window is then emptied, and the next jump waits for
-   ``SLOW_START_SAMPLES`` (3) fresh samples taken at the new load: the fewest whose median one
-   outlier cannot move. Slow start ends at the first decrease or once a jump would be no bigger
-   than ``step``; from there growth is additive on the full window. Examples 1-6 use
-   ``slow_start=1`` (additive only). Here latency is ``50 + 4·live`` ms (the 600 ms target is
-   crossed at live 137) and demand always fills the cap:
+   ``min(slow_start * cap, floor(backoff * fit))``, where ``fit = fewest live * target / p50`` over
+   the last ``SLOW_START_SAMPLES`` (3) ticks is how many sessions the target allows if latency grows
+   in proportion to sessions (a tick's fixed cost makes real latency grow slower, so ``fit``
+   undershoots; ``backoff`` leaves a margin for noise). Those 3 samples must all be taken with the
+   cap's load in the worker (``live >= cap - grow_headroom``): the fewest whose median one outlier
+   cannot move, at the load the jump is about. The window is emptied after each jump. Slow start ends at
+   the first decrease or once a jump would be no bigger than ``step``; from there growth is additive on
+   the full window. Examples 1-6 use ``slow_start=1`` (additive only). Here latency is ``50 + 4·live``
+   ms (the 600 ms target is crossed at live 137) and demand always fills the cap:
 
    >>> c = AimdController(AimdConfig(budget_ms=2000, initial_cap=4), memory_cap=1000)
    >>> caps = [c.observe(50 + 4 * c.cap, False, live=c.cap).cap for _ in range(40)]
    >>> caps[:21]
    [4, 4, 8, 8, 8, 16, 16, 16, 32, 32, 32, 64, 64, 64, 112, 112, 112, 121, 121, 121, 122]
    >>> c.history[17].reason
-   'slow start: p50 of last 3 ticks 498.0 ms <= target 600.0 ms, cap = min(2*cap, 0.9*projected fit) = 121'
+   'slow start: p50 of last 3 ticks 498.0 ms <= target 600.0 ms at 112+ sessions, cap = min(2*cap, 0.9*projected fit) = 121'
    >>> caps.index(137)  # additive growth alone: 133 ticks
    36
 """
@@ -275,24 +275,37 @@ class AimdController(_CapController):
         if statistic > cfg.target_ms:
             return self._shrink(live, statistic, f"{what} {statistic:.1f} ms > target {cfg.target_ms:.1f} ms")
         if self._slow_start:
-            jump = self._slow_start_cap(statistic)
-            if jump > self.cap + cfg.step and live >= self.cap - cfg.grow_headroom and self.cap < self.ceiling:
-                # Judge the next jump on samples taken at the new load only.
-                self._samples.clear()
-                self._lives.clear()
-                self._since = "since the last slow-start increase"
-                return statistic, jump, (f"slow start: {what} {statistic:.1f} ms <= target {cfg.target_ms:.1f} ms, "
-                                         f"cap = min({cfg.slow_start:g}*cap, {cfg.backoff:g}*projected fit) = {jump}")
-            if jump <= self.cap + cfg.step:
-                self._slow_start = False  # near the target: additive from here
+            return self._slow_start_step(live, statistic, what)
         return self._grow(live, statistic, what)
 
-    def _slow_start_cap(self, statistic: float) -> int:
-        """min(slow_start * cap, floor(backoff * fit)): fit is the sessions the target allows if latency
-        grew in proportion to them, from the fewest live sessions the window's samples saw."""
-        cfg = self.config
-        fit = min(self._lives) * cfg.target_ms / max(statistic, 1e-6)
-        return min(math.floor(cfg.slow_start * self.cap + _FLOOR_EPS), self._backoff_cap(fit))
+    def _slow_start_step(self, live: int, statistic: float, what: str) -> tuple[float, int, str]:
+        """A verdict under target during slow start: jump to min(slow_start * cap, floor(backoff * fit)),
+        judged on the last ``SLOW_START_SAMPLES`` samples, all taken with the cap's load in the worker."""
+        cfg, cap = self.config, self.cap
+        n = min(cfg.window, SLOW_START_SAMPLES)
+        lives = list(self._lives)[-n:]
+        if min(lives) < cap - cfg.grow_headroom:
+            # Samples at a load below the cap say little about the cap (the app-limited guard, over the
+            # samples the jump is judged on): wait until demand fills it.
+            return statistic, cap, (f"slow start: app-limited: live {min(lives)} < cap {cap} - headroom "
+                                    f"{cfg.grow_headroom} in the last {n} ticks")
+        if cap >= self.ceiling:
+            return self._grow(live, statistic, what)
+        recent = float(statistics.median(list(self._samples)[-n:]))
+        # The sessions the target allows if latency grew in proportion to them (it grows slower when part
+        # of a tick is a fixed cost, so this undershoots), less a backoff's margin for noise.
+        fit = min(lives) * cfg.target_ms / max(recent, 1e-6)
+        jump = min(math.floor(cfg.slow_start * cap + _FLOOR_EPS), self._backoff_cap(fit))
+        if jump <= cap + cfg.step:
+            self._slow_start = False  # near the target: additive from here
+            return self._grow(live, statistic, what)
+        # Judge the next jump on samples taken at the new load only.
+        self._samples.clear()
+        self._lives.clear()
+        self._since = "since the last slow-start increase"
+        return recent, jump, (f"slow start: p50 of last {n} ticks {recent:.1f} ms <= target {cfg.target_ms:.1f} ms "
+                              f"at {min(lives)}+ sessions, cap = min({cfg.slow_start:g}*cap, "
+                              f"{cfg.backoff:g}*projected fit) = {jump}")
 
     def _on_decrease(self) -> None:
         # The samples in the window were taken at a load the cap no longer allows: start afresh.

@@ -152,3 +152,36 @@ def test_backend_writes_new_keys_then_attends():
             out = backend(query, new_k, new_v, k_cache, v_cache, plan)
             _check(out, meta, query, k_cache, v_cache, dense, seqs, sinks, window)
     assert backend.name == "triton"
+
+
+@pytest.mark.parametrize("heads, kv_heads, sinks, window", [(4, 2, 4, 32), (7, 1, 0, None), (8, 8, 16, 64)])
+def test_warm_up_launches_every_variant_a_plan_can_use_and_leaves_the_caches_alone(heads, kv_heads, sinks, window):
+    """The start-up warm-up compiles each (BLOCK_M, split) variant once: the set it launches must cover every
+    plan of mixed decode/prefill batches, and it may read only the scratch block."""
+    bs, head_dim, num_blocks = 16, 16, 12
+    gen = torch.Generator().manual_seed(0)
+    k_cache, v_cache = (torch.randn((num_blocks + 1, bs, kv_heads, head_dim), generator=gen).to(DEVICE)
+                        for _ in range(2))
+    k_cache[num_blocks] = float("nan")  # the scratch block may hold anything: outputs are discarded
+    before = k_cache.clone(), v_cache.clone()
+    attention = TritonPagedAttention(heads, num_kv_heads=kv_heads, num_sms=8)
+    launched = attention.warm_up(k_cache, v_cache, block_size=bs, sinks=sinks, window=window,
+                                 sink_blocks=-(-sinks // bs), block=num_blocks, dtype=torch.float32)
+    assert {split for _, split in launched} == {False, True} and len({bm for bm, _ in launched}) == 2
+    for a, b in zip(before, (k_cache, v_cache)):
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+    # Whatever a forward's batch looks like, its launches are variants the warm-up compiled.
+    seen = set()
+    for seed in range(12):
+        rng = torch.Generator().manual_seed(seed)
+        seqs = []
+        for _ in range(int(torch.randint(1, 6, (1,), generator=rng))):
+            qlen = int(torch.randint(1, 40, (1,), generator=rng)) if torch.rand(1, generator=rng) < 0.5 else 1
+            seqs.append((qlen + int(torch.randint(0, 400, (1,), generator=rng)), qlen))
+        meta, *_ = build_case(seqs, sinks, window, bs, heads=heads, kv_heads=kv_heads)
+        for target in (None, 10_000):   # the H200's rule, and one that splits whenever the tiles allow
+            plan = plan_triton(meta, heads, kv_heads, target_programs=target)
+            seen |= {(ln.block_m, ln.num_splits > 1) for ln in plan.launches}
+    assert seen <= launched
+    if window is None:  # long contexts: every variant occurs (a 32-token window never has tiles to split)
+        assert seen == launched

@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 
+from bench.experiments import admission
 from bench.experiments.admission import (CPU, analyse, analyse_point, arrival_times, convergence, parse_metrics,
                                          run_point, server_spec)
 from bench.experiments.admission_report import write_report
@@ -137,3 +138,10 @@ def test_metronome_bench_admission_reanalyses_a_raw_run(tmp_path, capsys):
     assert "| ramp | robust-sink_window | 22 / 60 | 38 | 20 |" in (tmp_path / "out" / "summary.md").read_text()
     # the other experiments still parse as before
     assert p.parse_args(["bench", "cliff", "--preset", "cpu"]).experiment == "cliff"
+
+
+@pytest.mark.parametrize("rate", ["0", "-2"])
+def test_a_non_positive_arrival_rate_is_refused_before_anything_runs(tmp_path, rate):
+    with pytest.raises(SystemExit, match="--arrival-rate must be > 0"):
+        admission.main(["--preset", "cpu", "--arrival-rate", rate, "--out", str(tmp_path / "x")])
+    assert not (tmp_path / "x").exists()

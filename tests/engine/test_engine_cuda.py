@@ -130,3 +130,32 @@ def test_pipelined_graph_rounds_with_stop_tokens_match_per_round_eager(checkpoin
     for a_step, b_step in zip(run(False), run(True)):
         assert [o.token_ids for o in a_step] == [o.token_ids for o in b_step]
         assert [o.finished for o in a_step] == [o.finished for o in b_step]
+
+
+def test_no_attention_kernel_compiles_after_start_up(checkpoints):
+    """Every attention kernel variant is compiled when the engine starts (``warm_up``), not at its first use
+    inside a step: a first launch compiles for about a second, and on the served path that was a one-off
+    1.4-s tick. Batches here go from one short prefill to long decode contexts that split the KV."""
+    from metronome.attention import triton_paged
+
+    def compiled() -> int:
+        return sum(len(entry[0]) for fn in (triton_paged._paged_attn_fwd, triton_paged._paged_attn_combine)
+                   for entry in fn.device_caches.values())
+
+    path, _ = checkpoints["qwen2"]
+    engine = Engine(EngineConfig(model=path, device="cuda", attention="triton", num_blocks=1200,
+                                 max_chunk_tokens=64, max_batch_tokens=1024,
+                                 policy=KVPolicy(sinks=4, window=512, block_size=16)))
+    at_start = compiled()
+    assert at_start > 0
+    rng = random.Random(11)
+    sids = [engine.open_session() for _ in range(24)]
+    for step in range(16):
+        live = sids[: 1 + (step * 5) % 24]
+        outs = engine.step([StepInput(s, token_ids=[rng.randrange(128) for _ in range(rng.choice([1, 3, 40, 64]))],
+                                      max_new_tokens=8) for s in live])
+        assert all(o.error is None for o in outs)
+    # The first step is one session's short chunk (no split); by the end the windows are full (9 key tiles)
+    # and a few dozen programs per launch make the split rule split.
+    assert max(engine.session_stats(s).num_tokens for s in sids) > 512
+    assert compiled() == at_start

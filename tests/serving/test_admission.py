@@ -278,28 +278,35 @@ def test_slow_start_reaches_the_target_crossing_fast_without_overshooting_it(a_m
     reached = next(t for t, cap in enumerate(caps) if cap >= 0.85 * N_STAR)
     assert reached <= 55
     assert next(t for t, cap in enumerate(slow) if cap >= 0.85 * N_STAR) >= 85  # additive: ~ +1 a tick
-    jumps = [d for d in c.history if d.reason.startswith("slow start")]
+    jumps = [d for d in c.history if d.action == "increase" and d.reason.startswith("slow start")]
     # Sessions are never evicted, so a jump past the crossing would stay admitted: none may pass it.
     assert len(jumps) >= 4 and all(d.cap <= min(2 * d.cap_before, N_STAR) for d in jumps)
     gaps = [b.tick - a.tick for a, b in zip(jumps, jumps[1:])]
     assert min(gaps) >= admission.SLOW_START_SAMPLES  # fresh samples before each jump
 
 
-def test_slow_start_jump_is_bounded_by_the_projection_from_the_fewest_live_sessions():
+def test_slow_start_jumps_only_on_samples_taken_at_the_caps_load():
     c = AimdController(AimdConfig(initial_cap=40), memory_cap=1000)
-    # live climbed 10 -> 40 inside the window; latency 300 ms: 10 sessions project to 10 * 600/300 = 20 fit
     d = [c.observe(300.0, False, live) for live in (10, 25, 40)][-1]
-    # floor(0.9 * 20) = 18 is no jump: slow start ends, and growth is additive from here on
-    assert d.cap == 41 and "slow start" not in d.reason
-    assert [c.observe(LOW, False, c.cap).cap for _ in range(4)] == [41, 42, 43, 44]  # once 5 samples are in
-    c2 = AimdController(AimdConfig(initial_cap=40), memory_cap=1000)
-    d2 = [c2.observe(100.0, False, 40) for _ in range(3)][-1]
-    assert d2.cap == 80 and "slow start" in d2.reason  # min(2 * 40, 0.9 * 240)
-    d3 = [c2.observe(200.0, False, 80) for _ in range(3)][-1]
-    assert d3.cap == 160  # min(2 * 80, floor(0.9 * 240) = 216)
-    d4 = [c2.observe(500.0, False, 160) for _ in range(3)][-1]
-    assert d4.cap == 172  # floor(0.9 * 160 * 600 / 500)
-    assert [x.action for x in c2.history] == ["hold", "hold", "increase"] * 3  # 3 fresh samples each
+    assert d.action == "hold" and "app-limited" in d.reason  # 10 and 25 sessions say little about 40
+    d = [c.observe(300.0, False, live) for live in (38, 40)][-1]
+    # the last three samples at 40, 38, 40 sessions: fit = 38 * 600 / 300 = 76 -> min(2 * 40, floor(0.9 * 76))
+    assert d.cap == 68 and "slow start" in d.reason
+
+
+def test_slow_start_jump_is_bounded_by_doubling_and_by_the_projected_fit():
+    c = AimdController(AimdConfig(initial_cap=40), memory_cap=1000)
+    d = [c.observe(100.0, False, 40) for _ in range(3)][-1]
+    assert d.cap == 80 and "slow start" in d.reason  # min(2 * 40, 0.9 * 240)
+    d = [c.observe(200.0, False, 80) for _ in range(3)][-1]
+    assert d.cap == 160  # min(2 * 80, floor(0.9 * 240) = 216)
+    d = [c.observe(500.0, False, 160) for _ in range(3)][-1]
+    assert d.cap == 172  # floor(0.9 * 160 * 600 / 500)
+    assert [x.action for x in c.history] == ["hold", "hold", "increase"] * 3  # 3 fresh samples each
+    # Near the target the projected jump is a single step: slow start ends, growth is additive on 5 samples.
+    d = [c.observe(560.0, False, 172) for _ in range(3)][-1]  # floor(0.9 * 172 * 600 / 560) = 165
+    assert d.cap == 173 and "slow start" not in d.reason
+    assert [c.observe(LOW, False, c.cap).cap for _ in range(4)] == [173, 174, 175, 176]  # once 5 samples are in
 
 
 def test_slow_start_waits_for_demand_and_ends_at_the_first_decrease():
