@@ -170,20 +170,34 @@ class ModelRunner:
     def rebase(self, moves: list[tuple[Session, int]]) -> None:
         """Move each session's attendable window keys ``delta`` positions back: ``R(-delta)`` in place.
 
-        All sessions of a forward at once: one gather, rotation and scatter per layer for the lot (per
-        session and layer it was ~7 small kernels each, thousands of launches a tick at N = 128).
+        All sessions of a forward at once, one launch per layer for the lot (per session and layer it was
+        ~7 small kernels each, thousands of launches a tick at N = 128): on CUDA one Triton kernel that
+        rotates each key in place; elsewhere a gather, rotation and scatter.
         """
-        slots, deltas = [], []
+        slots, deltas, counts = [], [], []
         for session, delta in moves:
             lo = max(self.policy.sinks, session.num_tokens - (self.policy.window or 0))
             if lo < session.num_tokens:
                 slots.append(self._token_slots(session, lo, session.num_tokens))
-                deltas.append(torch.full((session.num_tokens - lo,), -delta, dtype=torch.int64))
+                deltas.append(-delta)
+                counts.append(session.num_tokens - lo)
         if slots:
             slots_dev = torch.cat(slots).to(self.device, non_blocking=True)
-            cos, sin = self.model.rotary.shift_tables(torch.cat(deltas).to(self.device, non_blocking=True))
-            for k_cache, _ in self.kv_caches:
-                flat = k_cache.view(-1, self.spec.num_kv_heads, self.spec.head_dim)
-                flat.index_copy_(0, slots_dev, self.model.rotary.apply(flat.index_select(0, slots_dev), cos, sin))
+            rows = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts)).to(self.device,
+                                                                                             non_blocking=True)
+            deltas_dev = torch.tensor(deltas).to(self.device, non_blocking=True)
+            cos, sin = self.model.rotary.shift_tables(deltas_dev)  # [sessions, D], one row per moving session
+            if self.device.type == "cuda":
+                from metronome.models.rope_triton import rerotate_keys_
+
+                half = cos.shape[1] // 2
+                cos, sin = cos[:, :half].contiguous(), sin[:, :half].contiguous()
+                for k_cache, _ in self.kv_caches:
+                    rerotate_keys_(k_cache, slots_dev, rows, cos, sin)
+            else:
+                cos, sin = cos[rows], sin[rows]
+                for k_cache, _ in self.kv_caches:
+                    flat = k_cache.view(-1, self.spec.num_kv_heads, self.spec.head_dim)
+                    flat.index_copy_(0, slots_dev, self.model.rotary.apply(flat.index_select(0, slots_dev), cos, sin))
         for session, delta in moves:
             session.position_base += delta

@@ -1,4 +1,5 @@
-"""RoPE for q and k in one Triton kernel (CUDA decode/prefill): rotate-half layout, in place.
+"""RoPE in Triton (CUDA): q and k of a forward in one kernel, and the re-rotation of stored keys when
+windows rebase. Rotate-half layout, in place.
 
 The eager version costs ~7 small kernels per tensor per layer (casts, slices, cat, mul, add); inside a
 captured decode round those dominate the elementwise time. One program handles one token: it computes
@@ -50,3 +51,45 @@ def rope_qk_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq
     _rope_qk[(t,)](q, k, positions, inv_freq, q.stride(0), q.stride(1), k.stride(0), k.stride(1), float(scaling),
                    QH=qh, KH=kh, HALF=half, BLOCK_H=triton.next_power_of_2(max(qh, kh)),
                    BLOCK_HALF=triton.next_power_of_2(half))
+
+
+@triton.jit
+def _rerotate_keys(K, SLOTS, ROWS, COS, SIN, stride_ks, stride_kh, stride_row,
+                   KH: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(SLOTS + t)
+    row = tl.load(ROWS + t)
+    offs = tl.arange(0, BLOCK_HALF)
+    fmask = offs < HALF
+    cos = tl.load(COS + row * stride_row + offs, mask=fmask, other=0.0)
+    sin = tl.load(SIN + row * stride_row + offs, mask=fmask, other=0.0)
+    heads = tl.arange(0, BLOCK_H)
+    hmask = (heads < KH)[:, None] & fmask[None, :]
+    ptr = K + slot * stride_ks + heads[:, None] * stride_kh + offs[None, :]
+    x1 = tl.load(ptr, mask=hmask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptr + HALF, mask=hmask, other=0.0).to(tl.float32)
+    tl.store(ptr, (x1 * cos[None, :] - x2 * sin[None, :]).to(K.dtype.element_ty), mask=hmask)
+    tl.store(ptr + HALF, (x2 * cos[None, :] + x1 * sin[None, :]).to(K.dtype.element_ty), mask=hmask)
+
+
+def rerotate_keys_(k_cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor) -> None:
+    """Rotate the stored keys at flat cache ``slots`` [T] in place, key ``i`` by table row ``rows[i]``.
+
+    ``k_cache`` is [blocks, block_size, KH, D] (or already flat [slots, KH, D]); ``cos``/``sin`` are
+    [R, D/2] float32 (one row per moving session: ``Rotary.shift_tables`` halves). Rebasing a session's
+    window is this rotation by ``-delta``. One read and one write of each key, where the eager gather,
+    rotate and scatter make several passes over float32 copies (a tick in which 320 sessions rebased
+    cost 130 ms more than the others on an H200: docs/benchmarks/gpu.md §2f).
+    """
+    kh, d = k_cache.shape[-2:]
+    flat = k_cache.view(-1, kh, d)
+    t = slots.numel()
+    if t == 0:
+        return
+    if flat.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1 or cos.stride(0) != sin.stride(0):
+        raise ValueError("the cache's last dimension and the cos/sin rows must be contiguous")
+    half = d // 2
+    _rerotate_keys[(t,)](flat, slots, rows, cos, sin, flat.stride(0), flat.stride(1), cos.stride(0),
+                         KH=kh, HALF=half, BLOCK_H=triton.next_power_of_2(kh),
+                         BLOCK_HALF=triton.next_power_of_2(half))

@@ -159,3 +159,29 @@ def test_no_attention_kernel_compiles_after_start_up(checkpoints):
     # and a few dozen programs per launch make the split rule split.
     assert max(engine.session_stats(s).num_tokens for s in sids) > 512
     assert compiled() == at_start
+
+
+def test_rebased_windows_on_cuda_match_the_cpu_engine(checkpoints):
+    """Sessions whose windows rebase together (the Triton in-place re-rotation on CUDA) get the tokens and
+    logprobs the CPU engine's gather/rotate/scatter gives, float32 on both."""
+    path, _ = checkpoints["qwen2"]
+
+    def engine(device: str) -> Engine:
+        return Engine(EngineConfig(model=path, device=device, dtype="float32", num_blocks=400, max_chunk_tokens=40,
+                                   max_batch_tokens=96, policy=KVPolicy(sinks=2, window=20, block_size=16,
+                                                                        positions="rebased", rebase_every=4)))
+
+    cuda, cpu = engine("cuda"), engine("cpu")
+    pairs = [(cuda.open_session(), cpu.open_session()) for _ in range(3)]
+    rng = random.Random(3)
+    for _ in range(12):
+        chunks = [[rng.randrange(128) for _ in range(rng.randint(1, 13))] for _ in pairs]
+        on_gpu = cuda.step([StepInput(g, token_ids=c, max_new_tokens=3, prompt_logprobs=True)
+                            for (g, _), c in zip(pairs, chunks)])
+        on_cpu = cpu.step([StepInput(h, token_ids=c, max_new_tokens=3, prompt_logprobs=True)
+                           for (_, h), c in zip(pairs, chunks)])
+        for a, b in zip(on_gpu, on_cpu):
+            assert a.token_ids == b.token_ids
+            assert a.prompt_logprobs == pytest.approx(b.prompt_logprobs, abs=1e-3)
+    bases = [cuda.session_stats(g).position_base for g, _ in pairs]
+    assert min(bases) > 0 and len(set(bases)) > 1  # all moved, by different amounts

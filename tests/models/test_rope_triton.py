@@ -27,3 +27,29 @@ def test_fused_rope_matches_eager(qh, kh, d, dtype):
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(q, want_q, **tol)
     torch.testing.assert_close(k, want_k, **tol)
+
+
+@pytest.mark.parametrize("kh,d", [(2, 16), (1, 64), (3, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rerotated_keys_match_the_eager_shift_and_nothing_else_moves(kh, d, dtype):
+    """The in-place Triton re-rotation of stored keys (rebasing windows) against ``Rotary.apply`` with
+    ``shift_tables``: keys of several sessions, each moved by its own delta; other slots stay bitwise."""
+    from metronome.models.rope_triton import rerotate_keys_
+
+    torch.manual_seed(1)
+    rope = Rotary(tuple((1.0 / 10000 ** (torch.arange(0, d, 2) / d)).tolist()), 1.0, DEVICE)
+    cache = torch.randn(9, 4, kh, d, device=DEVICE).to(dtype)   # 9 blocks of 4 slots
+    before = cache.clone()
+    slots = torch.tensor([3, 4, 5, 17, 30, 31, 2], device=DEVICE)   # three sessions' keys, anywhere
+    rows = torch.tensor([0, 0, 0, 1, 2, 2, 1], dtype=torch.int32, device=DEVICE)
+    deltas = torch.tensor([-256, -4096, -1], device=DEVICE)
+    cos, sin = rope.shift_tables(deltas)
+    flat = before.view(-1, kh, d)
+    want = Rotary.apply(flat[slots], cos[rows.long()], sin[rows.long()])
+    rerotate_keys_(cache, slots, rows, cos[:, : d // 2].contiguous(), sin[:, : d // 2].contiguous())
+    got = cache.view(-1, kh, d)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got[slots], want, **tol)
+    untouched = torch.ones(got.shape[0], dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert torch.equal(got[untouched], flat[untouched])
