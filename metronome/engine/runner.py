@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 
+import numpy as np
 import torch
 
 from metronome.attention.metadata import PagedAttentionMetadata
@@ -35,6 +36,45 @@ def available_memory_bytes(device: torch.device) -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def window_slots(spans: list[tuple[Session, int, int]], block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Flat cache slots of tokens ``[lo, hi)`` of each ``(session, lo, hi)``, back to back (all live), and
+    the span each token belongs to: what a rebase re-rotates. Vectorised over blocks: per-session tensors
+    took 24 ms of host time for 320 sessions' 1,024-token windows, this 6-8 ms (bench/rebase_slots_host.py).
+
+    >>> s = Session(session_id=1, reservation=8, sink_count=1, block_size=4, opened_seq=0)
+    >>> for b in (10, 11, 12, 13): s.append_block(b)
+    >>> s.num_tokens = 16
+    >>> s.release_window_blocks_below(2)      # logical block 1 leaves the window
+    [11]
+    >>> slots, span = window_slots([(s, 1, 3), (s, 10, 13)], block_size=4)
+    >>> slots.tolist(), span.tolist()         # block 10 holds tokens 0-3; block 12 tokens 8-11, 13 12-15
+    ([41, 42, 50, 51, 52], [0, 0, 1, 1, 1])
+    """
+    blocks, block_lo, block_hi, per_span = [], [], [], []
+    for s, lo, hi in spans:
+        b0, b1 = lo // block_size, (hi - 1) // block_size + 1       # logical blocks [b0, b1)
+        row, n_sink = s.table_row(), len(s.sink_blocks)
+        # table_row is sink blocks, then window blocks: logical b sits in column b among the sinks, else
+        # in column n_sink + b - window_first (as Session.physical reads it).
+        found = row[b0:min(b1, n_sink)] + row[n_sink + max(b0, n_sink) - s.window_first:
+                                              n_sink + b1 - s.window_first]
+        if len(found) != b1 - b0:
+            raise ValueError(f"session {s.session_id}: tokens [{lo}, {hi}) are not all in live blocks")
+        blocks += found
+        block_lo.append(lo)
+        block_hi.append(hi)
+        per_span.append(b1 - b0)
+    counts = np.asarray(per_span, dtype=np.int64)
+    first_token = np.concatenate([np.arange(lo // block_size, (hi - 1) // block_size + 1) for _, lo, hi in spans])
+    first_token *= block_size
+    within = np.arange(block_size, dtype=np.int64)
+    tokens = first_token[:, None] + within                            # [blocks, block_size]
+    keep = (tokens >= np.repeat(block_lo, counts)[:, None]) & (tokens < np.repeat(block_hi, counts)[:, None])
+    slots = (np.asarray(blocks, dtype=np.int64)[:, None] * block_size + within)[keep]
+    span = np.repeat(np.arange(len(spans), dtype=np.int32), [hi - lo for _, lo, hi in spans])
+    return slots, span
 
 
 class ModelRunner:
@@ -159,13 +199,6 @@ class ModelRunner:
         return self.model.compute_logits(hidden).float()
 
     # ------------------------------------------------------------------ rebase
-    def _token_slots(self, session: Session, lo: int, hi: int) -> torch.Tensor:
-        tokens = torch.arange(lo, hi)
-        logical = tokens // self.block_size
-        physical = torch.tensor([session.physical(b) for b in range(lo // self.block_size,
-                                                                     (hi - 1) // self.block_size + 1)])
-        return physical[logical - lo // self.block_size] * self.block_size + tokens % self.block_size
-
     @torch.inference_mode()
     def rebase(self, moves: list[tuple[Session, int]]) -> None:
         """Move each session's attendable window keys ``delta`` positions back: ``R(-delta)`` in place.
@@ -174,17 +207,16 @@ class ModelRunner:
         ~7 small kernels each, thousands of launches a tick at N = 128): on CUDA one Triton kernel that
         rotates each key in place; elsewhere a gather, rotation and scatter.
         """
-        slots, deltas, counts = [], [], []
+        spans, deltas = [], []
         for session, delta in moves:
             lo = max(self.policy.sinks, session.num_tokens - (self.policy.window or 0))
             if lo < session.num_tokens:
-                slots.append(self._token_slots(session, lo, session.num_tokens))
+                spans.append((session, lo, session.num_tokens))
                 deltas.append(-delta)
-                counts.append(session.num_tokens - lo)
-        if slots:
-            slots_dev = torch.cat(slots).to(self.device, non_blocking=True)
-            rows = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts)).to(self.device,
-                                                                                             non_blocking=True)
+        if spans:
+            slots, rows = window_slots(spans, self.block_size)
+            slots_dev = torch.from_numpy(slots).to(self.device, non_blocking=True)
+            rows = torch.from_numpy(rows).to(self.device, non_blocking=True)
             deltas_dev = torch.tensor(deltas).to(self.device, non_blocking=True)
             cos, sin = self.model.rotary.shift_tables(deltas_dev)  # [sessions, D], one row per moving session
             if self.device.type == "cuda":
@@ -195,7 +227,7 @@ class ModelRunner:
                 for k_cache, _ in self.kv_caches:
                     rerotate_keys_(k_cache, slots_dev, rows, cos, sin)
             else:
-                cos, sin = cos[rows], sin[rows]
+                cos, sin = cos[rows.long()], sin[rows.long()]
                 for k_cache, _ in self.kv_caches:
                     flat = k_cache.view(-1, self.spec.num_kv_heads, self.spec.head_dim)
                     flat.index_copy_(0, slots_dev, self.model.rotary.apply(flat.index_select(0, slots_dev), cos, sin))
