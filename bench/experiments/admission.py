@@ -357,6 +357,8 @@ def run(args) -> int:
         raise SystemExit(f"admission has no preset {args.preset!r}; its presets: {', '.join(PRESETS)}")
     preset = PRESETS[args.preset]
     if getattr(args, "from_raw", None):
+        if args.arrival_rate is not None or args.offered is not None:
+            raise SystemExit("--arrival-rate and --offered shape a new run; --from re-analyses a finished one")
         from bench.experiments.report import load_raw
 
         raw = load_raw(args.from_raw)

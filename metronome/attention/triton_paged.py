@@ -75,10 +75,11 @@ def _interpreting() -> bool:
 
 
 # --------------------------------------------------------------------------------------------- kernels
-# ``num_splits`` changes with the batch and the contexts. Triton would compile a variant for each value
-# class it specialises on (== 1, multiple of 16, other) at its first launch, ~1 s inside a tick;
-# ``warm_up`` compiles what is left (the constexpr variants) before the first tick.
-@triton.jit(do_not_specialize=["num_splits"])
+# ``num_splits`` and ``stride_bt`` (the block table's width) change from forward to forward. Triton would
+# compile a variant for each value class it specialises ints on (== 1, multiple of 16, other) at its first
+# launch, ~1 s inside a tick; ``warm_up`` compiles what is left (the constexpr variants) before the first
+# tick. The other ints (head and cache strides, sinks, window, sink blocks) are fixed for an engine.
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _paged_attn_fwd(
     Q, K, V, O, BT, WF, ITEMS, LSE_P, O_P,
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -437,7 +438,7 @@ class TritonPagedAttention:
         dev = k_cache.device
         launched: set[tuple[int, bool]] = set()
         for n_q in (1, bm_small // g + 1):                # a decode tile, then a prefill tile
-            ctx = 2 * self.options["block_n"] + n_q       # two key tiles: both halves of a split have work
+            ctx = 2 * self.options["block_n"] + n_q       # three key tiles: both halves of a split have work
             width = _cdiv(ctx, block_size)
             meta = PagedAttentionMetadata(
                 block_size=block_size, sinks=sinks, window=window, sink_blocks=sink_blocks,

@@ -104,14 +104,28 @@ class ModelRunner:
             from metronome.attention.triton_paged import TritonPagedAttention  # needs the triton package
 
             self.attention = TritonPagedAttention(self.spec.num_heads, num_kv_heads=self.spec.num_kv_heads)
-            if self.device.type == "cuda":
-                k, v = self.kv_caches[0]
-                self.attention.warm_up(k, v, block_size=self.block_size,
-                                       sinks=self.policy.sinks if self.policy.bounded else 0,
-                                       window=self.policy.window, sink_blocks=self.sink_blocks,
-                                       block=num_blocks, dtype=self.dtype)
         else:
             self.attention = TorchPagedAttention(self.spec.num_heads)
+        if self.device.type == "cuda":
+            self._warm_up_kernels()
+
+    def _warm_up_kernels(self) -> None:
+        """Compile the Triton kernels a step may launch for the first time mid-run (about a second each on an
+        H200, which inside a tick is a one-off tick of over a second): every attention variant, and the
+        re-rotation of rebasing windows. They touch only the scratch block."""
+        k, v = self.kv_caches[0]
+        if not isinstance(self.attention, TorchPagedAttention):
+            self.attention.warm_up(k, v, block_size=self.block_size,
+                                   sinks=self.policy.sinks if self.policy.bounded else 0,
+                                   window=self.policy.window, sink_blocks=self.sink_blocks,
+                                   block=self.num_blocks, dtype=self.dtype)
+        if self.policy.bounded and self.policy.positions == "rebased":
+            from metronome.models.rope_triton import rerotate_keys_
+
+            half = self.spec.head_dim // 2
+            ones, zeros = (torch.full((1, half), x, dtype=torch.float32, device=self.device) for x in (1.0, 0.0))
+            rerotate_keys_(k, torch.tensor([self.scratch_slot], device=self.device),  # a rotation by zero
+                           torch.zeros(1, dtype=torch.int32, device=self.device), ones, zeros)
 
     # ------------------------------------------------------------------ forward
     def _metadata(self, segments: list[ForwardSegment]) -> tuple[PagedAttentionMetadata, torch.Tensor]:
@@ -199,6 +213,12 @@ class ModelRunner:
         return self.model.compute_logits(hidden).float()
 
     # ------------------------------------------------------------------ rebase
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        # Pinned + non_blocking on CUDA: a copy from pageable memory may wait for the GPU's queued work.
+        if self.device.type == "cuda":
+            return host.pin_memory().to(self.device, non_blocking=True)
+        return host.to(self.device)
+
     @torch.inference_mode()
     def rebase(self, moves: list[tuple[Session, int]]) -> None:
         """Move each session's attendable window keys ``delta`` positions back: ``R(-delta)`` in place.
@@ -215,9 +235,9 @@ class ModelRunner:
                 deltas.append(-delta)
         if spans:
             slots, rows = window_slots(spans, self.block_size)
-            slots_dev = torch.from_numpy(slots).to(self.device, non_blocking=True)
-            rows = torch.from_numpy(rows).to(self.device, non_blocking=True)
-            deltas_dev = torch.tensor(deltas).to(self.device, non_blocking=True)
+            slots_dev = self._to_device(torch.from_numpy(slots))
+            rows = self._to_device(torch.from_numpy(rows))
+            deltas_dev = self._to_device(torch.tensor(deltas))
             cos, sin = self.model.rotary.shift_tables(deltas_dev)  # [sessions, D], one row per moving session
             if self.device.type == "cuda":
                 from metronome.models.rope_triton import rerotate_keys_

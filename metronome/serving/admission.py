@@ -80,26 +80,30 @@ lower; else if ``live >= cap - 2`` then ``cap += 1``. :class:`AimdController` fi
 
 7. **Slow start.** Additive growth alone is slow where ticks are long: at ``B = 2 s`` and ``+1`` a
    tick, a worker that holds 300 sessions needs ten minutes to reach them from a cap of 4, while
-   sessions arriving meanwhile are refused. So until its first decrease the controller grows the way
-   TCP's slow start does, but bounded by the measurement: a verdict under target sets the cap to
-   ``min(slow_start * cap, floor(backoff * fit))``, where ``fit = fewest live * target / p50`` over
-   the last ``SLOW_START_SAMPLES`` (3) ticks is how many sessions the target allows if latency grows
-   in proportion to sessions (a tick's fixed cost makes real latency grow slower, so ``fit``
-   undershoots; ``backoff`` leaves a margin for noise). Those 3 samples must all be taken with the
-   cap's load in the worker (``live >= cap - grow_headroom``): the fewest whose median one outlier
-   cannot move, at the load the jump is about. The window is emptied after each jump. Slow start ends at
-   the first decrease or once a jump would be no bigger than ``step``; from there growth is additive on
-   the full window. Examples 1-6 use ``slow_start=1`` (additive only). Here latency is ``50 + 4·live``
-   ms (the 600 ms target is crossed at live 137) and demand always fills the cap:
+   sessions arriving meanwhile are refused. So until its first decrease (or deadline miss) the
+   controller grows the way TCP's slow start does, but bounded by the measurement: a verdict under
+   target sets the cap to ``min(slow_start * cap, floor(backoff * fit))`` (at least ``cap + step``),
+   where ``fit = fewest live * target / worst latency`` over the last ``SLOW_START_SAMPLES`` (3) ticks
+   is how many sessions the target allows if latency grows in proportion to sessions. A tick's fixed
+   cost makes real latency grow slower, so ``fit`` undershoots; the worst of the samples and the
+   ``backoff`` margin keep noise from pushing a jump past the target, which matters because admitted
+   sessions are never evicted. Those 3 samples must all be taken with the cap's load in the worker
+   (``live >= cap - grow_headroom``), and the window is emptied after each jump. Slow start ends at
+   the first decrease or miss, at the memory/static ceiling, or once ``floor(backoff * fit)`` is no
+   more than ``cap + step``; from there growth is additive on full windows. Examples 1-6 use
+   ``slow_start=1`` (additive only). Here latency is ``50 + 4·live`` ms (the 600 ms target is
+   crossed at live 137) and demand always fills the cap:
 
    >>> c = AimdController(AimdConfig(budget_ms=2000, initial_cap=4), memory_cap=1000)
    >>> caps = [c.observe(50 + 4 * c.cap, False, live=c.cap).cap for _ in range(40)]
-   >>> caps[:21]
-   [4, 4, 8, 8, 8, 16, 16, 16, 32, 32, 32, 64, 64, 64, 112, 112, 112, 121, 121, 121, 122]
+   >>> caps[:23]
+   [4, 4, 8, 8, 8, 16, 16, 16, 32, 32, 32, 64, 64, 64, 112, 112, 112, 121, 121, 121, 121, 121, 122]
    >>> c.history[17].reason
-   'slow start: p50 of last 3 ticks 498.0 ms <= target 600.0 ms at 112+ sessions, cap = min(2*cap, 0.9*projected fit) = 121'
+   'slow start: worst of last 3 ticks 498.0 ms at 112+ sessions, cap = min(2*cap, 0.9*projected fit) = 121'
+   >>> c.history[20].reason
+   'slow start ends: worst of last 3 ticks 534.0 ms projects 0.9*fit = 122 <= cap 121 + 1'
    >>> caps.index(137)  # additive growth alone: 133 ticks
-   36
+   37
 """
 
 from __future__ import annotations
@@ -267,6 +271,7 @@ class AimdController(_CapController):
         self._lives.append(live)
         statistic = float(statistics.median(self._samples))
         if missed:
+            self._slow_start = False  # a miss ends it even when the cap cannot go lower (see _shrink)
             return self._shrink(live, statistic, f"deadline missed ({latency_ms:.1f} ms, budget {cfg.budget_ms:.1f} ms)")
         needed = min(cfg.window, SLOW_START_SAMPLES) if self._slow_start else cfg.window
         if len(self._samples) < needed:
@@ -283,29 +288,32 @@ class AimdController(_CapController):
         judged on the last ``SLOW_START_SAMPLES`` samples, all taken with the cap's load in the worker."""
         cfg, cap = self.config, self.cap
         n = min(cfg.window, SLOW_START_SAMPLES)
-        lives = list(self._lives)[-n:]
+        lives, recent = list(self._lives)[-n:], list(self._samples)[-n:]
         if min(lives) < cap - cfg.grow_headroom:
             # Samples at a load below the cap say little about the cap (the app-limited guard, over the
             # samples the jump is judged on): wait until demand fills it.
             return statistic, cap, (f"slow start: app-limited: live {min(lives)} < cap {cap} - headroom "
                                     f"{cfg.grow_headroom} in the last {n} ticks")
         if cap >= self.ceiling:
+            self._slow_start = False  # nothing left to find; full windows from here
             return self._grow(live, statistic, what)
-        recent = float(statistics.median(list(self._samples)[-n:]))
         # The sessions the target allows if latency grew in proportion to them (it grows slower when part
-        # of a tick is a fixed cost, so this undershoots), less a backoff's margin for noise.
-        fit = min(lives) * cfg.target_ms / max(recent, 1e-6)
-        jump = min(math.floor(cfg.slow_start * cap + _FLOOR_EPS), self._backoff_cap(fit))
-        if jump <= cap + cfg.step:
-            self._slow_start = False  # near the target: additive from here
-            return self._grow(live, statistic, what)
+        # of a tick is a fixed cost, so this undershoots), from the worst of the samples (a median of 3 is
+        # optimistic a third of the time under noise), less a backoff's margin.
+        worst = max(recent)
+        bound = self._backoff_cap(min(lives) * cfg.target_ms / max(worst, 1e-6))
+        if bound <= cap + cfg.step:
+            # The cap's load is near the target: additive growth, judged on full windows, from here.
+            self._slow_start = False
+            return statistic, cap, (f"slow start ends: worst of last {n} ticks {worst:.1f} ms projects "
+                                    f"{cfg.backoff:g}*fit = {bound} <= cap {cap} + {cfg.step}")
+        jump = max(cap + cfg.step, min(math.floor(cfg.slow_start * cap + _FLOOR_EPS), bound))
         # Judge the next jump on samples taken at the new load only.
         self._samples.clear()
         self._lives.clear()
         self._since = "since the last slow-start increase"
-        return recent, jump, (f"slow start: p50 of last {n} ticks {recent:.1f} ms <= target {cfg.target_ms:.1f} ms "
-                              f"at {min(lives)}+ sessions, cap = min({cfg.slow_start:g}*cap, "
-                              f"{cfg.backoff:g}*projected fit) = {jump}")
+        return worst, jump, (f"slow start: worst of last {n} ticks {worst:.1f} ms at {min(lives)}+ sessions, "
+                             f"cap = min({cfg.slow_start:g}*cap, {cfg.backoff:g}*projected fit) = {jump}")
 
     def _on_decrease(self) -> None:
         # The samples in the window were taken at a load the cap no longer allows: start afresh.

@@ -145,3 +145,15 @@ def test_a_non_positive_arrival_rate_is_refused_before_anything_runs(tmp_path, r
     with pytest.raises(SystemExit, match="--arrival-rate must be > 0"):
         admission.main(["--preset", "cpu", "--arrival-rate", rate, "--out", str(tmp_path / "x")])
     assert not (tmp_path / "x").exists()
+
+
+def test_run_shaping_options_are_refused_when_re_analysing(tmp_path):
+    with pytest.raises(SystemExit, match="--from re-analyses a finished one"):
+        admission.main(["--preset", "cpu", "--from", str(tmp_path / "raw.json"), "--arrival-rate", "2"])
+
+
+def test_the_paper_arm_starts_uncapped_as_its_prototype_and_ours_at_the_preset_cap():
+    paper = server_spec(CPU, "m", "paper-sink_window")["admission"]
+    ours = server_spec(CPU, "m", "robust-sink_window")["admission"]
+    assert (paper["controller"], paper["initial_cap"]) == ("paper", None)
+    assert (ours["controller"], ours["initial_cap"]) == ("aimd", CPU.initial_cap)

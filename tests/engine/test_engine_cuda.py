@@ -133,14 +133,16 @@ def test_pipelined_graph_rounds_with_stop_tokens_match_per_round_eager(checkpoin
 
 
 def test_no_attention_kernel_compiles_after_start_up(checkpoints):
-    """Every attention kernel variant is compiled when the engine starts (``warm_up``), not at its first use
-    inside a step: a first launch compiles for about a second, and on the served path that was a one-off
-    1.4-s tick. Batches here go from one short prefill to long decode contexts that split the KV."""
+    """Every attention kernel variant and the re-rotation are compiled when the engine starts, not at their
+    first use inside a step: a first launch compiles for about a second, and on the served path that was a
+    one-off 1.4-s tick. Batches here go from one short prefill to long decode contexts that split the KV
+    and rebase, with block tables of every width in between."""
     from metronome.attention import triton_paged
+    from metronome.models import rope_triton
 
     def compiled() -> int:
-        return sum(len(entry[0]) for fn in (triton_paged._paged_attn_fwd, triton_paged._paged_attn_combine)
-                   for entry in fn.device_caches.values())
+        kernels = (triton_paged._paged_attn_fwd, triton_paged._paged_attn_combine, rope_triton._rerotate_keys)
+        return sum(len(entry[0]) for fn in kernels for entry in fn.device_caches.values())
 
     path, _ = checkpoints["qwen2"]
     engine = Engine(EngineConfig(model=path, device="cuda", attention="triton", num_blocks=1200,

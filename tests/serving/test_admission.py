@@ -269,12 +269,12 @@ SLOW = AimdConfig(budget_ms=2000.0)  # the defaults: slow_start 2
 
 
 @pytest.mark.parametrize("a_ms, b_ms", [(A_MS, B_MS), (0.0, 600.0 / N_STAR)])  # with and without a fixed cost
-@pytest.mark.parametrize("noise", [0.0, 0.2])
-def test_slow_start_reaches_the_target_crossing_fast_without_overshooting_it(a_ms, b_ms, noise):
+@pytest.mark.parametrize("noise, seed", [(0.0, 0)] + [(0.2, seed) for seed in range(8)])
+def test_slow_start_reaches_the_target_crossing_fast_without_overshooting_it(a_ms, b_ms, noise, seed):
     c, caps = simulate(AimdController, cfg=SLOW, ticks=300, arrivals=16, lifetime=10_000, noise=noise,
-                       a_ms=a_ms, b_ms=b_ms)
+                       a_ms=a_ms, b_ms=b_ms, seed=seed)
     _, slow = simulate(AimdController, cfg=CFG, ticks=300, arrivals=16, lifetime=10_000, noise=noise,
-                       a_ms=a_ms, b_ms=b_ms)
+                       a_ms=a_ms, b_ms=b_ms, seed=seed)
     reached = next(t for t, cap in enumerate(caps) if cap >= 0.85 * N_STAR)
     assert reached <= 55
     assert next(t for t, cap in enumerate(slow) if cap >= 0.85 * N_STAR) >= 85  # additive: ~ +1 a tick
@@ -303,10 +303,39 @@ def test_slow_start_jump_is_bounded_by_doubling_and_by_the_projected_fit():
     d = [c.observe(500.0, False, 160) for _ in range(3)][-1]
     assert d.cap == 172  # floor(0.9 * 160 * 600 / 500)
     assert [x.action for x in c.history] == ["hold", "hold", "increase"] * 3  # 3 fresh samples each
-    # Near the target the projected jump is a single step: slow start ends, growth is additive on 5 samples.
+    # Near the target the projection is no more than a step: slow start ends, growth is additive on 5 samples.
     d = [c.observe(560.0, False, 172) for _ in range(3)][-1]  # floor(0.9 * 172 * 600 / 560) = 165
-    assert d.cap == 173 and "slow start" not in d.reason
-    assert [c.observe(LOW, False, c.cap).cap for _ in range(4)] == [173, 174, 175, 176]  # once 5 samples are in
+    assert d.cap == 172 and d.reason.startswith("slow start ends")
+    assert [c.observe(LOW, False, c.cap).cap for _ in range(4)] == [172, 173, 174, 175]  # once 5 samples are in
+
+
+def test_slow_start_projects_from_the_worst_recent_sample():
+    c = AimdController(AimdConfig(initial_cap=40), memory_cap=1000)
+    d = [c.observe(ms, False, 40) for ms in (100.0, 300.0, 100.0)][-1]
+    assert d.cap == 72  # min(80, floor(0.9 * 40 * 600 / 300)): the median (100 ms) would have allowed 80
+
+
+@pytest.mark.parametrize("initial, step, growth", [(1, 1, 2.0), (4, 4, 2.0), (2, 1, 1.5)])
+def test_slow_start_grows_from_small_caps_by_at_least_a_step(initial, step, growth):
+    """Where doubling is no bigger than a step (cap 1, or step 4 at cap 4) slow start still goes on."""
+    c = AimdController(AimdConfig(initial_cap=initial, step=step, slow_start=growth), memory_cap=1000)
+    caps = [c.observe(10.0, False, live=c.cap).cap for _ in range(24)]
+    assert caps[-1] >= 8 * initial and all(d.reason.startswith(("slow start", "collecting")) for d in c.history)
+
+
+def test_a_deadline_miss_ends_slow_start_even_when_the_cap_cannot_go_lower():
+    c = AimdController(AimdConfig(initial_cap=10, min_cap=10, window=1), memory_cap=1000)
+    assert c.observe(2100.0, True, live=10).cap == 10  # floor(0.9 * 10) = 9 < min_cap: the cap holds
+    assert [c.observe(LOW, False, live=c.cap).cap for _ in range(3)] == [11, 12, 13]  # additive, no doubling
+
+
+def test_slow_start_ends_at_the_memory_cap():
+    c = AimdController(AimdConfig(initial_cap=None), memory_cap=30)
+    assert c.cap == 30  # None: start at the ceiling (the paper's prototype)
+    d = [c.observe(LOW, False, live=30) for _ in range(3)][-1]
+    assert "at memory cap 30" in d.reason
+    d = [c.observe(HIGH, False, live=30) for _ in range(3)]   # judged on the median of a full window of 5
+    assert [x.action for x in d] == ["hold", "hold", "decrease"] and d[-1].cap == 27
 
 
 def test_slow_start_waits_for_demand_and_ends_at_the_first_decrease():
