@@ -5,7 +5,7 @@ slots. Before: one small torch construction per session (``arange``, a Python li
 arithmetic). After: ``metronome.engine.runner.window_slots``, one numpy pass over every token. Host-only
 (no GPU); checks that both give the same slots:
 
-    python bench/rebase_slots_host.py --sessions 320 --window 1024 --out results/rebase_slots_host.json
+    PYTHONPATH=. python bench/rebase_slots_host.py --sessions 320 --window 1024 --out results/rebase_slots_host.json
 
 Defaults: the served shape at capacity on the H200 (docs/benchmarks/gpu.md §2f): 320 sessions, S = 16,
 W = 1024, blocks of 16, all rebasing in one forward.
@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from bench.host_timing import mean_ms
 from metronome.engine.runner import window_slots
 from metronome.engine.session import Session
 
@@ -47,14 +48,6 @@ def make_sessions(n: int, sinks: int, window: int, block_size: int) -> list[tupl
     return spans
 
 
-def best_ms(fn, repeats: int) -> float:
-    fn()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - start) / repeats * 1e3
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sessions", type=int, default=320)
@@ -78,7 +71,7 @@ def main() -> None:
                           "python": platform.python_version(), "torch": torch.__version__},
               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "args": vars(args),
               "keys": int(sum(hi - lo for _, lo, hi in spans)),
-              "before_ms": round(best_ms(before, args.repeats), 3), "after_ms": round(best_ms(after, args.repeats), 3)}
+              "before_ms": round(mean_ms(before, args.repeats), 3), "after_ms": round(mean_ms(after, args.repeats), 3)}
     print(f"| sessions | keys | per-session tensors | window_slots | ratio |\n|---|---|---|---|---|\n"
           f"| {args.sessions} | {result['keys']:,} | {result['before_ms']:.2f} ms | {result['after_ms']:.2f} ms | "
           f"{result['before_ms'] / result['after_ms']:.1f}x |")

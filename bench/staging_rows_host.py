@@ -3,7 +3,7 @@
 Before: every row padded to the graph's table width in Python lists, then ``torch.tensor``. After:
 ``metronome.engine.cuda_graphs.staging_rows`` (numpy, cut to the batch's live blocks). Host-only (no GPU):
 
-    python bench/staging_rows_host.py --rows 128 --width 2048 --live 44 --out results/staging_rows_host.json
+    PYTHONPATH=. python bench/staging_rows_host.py --rows 128 --width 2048 --live 44 --out results/staging_rows_host.json
 
 Defaults: an Unbounded session's graph table at a 32k position limit (2,048 blocks of 16) and ~700-token
 contexts (44 live blocks), as in the H200 cliff run (docs/experiments/cliff-gpu-short).
@@ -19,6 +19,7 @@ from types import SimpleNamespace
 
 import torch
 
+from bench.host_timing import mean_ms
 from metronome.engine.cuda_graphs import staging_rows
 
 
@@ -41,14 +42,6 @@ def padded_lists(segments, block_size: int, width: int) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.long)
 
 
-def best_ms(fn, repeats: int) -> float:
-    fn()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - start) / repeats * 1e3
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=128)
@@ -61,8 +54,8 @@ def main() -> None:
     segments = [SimpleNamespace(token_ids=[7], session=_Session(
         table=list(range(i * args.live, (i + 1) * args.live)), num_tokens=args.live * bs - 1, position_base=0,
         window_first=0)) for i in range(args.rows)]
-    before = best_ms(lambda: padded_lists(segments, bs, args.width), args.repeats)
-    after = best_ms(lambda: torch.from_numpy(staging_rows(segments, bs)), args.repeats)
+    before = mean_ms(lambda: padded_lists(segments, bs, args.width), args.repeats)
+    after = mean_ms(lambda: torch.from_numpy(staging_rows(segments, bs)), args.repeats)
     print("| rows | table width | live blocks | padded lists ms/round | staging_rows ms/round |")
     print("|---|---|---|---|---|")
     print(f"| {args.rows} | {args.width} | {args.live} | {before:.2f} | {after:.2f} |")
