@@ -15,6 +15,15 @@ import triton.language as tl
 
 
 @triton.jit
+def _rotate_in_place(ptr, cos, sin, mask, HALF: tl.constexpr):
+    """Rotate-half RoPE of the [heads, HALF] pairs at ``ptr`` and ``ptr + HALF`` by float32 ``cos``/``sin``."""
+    x1 = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptr + HALF, mask=mask, other=0.0).to(tl.float32)
+    tl.store(ptr, (x1 * cos[None, :] - x2 * sin[None, :]).to(ptr.dtype.element_ty), mask=mask)
+    tl.store(ptr + HALF, (x2 * cos[None, :] + x1 * sin[None, :]).to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rope_qk(Q, K, POS, INV_FREQ, stride_qt, stride_qh, stride_kt, stride_kh, scaling,
              QH: tl.constexpr, KH: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
              BLOCK_HALF: tl.constexpr):
@@ -33,11 +42,7 @@ def _rope_qk(Q, K, POS, INV_FREQ, stride_qt, stride_qh, stride_kt, stride_kh, sc
         else:
             base, stride_t, stride_h, n = K, stride_kt, stride_kh, KH
         hmask = (heads < n)[:, None] & fmask[None, :]
-        ptr = base + t * stride_t + heads[:, None] * stride_h + offs[None, :]
-        x1 = tl.load(ptr, mask=hmask, other=0.0).to(tl.float32)
-        x2 = tl.load(ptr + HALF, mask=hmask, other=0.0).to(tl.float32)
-        tl.store(ptr, (x1 * cos[None, :] - x2 * sin[None, :]).to(base.dtype.element_ty), mask=hmask)
-        tl.store(ptr + HALF, (x2 * cos[None, :] + x1 * sin[None, :]).to(base.dtype.element_ty), mask=hmask)
+        _rotate_in_place(base + t * stride_t + heads[:, None] * stride_h + offs[None, :], cos, sin, hmask, HALF)
 
 
 def rope_qk_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
@@ -65,11 +70,7 @@ def _rerotate_keys(K, SLOTS, ROWS, COS, SIN, stride_ks, stride_kh, stride_row,
     sin = tl.load(SIN + row * stride_row + offs, mask=fmask, other=0.0)
     heads = tl.arange(0, BLOCK_H)
     hmask = (heads < KH)[:, None] & fmask[None, :]
-    ptr = K + slot * stride_ks + heads[:, None] * stride_kh + offs[None, :]
-    x1 = tl.load(ptr, mask=hmask, other=0.0).to(tl.float32)
-    x2 = tl.load(ptr + HALF, mask=hmask, other=0.0).to(tl.float32)
-    tl.store(ptr, (x1 * cos[None, :] - x2 * sin[None, :]).to(K.dtype.element_ty), mask=hmask)
-    tl.store(ptr + HALF, (x2 * cos[None, :] + x1 * sin[None, :]).to(K.dtype.element_ty), mask=hmask)
+    _rotate_in_place(K + slot * stride_ks + heads[:, None] * stride_kh + offs[None, :], cos, sin, hmask, HALF)
 
 
 def rerotate_keys_(k_cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, cos: torch.Tensor,
