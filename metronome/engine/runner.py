@@ -8,6 +8,7 @@ once and runs the model.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 
@@ -77,6 +78,24 @@ def window_slots(spans: list[tuple[Session, int, int]], block_size: int) -> tupl
     return slots, span
 
 
+def _pack(arrays: list[np.ndarray], align: int = 16) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """int64 arrays back to back in one buffer, each at a multiple of ``align`` elements (Triton
+    specialises kernels on 16-byte pointer alignment; a view at an odd offset would compile a variant).
+
+    >>> buf, spans = _pack([np.array([1, 2, 3]), np.array([4])], align=4)
+    >>> buf.tolist(), spans
+    ([1, 2, 3, 0, 4, 0, 0, 0], [(0, 3), (4, 1)])
+    """
+    spans, total = [], 0
+    for a in arrays:
+        spans.append((total, len(a)))
+        total += -(-len(a) // align) * align
+    buf = np.zeros(total, dtype=np.int64)
+    for (start, length), a in zip(spans, arrays):
+        buf[start:start + length] = a
+    return buf, spans
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: LlamaFamilyForCausalLM, num_blocks: int) -> None:
         self.config = config
@@ -129,43 +148,45 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ forward
     def _metadata(self, segments: list[ForwardSegment]) -> tuple[PagedAttentionMetadata, torch.Tensor]:
-        dev = self.device
+        """The forward's attention metadata and positions, computed on the host (numpy) and sent in two
+        pinned copies: device-side construction from host lists made a pageable copy per list (each waits
+        for the GPU's queued work) and ``repeat_interleave`` a device-to-host sync per forward."""
+        bs, n = self.block_size, len(segments)
         query_lens = [len(s) for s in segments]
         starts = [s.session.num_tokens for s in segments]
         context_lens = [a + q for a, q in zip(starts, query_lens)]
         rows = [s.session.table_row() for s in segments]
-        width = max(1, max(len(r) for r in rows))
-        table = torch.full((len(rows), width), -1, dtype=torch.int32)
-        for i, r in enumerate(rows):
-            table[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
-        qlens_t = torch.tensor(query_lens, device=dev)
-        query_start = torch.zeros(len(segments) + 1, dtype=torch.long, device=dev)
-        query_start[1:] = torch.cumsum(qlens_t, 0)
-        num_tokens = int(sum(query_lens))
-        seq_of_token = torch.repeat_interleave(torch.arange(len(segments), device=dev), qlens_t)
-        offset = torch.arange(num_tokens, device=dev) - query_start[:-1][seq_of_token]
-        token_index = torch.tensor(starts, device=dev)[seq_of_token] + offset
-        base = torch.tensor([s.session.position_base for s in segments], device=dev)
-        positions = token_index - base[seq_of_token]
-        window_first = torch.tensor([s.session.window_first for s in segments], dtype=torch.long, device=dev)
-        block_tables = table.to(dev)
-        logical = token_index // self.block_size
-        column = torch.where(logical < self.sink_blocks, logical,
-                             self.sink_blocks + logical - window_first[seq_of_token])
-        physical = block_tables.long()[seq_of_token, column]
-        slot_mapping = physical * self.block_size + token_index % self.block_size
+        row_lens = np.fromiter(map(len, rows), dtype=np.int64, count=n)
+        table = np.full((n, max(1, int(row_lens.max()))), -1, dtype=np.int32)
+        table[np.arange(table.shape[1]) < row_lens[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(rows), dtype=np.int32, count=int(row_lens.sum()))
+        qlens = np.asarray(query_lens, dtype=np.int64)
+        seq = np.repeat(np.arange(n), qlens)
+        query_start = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(qlens, out=query_start[1:])
+        token_index = np.asarray(starts, dtype=np.int64)[seq] + np.arange(len(seq)) - query_start[:-1][seq]
+        base = np.fromiter((s.session.position_base for s in segments), dtype=np.int64, count=n)
+        window_first = np.fromiter((s.session.window_first for s in segments), dtype=np.int64, count=n)
+        logical = token_index // bs
+        column = np.where(logical < self.sink_blocks, logical, self.sink_blocks + logical - window_first[seq])
+        slot_mapping = table[seq, column].astype(np.int64) * bs + token_index % bs
+        packed, spans = _pack([query_start, np.asarray(context_lens, dtype=np.int64), window_first,
+                               token_index - base[seq], slot_mapping])
+        on_device = self._to_device(torch.from_numpy(packed))
+        query_start_t, context_lens_t, window_first_t, positions, slot_mapping_t = (
+            on_device[a:a + length] for a, length in spans)
         meta = PagedAttentionMetadata(
-            block_size=self.block_size,
+            block_size=bs,
             sinks=self.policy.sinks if self.policy.bounded else 0,
             window=self.policy.window,
             sink_blocks=self.sink_blocks,
             query_lens=query_lens,
             context_lens=context_lens,
-            query_start=query_start,
-            context_lens_t=torch.tensor(context_lens, device=dev),
-            block_tables=block_tables,
-            window_first=window_first,
-            slot_mapping=slot_mapping,
+            query_start=query_start_t,
+            context_lens_t=context_lens_t,
+            block_tables=self._to_device(torch.from_numpy(table)),
+            window_first=window_first_t,
+            slot_mapping=slot_mapping_t,
         )
         return meta, positions
 
@@ -173,11 +194,11 @@ class ModelRunner:
         dev = self.device
         ids = [t for s in segments for t in s.token_ids]
         if all(s.embeds is None for s in segments):
-            return self.model.embed(torch.tensor(ids, dtype=torch.long, device=dev))
+            return self.model.embed(self._to_device(torch.tensor(ids, dtype=torch.long)))
         parts = []
         for s in segments:
             if s.token_ids:
-                parts.append(self.model.embed(torch.tensor(s.token_ids, dtype=torch.long, device=dev)))
+                parts.append(self.model.embed(self._to_device(torch.tensor(s.token_ids, dtype=torch.long))))
             if s.embeds is not None:
                 parts.append(s.embeds.to(device=dev, dtype=self.dtype))
         return torch.cat(parts, 0)
