@@ -175,10 +175,8 @@ class DecodeGraphs:
         self.embeds[:b] = self.runner.model.embed(self.input_ids[:b])
         given = [(i, seg.embeds) for i, seg in enumerate(segments) if seg.embeds is not None and len(seg.embeds)]
         if given:
-            # non_blocking: a blocking copy from pageable memory waits for the GPU's queued work first.
-            rows_at = torch.tensor([i for i, _ in given]).to(self.runner.device, non_blocking=True)
-            self.embeds[rows_at] = torch.cat([e for _, e in given]).to(self.runner.device, self.runner.dtype,
-                                                                        non_blocking=True)
+            rows_at = self.runner.to_device(torch.tensor([i for i, _ in given]))
+            self.embeds[rows_at] = self.runner.to_device(torch.cat([e for _, e in given])).to(self.runner.dtype)
         g = self.graphs[bucket]
         g.graph.replay()
         return g.hidden[:b].clone()

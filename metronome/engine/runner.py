@@ -19,7 +19,7 @@ from metronome.attention.metadata import PagedAttentionMetadata
 from metronome.attention.reference import TorchPagedAttention
 from metronome.config import EngineConfig
 from metronome.engine.blocks import sink_block_count
-from metronome.engine.scheduler import ForwardSegment
+from metronome.engine.scheduler import ForwardSegment, InvariantError
 from metronome.engine.session import Session
 from metronome.models.llama import LlamaFamilyForCausalLM
 
@@ -59,10 +59,10 @@ def window_slots(spans: list[tuple[Session, int, int]], block_size: int) -> tupl
         row, n_sink = s.table_row(), len(s.sink_blocks)
         # table_row is sink blocks, then window blocks: logical b sits in column b among the sinks, else
         # in column n_sink + b - window_first (as Session.physical reads it).
-        found = row[b0:min(b1, n_sink)] + row[n_sink + max(b0, n_sink) - s.window_first:
-                                              n_sink + b1 - s.window_first]
-        if len(found) != b1 - b0:
+        w0 = max(b0, n_sink)
+        if b1 > w0 and (w0 < s.window_first or b1 > s.window_first + len(s.window_blocks)):
             raise ValueError(f"session {s.session_id}: tokens [{lo}, {hi}) are not all in live blocks")
+        found = row[b0:min(b1, n_sink)] + row[n_sink + w0 - s.window_first:n_sink + b1 - s.window_first]
         blocks += found
         block_lo.append(lo)
         block_hi.append(hi)
@@ -138,7 +138,7 @@ class ModelRunner:
                                    sinks=self.policy.sinks if self.policy.bounded else 0,
                                    window=self.policy.window, sink_blocks=self.sink_blocks,
                                    block=self.num_blocks, dtype=self.dtype)
-        if self.policy.bounded and self.policy.positions == "rebased":
+        if self.policy.bounded:  # any bounded session may ask for rebased positions at open_session
             from metronome.models.rope_triton import rerotate_keys_
 
             half = self.spec.head_dim // 2
@@ -169,10 +169,12 @@ class ModelRunner:
         window_first = np.fromiter((s.session.window_first for s in segments), dtype=np.int64, count=n)
         logical = token_index // bs
         column = np.where(logical < self.sink_blocks, logical, self.sink_blocks + logical - window_first[seq])
+        if len(column) and ((column < 0) | (column >= row_lens[seq])).any():
+            raise InvariantError("a forward's new token has no live block (the engine allocates first)")
         slot_mapping = table[seq, column].astype(np.int64) * bs + token_index % bs
         packed, spans = _pack([query_start, np.asarray(context_lens, dtype=np.int64), window_first,
                                token_index - base[seq], slot_mapping])
-        on_device = self._to_device(torch.from_numpy(packed))
+        on_device = self.to_device(torch.from_numpy(packed))
         query_start_t, context_lens_t, window_first_t, positions, slot_mapping_t = (
             on_device[a:a + length] for a, length in spans)
         meta = PagedAttentionMetadata(
@@ -184,7 +186,7 @@ class ModelRunner:
             context_lens=context_lens,
             query_start=query_start_t,
             context_lens_t=context_lens_t,
-            block_tables=self._to_device(torch.from_numpy(table)),
+            block_tables=self.to_device(torch.from_numpy(table)),
             window_first=window_first_t,
             slot_mapping=slot_mapping_t,
         )
@@ -194,11 +196,11 @@ class ModelRunner:
         dev = self.device
         ids = [t for s in segments for t in s.token_ids]
         if all(s.embeds is None for s in segments):
-            return self.model.embed(self._to_device(torch.tensor(ids, dtype=torch.long)))
+            return self.model.embed(self.to_device(torch.tensor(ids, dtype=torch.long)))
         parts = []
         for s in segments:
             if s.token_ids:
-                parts.append(self.model.embed(self._to_device(torch.tensor(s.token_ids, dtype=torch.long))))
+                parts.append(self.model.embed(self.to_device(torch.tensor(s.token_ids, dtype=torch.long))))
             if s.embeds is not None:
                 parts.append(s.embeds.to(device=dev, dtype=self.dtype))
         return torch.cat(parts, 0)
@@ -234,11 +236,12 @@ class ModelRunner:
         return self.model.compute_logits(hidden).float()
 
     # ------------------------------------------------------------------ rebase
-    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
-        # Pinned + non_blocking on CUDA: a copy from pageable memory may wait for the GPU's queued work.
-        if self.device.type == "cuda":
-            return host.pin_memory().to(self.device, non_blocking=True)
-        return host.to(self.device)
+    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` on the runner's device without a blocking copy: a CPU tensor goes through pinned
+        memory on CUDA (a copy from pageable memory may first wait for the GPU's queued work)."""
+        if self.device.type == "cuda" and tensor.device.type == "cpu":
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor.to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def rebase(self, moves: list[tuple[Session, int]]) -> None:
@@ -256,9 +259,9 @@ class ModelRunner:
                 deltas.append(-delta)
         if spans:
             slots, rows = window_slots(spans, self.block_size)
-            slots_dev = self._to_device(torch.from_numpy(slots))
-            rows = self._to_device(torch.from_numpy(rows))
-            deltas_dev = self._to_device(torch.tensor(deltas))
+            slots_dev = self.to_device(torch.from_numpy(slots))
+            rows = self.to_device(torch.from_numpy(rows))
+            deltas_dev = self.to_device(torch.tensor(deltas))
             cos, sin = self.model.rotary.shift_tables(deltas_dev)  # [sessions, D], one row per moving session
             if self.device.type == "cuda":
                 from metronome.models.rope_triton import rerotate_keys_
