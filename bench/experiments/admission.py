@@ -10,8 +10,9 @@ misses) every ``scrape_s``.
 
 Arms (``ARMS``): the robust controller on SinkWindow and on Unbounded, and the paper's single-sample
 controller on SinkWindow, which starts with no cap as the paper's prototype did (``initial_cap``). Load profiles (``arrival_times``): ``ramp`` (constant rate), ``step`` (a quarter of
-the rate for a third of the run, then twice the rate) and ``spike`` (a quarter of the rate, plus a burst of
-sessions arriving together at one third of the run).
+the rate for a third of the run, then twice the rate), ``spike`` (a quarter of the rate, plus a burst of
+sessions arriving together at one third of the run) and ``churn`` (the ramp's arrivals, but sessions leave
+after an exponential length of mean ``hold_s``: calls end, as the paper's never-ending sessions do not).
 
 Analysis (pure, ``analyse_point``): N* is the median cap over the last quarter of the run; the
 convergence time is the first scrape after which the cap stays within ``max(2, 15 %)`` of N*;
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import re
 import sys
 import tempfile
@@ -60,6 +62,7 @@ class AdmissionPreset:
     sample_s: float = 0.5        # KV usage sampling (worker Health)
     tail_fraction: float = 0.25  # N* = median cap over this last part of the run
     audio: str = "speech"        # "speech" (espeak-ng) or "noise" (loadgen.make_audio)
+    hold_s: float = 20.0         # churn profile: mean session length (exponential), so sessions leave
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -91,7 +94,7 @@ PRESETS = {"cpu": CPU, "gpu": GPU, "gpu-short": GPU_SHORT}
 ARMS = {"robust-sink_window": ("aimd", "sink_window"),
         "robust-unbounded": ("aimd", "unbounded"),
         "paper-sink_window": ("paper", "sink_window")}
-PROFILES = ("ramp", "step", "spike")
+PROFILES = ("ramp", "step", "spike", "churn")
 
 
 def arrival_times(profile: str, offered: int, rate: float, duration_s: float | None = None) -> list[float]:
@@ -101,6 +104,8 @@ def arrival_times(profile: str, offered: int, rate: float, duration_s: float | N
     other profiles start *under* N* to show the controller meeting a change of load:
     step: ``rate / 4`` for the first third of the run, then ``2 · rate``.
     spike: ``rate / 4`` throughout, plus ``offered // 4`` sessions that all arrive at one third of the run.
+    churn: ``i / rate`` like ramp, but the sessions also leave (``session_lengths``): the offered concurrency
+    settles at ``rate * hold_s`` (Little's law), above N*, instead of growing without end.
 
     >>> arrival_times("ramp", 4, 2.0)
     [0.0, 0.5, 1.0, 1.5]
@@ -110,7 +115,7 @@ def arrival_times(profile: str, offered: int, rate: float, duration_s: float | N
     [0.0, 1.0, 2.0, 2.0, 2.0, 3.0, 4.0, 5.0]
     """
     end = float("inf") if duration_s is None else duration_s
-    if profile == "ramp":
+    if profile in ("ramp", "churn"):
         times = [i / rate for i in range(offered)]
     elif profile == "step":
         t_step = (duration_s or 3.0 * offered / rate) / 3.0
@@ -188,6 +193,21 @@ class Scraper:
                                      "memory_capacity": w.get("memory_capacity"), **counters})
 
 
+def session_lengths(profile: str, n: int, hold_s: float, seed: int = 0) -> list[float | None]:
+    """How long each admitted session stays: exponential with mean ``hold_s`` for churn (seeded), else
+    until the end of the run (None), as in the paper's ramp.
+
+    >>> session_lengths("ramp", 2, 20.0)
+    [None, None]
+    >>> [round(x, 1) for x in session_lengths("churn", 3, 20.0, seed=1)]
+    [2.9, 37.6, 28.9]
+    """
+    if profile != "churn":
+        return [None] * n
+    rng = random.Random(seed)
+    return [rng.expovariate(1.0 / hold_s) for _ in range(n)]
+
+
 async def run_point(gateway: str, worker: str, preset: AdmissionPreset, profile: str = "ramp",
                     duration_s: float | None = None, offered: int | None = None, seed: int = 0,
                     on_progress=None) -> dict:
@@ -198,8 +218,9 @@ async def run_point(gateway: str, worker: str, preset: AdmissionPreset, profile:
     duration_s = duration_s or preset.duration_s
     load = LoadRun(gateway=gateway, worker=worker, sessions=offered, rate=preset.arrival_rate,
                    duration_s=duration_s, sample_s=preset.sample_s, seed=seed, audio=preset.audio)
-    load.traces = [SessionTrace(i, t) for i, t in enumerate(arrival_times(profile, offered, preset.arrival_rate,
-                                                                               duration_s))]
+    arrivals = arrival_times(profile, offered, preset.arrival_rate, duration_s)
+    load.traces = [SessionTrace(i, t, hold_s=h)
+                   for i, (t, h) in enumerate(zip(arrivals, session_lengths(profile, len(arrivals), preset.hold_s, seed)))]
     load.n = len(load.traces)
     scraper = Scraper(gateway, load.now, preset.scrape_s)
     if on_progress is not None:

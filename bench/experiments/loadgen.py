@@ -79,6 +79,8 @@ class SessionTrace:
     ticks: list[list] = field(default_factory=list)
     deltas: int = 0
     delta_chars: int = 0
+    hold_s: float | None = None          # how long the client stays once connected (None: to the run's end)
+    left_s: float | None = None          # when it closed its session itself (after hold_s)
 
 
 @dataclass
@@ -153,10 +155,11 @@ class LoadRun:
             start = self.now() + phase
             k = 0
             offset = tr.index * 37                # sessions start at different points of the audio
+            end = self.end if tr.hold_s is None else min(self.end, tr.connected_s + tr.hold_s)
             try:
                 while True:
                     due = start + k * CHUNK_MS / 1000.0
-                    if due >= self.end or reader.done():
+                    if due >= end or reader.done():
                         break
                     delay = due - self.now()
                     if delay > 0:
@@ -168,7 +171,9 @@ class LoadRun:
                     await ws.send_str(audio[(offset + k) % len(audio)])
                     tr.chunks_sent += 1
                     k += 1
-                await asyncio.sleep(max(0.0, self.end - self.now()))
+                await asyncio.sleep(max(0.0, end - self.now()))
+                if end < self.end:
+                    tr.left_s = self.now()        # the call is over: leaving frees its place (async with closes)
             except (ConnectionResetError, aiohttp.ClientError) as exc:
                 tr.errors.append(repr(exc))
             finally:

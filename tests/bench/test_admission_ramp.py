@@ -120,6 +120,28 @@ async def test_short_real_ramp_refuses_what_the_cap_does_not_allow(chat_checkpoi
     assert a["p50_ms"] is not None and a["steady_frames"] > 0
 
 
+async def test_churned_sessions_leave_and_free_their_place(chat_checkpoint):
+    """The churn profile through a real gateway + worker: clients close after their session length, the
+    gateway's live count falls with them, and a later arrival takes a freed place."""
+    preset = replace(CPU, model=chat_checkpoint, offered=12, arrival_rate=4.0, duration_s=6.0, initial_cap=4,
+                     num_blocks=256, scrape_s=0.25, hold_s=1.0)
+    spec = server_spec(preset, chat_checkpoint, "robust-sink_window")
+    spec["admission"].update(min_cap=4, target_fraction=1.0)   # a fixed cap of 4: admission by places alone
+    worker, server, gateway = await start(spec)
+    try:
+        point = await asyncio.wait_for(run_point(gateway, worker.address, preset, profile="churn", seed=3), timeout=20)
+    finally:
+        await server.stop()
+        await worker.stop(0)
+    admitted = [s for s in point["sessions"] if s["refused"] is None]
+    left = [s for s in admitted if s["left_s"] is not None]
+    assert left and all(s["left_s"] >= s["connected_s"] + s["hold_s"] - 0.05 for s in left)
+    assert all(t[0] <= s["left_s"] + 0.5 for s in left for t in s["ticks"])   # no frames after leaving
+    lives = [x["live"] for x in point["scrape"]]
+    assert max(lives) <= 4 and any(b < a for a, b in zip(lives, lives[1:]))  # live fell when calls ended
+    assert len(admitted) > 4                                   # freed places went to later arrivals
+
+
 def test_metronome_bench_admission_reanalyses_a_raw_run(tmp_path, capsys):
     import argparse
     import gzip
