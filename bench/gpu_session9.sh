@@ -10,6 +10,8 @@
 #       (arrivals for 128 s, so the cap meets latency before the offer runs out; session 4's ran out at 211)
 #   LIMIT_S=560 bash bench/gpu_experiments.sh ablation gpu-short
 #   LIMIT_S=560 bash bench/gpu_experiments.sh admission gpu-short --arms robust-unbounded
+#   LIMIT_S=560 bash bench/gpu_experiments.sh admission gpu-short --profiles churn --offered 1200 --duration-s 150
+#       (sessions leave after ~60 s; both SinkWindow arms, ~6 min)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1

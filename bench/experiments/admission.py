@@ -84,7 +84,7 @@ CPU = AdmissionPreset(name="cpu", model="tiny-random", device="cpu", dtype="floa
 GPU = AdmissionPreset(name="gpu", model="random:qwen2.5-7b", device="cuda", dtype="bfloat16", budget_ms=2000.0,
                       tokens_per_tick=25, offered=512, arrival_rate=8.0, duration_s=180.0, num_blocks=40000,
                       block_size=16, sinks=16, window=1024, max_chunk_tokens=64, max_position_embeddings=32768,
-                      scrape_s=0.5, sample_s=1.0)
+                      scrape_s=0.5, sample_s=1.0, hold_s=60.0)   # churn: 8/s x 60 s = 480 offered concurrency
 # One device session: 150-s runs (arrivals end at 64 s; a window fills 42 s after its session arrives).
 GPU_SHORT = replace(GPU, name="gpu-short", duration_s=150.0)
 
