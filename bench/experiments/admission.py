@@ -9,10 +9,11 @@ gateway's ``/health`` (cap, live, memory capacity) and ``/metrics`` (admitted, r
 misses) every ``scrape_s``.
 
 Arms (``ARMS``): the robust controller on SinkWindow and on Unbounded, and the paper's single-sample
-controller on SinkWindow, which starts with no cap as the paper's prototype did (``initial_cap``). Load profiles (``arrival_times``): ``ramp`` (constant rate), ``step`` (a quarter of
-the rate for a third of the run, then twice the rate), ``spike`` (a quarter of the rate, plus a burst of
-sessions arriving together at one third of the run) and ``churn`` (the ramp's arrivals, but sessions leave
-after an exponential length of mean ``hold_s``: calls end, as the paper's never-ending sessions do not).
+controller on SinkWindow, which starts with no cap as the paper's prototype did (``initial_cap``). Load
+profiles (``arrival_times``): ``ramp`` (constant rate), ``step`` (a quarter of the rate for a third of the
+run, then twice the rate), ``spike`` (a quarter of the rate, plus a burst of sessions arriving together at one
+third of the run) and ``churn`` (the ramp's arrivals, but sessions leave after an exponential length of mean
+``hold_s``: calls end, as the paper's never-ending sessions do not).
 
 Analysis (pure, ``analyse_point``): N* is the median cap over the last quarter of the run; the
 convergence time is the first scrape after which the cap stays within ``max(2, 15 %)`` of N*;
@@ -219,8 +220,8 @@ async def run_point(gateway: str, worker: str, preset: AdmissionPreset, profile:
     load = LoadRun(gateway=gateway, worker=worker, sessions=offered, rate=preset.arrival_rate,
                    duration_s=duration_s, sample_s=preset.sample_s, seed=seed, audio=preset.audio)
     arrivals = arrival_times(profile, offered, preset.arrival_rate, duration_s)
-    load.traces = [SessionTrace(i, t, hold_s=h)
-                   for i, (t, h) in enumerate(zip(arrivals, session_lengths(profile, len(arrivals), preset.hold_s, seed)))]
+    lengths = session_lengths(profile, len(arrivals), preset.hold_s, seed)
+    load.traces = [SessionTrace(i, t, hold_s=h) for i, (t, h) in enumerate(zip(arrivals, lengths))]
     load.n = len(load.traces)
     scraper = Scraper(gateway, load.now, preset.scrape_s)
     if on_progress is not None:

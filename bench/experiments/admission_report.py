@@ -98,7 +98,8 @@ def initial_caps(raw: dict) -> str:
         adm = pt.get("spec", {}).get("admission", {})
         cap = adm.get("initial_cap", raw["preset"].get("initial_cap"))
         caps[adm.get("controller", pt.get("controller", "?"))] = "the memory cap" if cap is None else str(cap)
-    return ", ".join(f"{cap} ({controller})" for controller, cap in sorted(caps.items())) or str(raw["preset"]["initial_cap"])
+    named = ", ".join(f"{cap} ({controller})" for controller, cap in sorted(caps.items()))
+    return named or str(raw["preset"]["initial_cap"])
 
 
 def markdown(raw: dict, analysis: dict, plots: list[str]) -> str:
@@ -109,7 +110,8 @@ def markdown(raw: dict, analysis: dict, plots: list[str]) -> str:
          f"(profiles: {', '.join(sorted({pt.get('profile', 'ramp') for pt in raw['points']}))}; see admission.arrival_times) "
          f"for {raw['duration_s']:.0f} s; "
          f"B = {p['budget_ms']:.0f} ms, target {p['target_fraction']}·B = {p['target_fraction'] * p['budget_ms']:.0f} ms, "
-         f"τ = {p['tokens_per_tick']}, initial cap {initial_caps(raw)}, no static cap, KV pool {p['num_blocks']} blocks "
+         f"τ = {p['tokens_per_tick']}, initial cap {initial_caps(raw)}, no static cap, "
+         f"KV pool {p['num_blocks']} blocks "
          f"of {p['block_size']} (SinkWindow S={p['sinks']}, W={p['window']}).",
          f"Machine: {m.get('platform', '?')}, {m.get('cpus', '?')} CPUs, torch {m.get('torch', '?')}, "
          f"load avg at start {m.get('load_avg', '?')}. Started {raw.get('started', '?')}, "

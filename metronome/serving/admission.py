@@ -272,7 +272,8 @@ class AimdController(_CapController):
         statistic = float(statistics.median(self._samples))
         if missed:
             self._slow_start = False  # a miss ends it even when the cap cannot go lower (see _shrink)
-            return self._shrink(live, statistic, f"deadline missed ({latency_ms:.1f} ms, budget {cfg.budget_ms:.1f} ms)")
+            why = f"deadline missed ({latency_ms:.1f} ms, budget {cfg.budget_ms:.1f} ms)"
+            return self._shrink(live, statistic, why)
         needed = min(cfg.window, SLOW_START_SAMPLES) if self._slow_start else cfg.window
         if len(self._samples) < needed:
             return statistic, self.cap, f"collecting samples: {len(self._samples)} of {needed} {self._since}"
