@@ -40,3 +40,23 @@ def test_triton_engine_greedy_equals_generate(checkpoints):
     outs = engine.step([StepInput(s, token_ids=p, max_new_tokens=4) for s, p in zip(sids, prompts)])
     for out, prompt in zip(outs, prompts):
         assert out.token_ids == hf_greedy(model, prompt, 4)
+
+
+def test_start_up_kernel_warm_up_touches_only_the_scratch_block(checkpoints):
+    """``ModelRunner._warm_up_kernels`` runs at start on CUDA; here it runs interpreted on the CPU, to show it
+    launches what it should and writes nowhere but the scratch block (the pool is bitwise unchanged)."""
+    import torch
+
+    path, _ = checkpoints["qwen2"]
+    engine = Engine(EngineConfig(model=path, attention="triton", num_blocks=12, max_chunk_tokens=24,
+                                 max_batch_tokens=64, policy=KVPolicy(sinks=4, window=40, block_size=16)))
+    sid = engine.open_session()
+    engine.step([StepInput(sid, token_ids=list(range(1, 30)), max_new_tokens=2)])   # some keys in the pool
+    runner = engine.runner
+    before = [(k[:-1].clone(), v[:-1].clone()) for k, v in runner.kv_caches]
+    runner._warm_up_kernels()
+    for (k0, v0), (k, v) in zip(before, runner.kv_caches):
+        assert torch.equal(k0.nan_to_num(3.0), k[:-1].nan_to_num(3.0))
+        assert torch.equal(v0.nan_to_num(3.0), v[:-1].nan_to_num(3.0))
+    out, = engine.step([StepInput(sid, token_ids=[5, 6], max_new_tokens=2)])
+    assert out.error is None and len(out.token_ids) == 2
