@@ -12,6 +12,8 @@
 #   LIMIT_S=560 bash bench/gpu_experiments.sh admission gpu-short --arms robust-unbounded
 #   LIMIT_S=560 bash bench/gpu_experiments.sh admission gpu-short --profiles churn --offered 1200 --duration-s 150
 #       (sessions leave after ~60 s; both SinkWindow arms, ~6 min)
+#   LIMIT_S=580 bash bench/gpu_experiments.sh cliff gpu-short --runs 2 --duration-s 100
+#       (session 4's 60-s runs ended 26 s after Unbounded's pool filled, too soon for the wall rule to judge)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
