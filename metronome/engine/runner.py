@@ -53,7 +53,7 @@ def window_slots(spans: list[tuple[Session, int, int]], block_size: int) -> tupl
     >>> slots.tolist(), span.tolist()         # block 10 holds tokens 0-3; block 12 tokens 8-11, 13 12-15
     ([41, 42, 50, 51, 52], [0, 0, 1, 1, 1])
     """
-    blocks, block_lo, block_hi, per_span = [], [], [], []
+    blocks, logical, block_lo, block_hi, per_span = [], [], [], [], []
     for s, lo, hi in spans:
         b0, b1 = lo // block_size, (hi - 1) // block_size + 1       # logical blocks [b0, b1)
         row, n_sink = s.table_row(), len(s.sink_blocks)
@@ -64,12 +64,12 @@ def window_slots(spans: list[tuple[Session, int, int]], block_size: int) -> tupl
             raise ValueError(f"session {s.session_id}: tokens [{lo}, {hi}) are not all in live blocks")
         found = row[b0:min(b1, n_sink)] + row[n_sink + w0 - s.window_first:n_sink + b1 - s.window_first]
         blocks += found
+        logical.extend(range(b0, b1))
         block_lo.append(lo)
         block_hi.append(hi)
         per_span.append(b1 - b0)
     counts = np.asarray(per_span, dtype=np.int64)
-    first_token = np.concatenate([np.arange(lo // block_size, (hi - 1) // block_size + 1) for _, lo, hi in spans])
-    first_token *= block_size
+    first_token = np.asarray(logical, dtype=np.int64) * block_size
     within = np.arange(block_size, dtype=np.int64)
     tokens = first_token[:, None] + within                            # [blocks, block_size]
     keep = (tokens >= np.repeat(block_lo, counts)[:, None]) & (tokens < np.repeat(block_hi, counts)[:, None])
@@ -193,7 +193,6 @@ class ModelRunner:
         return meta, positions
 
     def _inputs_embeds(self, segments: list[ForwardSegment]) -> torch.Tensor:
-        dev = self.device
         ids = [t for s in segments for t in s.token_ids]
         if all(s.embeds is None for s in segments):
             return self.model.embed(self.to_device(torch.tensor(ids, dtype=torch.long)))
@@ -202,7 +201,7 @@ class ModelRunner:
             if s.token_ids:
                 parts.append(self.model.embed(self.to_device(torch.tensor(s.token_ids, dtype=torch.long))))
             if s.embeds is not None:
-                parts.append(s.embeds.to(device=dev, dtype=self.dtype))
+                parts.append(self.to_device(s.embeds).to(self.dtype))
         return torch.cat(parts, 0)
 
     def capture_decode_graphs(self, max_batch: int, table_width: int) -> None:
