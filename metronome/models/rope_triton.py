@@ -58,7 +58,9 @@ def rope_qk_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq
                    BLOCK_HALF=triton.next_power_of_2(half))
 
 
-@triton.jit
+# The cos/sin row stride is D/2 but D when one session moves (a one-row slice is already contiguous):
+# specialising on it would compile a second variant at the first single-session rebase, mid-tick.
+@triton.jit(do_not_specialize=["stride_row"])
 def _rerotate_keys(K, SLOTS, ROWS, COS, SIN, stride_ks, stride_kh, stride_row,
                    KH: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     t = tl.program_id(0)
