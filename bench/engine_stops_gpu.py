@@ -4,7 +4,9 @@ The worker passes each adapter's stop tokens, which takes decode off the pipelin
 reads every round's tokens before it prepares the next). This runs the served cliff's shape — a
 Qwen2.5-7B-shaped random decoder, S = 16, W = 256, N sessions with full windows, 25 prefill + 25
 decode tokens a tick — with and without stop tokens, rebased and absolute positions, and profiles
-one tick of each path (host time against GPU kernel time).
+one tick of each path (host time against GPU kernel time). Each tick records the garbage collections
+that ran inside it (generation, pause); ``--heap frozen`` freezes the start-up heap first, as the worker
+does (``metronome.serving.heap``), ``--heap default`` leaves the collector as Python sets it.
 
     python bench/engine_stops_gpu.py --sessions 64,128 --out results/engine_stops.json
 """
@@ -12,6 +14,7 @@ one tick of each path (host time against GPU kernel time).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import statistics
@@ -20,6 +23,7 @@ import time
 import torch
 
 from bench.engine_gpu import make_spec, random_model
+from metronome.serving.heap import CollectorPauses, freeze_startup_heap
 
 
 def run_ticks(engine, sids, ticks: int, prefill: int, decode: int, stops: tuple[int, ...], gen) -> dict:
@@ -27,16 +31,22 @@ def run_ticks(engine, sids, ticks: int, prefill: int, decode: int, stops: tuple[
 
     sampling = SamplingParams(stop_token_ids=stops)
     rows = []
-    for _ in range(ticks):
-        inputs = [StepInput(s, token_ids=torch.randint(3, 40000, (prefill,), generator=gen).tolist(),
-                            max_new_tokens=decode, sampling=sampling) for s in sids]
-        start = time.perf_counter()
-        engine.step(inputs)
-        rows.append({"tick_ms": (time.perf_counter() - start) * 1e3, "prefill_ms": engine.last_timing.prefill_ms,
-                     "decode_ms": engine.last_timing.decode_ms, "rounds": engine.last_timing.decode_rounds})
+    with CollectorPauses() as pauses:
+        for _ in range(ticks):
+            inputs = [StepInput(s, token_ids=torch.randint(3, 40000, (prefill,), generator=gen).tolist(),
+                                max_new_tokens=decode, sampling=sampling) for s in sids]
+            pauses.take()
+            start = time.perf_counter()
+            engine.step(inputs)
+            rows.append({"tick_ms": (time.perf_counter() - start) * 1e3,
+                         "prefill_ms": engine.last_timing.prefill_ms, "decode_ms": engine.last_timing.decode_ms,
+                         "rounds": engine.last_timing.decode_rounds,
+                         "gc": [[gen_, round(ms, 2)] for gen_, ms in pauses.take()]})
     return {"median_tick_ms": statistics.median(r["tick_ms"] for r in rows),
             "median_prefill_ms": statistics.median(r["prefill_ms"] for r in rows),
-            "median_decode_ms": statistics.median(r["decode_ms"] for r in rows), "ticks": rows}
+            "median_decode_ms": statistics.median(r["decode_ms"] for r in rows),
+            "full_collections": sum(gen_ == 2 for r in rows for gen_, _ in r["gc"]),
+            "max_gc_pause_ms": max((ms for r in rows for _, ms in r["gc"]), default=0.0), "ticks": rows}
 
 
 def profile_tick(engine, sids, prefill, decode, stops, gen) -> dict:
@@ -60,6 +70,7 @@ def main() -> None:
     p.add_argument("--sessions", default="64,128")
     p.add_argument("--window", type=int, default=256)
     p.add_argument("--ticks", type=int, default=8)
+    p.add_argument("--heap", choices=("frozen", "default"), default="frozen")
     p.add_argument("--out", default="results/engine_stops.json")
     args = p.parse_args()
     spec = make_spec("qwen2.5-7b")
@@ -74,6 +85,8 @@ def main() -> None:
         engine = Engine(EngineConfig(model="random", device="cuda", dtype="bfloat16", policy=policy,
                                      num_blocks=blocks, max_chunk_tokens=64), model=model)
         print(f"{positions}: engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
+        if args.heap == "frozen":
+            freeze_startup_heap()
         for n in [int(x) for x in args.sessions.split(",")]:
             gen = torch.Generator().manual_seed(n)
             sids = [engine.open_session() for _ in range(n)]
@@ -93,6 +106,7 @@ def main() -> None:
             for s in sids:
                 engine.close_session(s)
         del engine
+        gc.unfreeze()
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)

@@ -29,6 +29,7 @@ import sys
 from metronome.config import AimdConfig, EngineConfig, GatewayConfig, KVPolicy
 from metronome.engine.engine import Engine
 from metronome.serving.gateway import serve_gateway
+from metronome.serving.heap import freeze_startup_heap
 from metronome.serving.worker import WorkerConfig, serve_worker
 
 
@@ -82,6 +83,7 @@ async def _until_stdin_closes() -> None:
 
 async def worker_main(spec: dict) -> None:
     worker = await start_worker(spec)
+    freeze_startup_heap()   # as `metronome worker` does
     try:
         print(json.dumps({"worker": worker.address}), flush=True)
         # Nobody reads this pipe after the handshake: anything printed later goes to the log (stderr), not
@@ -102,6 +104,7 @@ async def main(spec: dict) -> None:
             raise RuntimeError(f"the worker process exited with {child.wait()} before it was ready")
         worker = json.loads(line)["worker"]
         server = await start_gateway(spec, worker)
+        freeze_startup_heap()   # as `metronome gateway` does
         try:
             print(json.dumps({"gateway": server.address, "worker": worker}), flush=True)
             await _until_stdin_closes()   # the sweep closes stdin to stop us

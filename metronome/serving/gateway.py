@@ -31,6 +31,7 @@ import grpc
 
 from metronome.config import GatewayConfig
 from metronome.serving.client_session import ClientSession
+from metronome.serving.heap import freeze_startup_heap
 from metronome.serving.metrics import CONTENT_TYPE, GatewayMetrics
 from metronome.serving.proto import worker_pb2 as pb
 from metronome.serving.protocol import (
@@ -475,6 +476,7 @@ def run_gateway(config: GatewayConfig) -> None:
 
     async def main() -> None:
         server = await serve_gateway(config)
+        freeze_startup_heap()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

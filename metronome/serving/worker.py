@@ -49,6 +49,7 @@ from metronome.audio.registry import ADAPTERS
 from metronome.audio.pcm import SILENCE_DBFS, Resampler, check_sample_rate, decode_pcm16, levels
 from metronome.engine.runner import DTYPES
 from metronome.errors import ConfigError
+from metronome.serving.heap import freeze_startup_heap
 from metronome.serving.proto import worker_pb2 as pb
 from metronome.serving.proto import worker_pb2_grpc
 
@@ -406,6 +407,7 @@ def run_worker(config: WorkerConfig) -> None:
 
     async def main() -> None:
         handle = await serve_worker(config)
+        freeze_startup_heap()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

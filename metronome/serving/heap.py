@@ -1,0 +1,68 @@
+"""Keep Python's cyclic garbage collector out of the tick.
+
+A serving process imports torch, triton, grpc and transformers and builds an engine before its first
+tick: a CPU worker with the packaged model and 64 sessions holds ~358,000 objects the collector tracks,
+and a full collection walks all of them (159 ms on a 2-core VM: ``bench/gc_pause_host.py``). The
+interpreter runs one on its own whenever the objects that survive ticks have grown the old generation by a
+quarter, and the tick waits for it. Through the gateway on an H200, 5 of 89 ticks took 130-225 ms more
+engine time than their neighbours, the last four 24-26 s apart (docs/experiments/admission-gpu-short):
+the size and rhythm of such collections, though not yet shown to be them (``CollectorPauses`` records
+them).
+Start-up objects live as long as the process, so they are moved to the collector's permanent generation,
+which it never walks; collections then see only what ticks make (65 objects in the same benchmark).
+
+>>> import gc
+>>> freeze_startup_heap()
+>>> gc.get_freeze_count() > 0
+True
+"""
+
+from __future__ import annotations
+
+import gc
+from time import perf_counter
+
+
+def freeze_startup_heap() -> None:
+    """Collect what start-up left behind, then exempt every live object from later collections.
+
+    Call once in a serving process's entry point, after the engine (or the gateway) is built and before the
+    first tick. Frozen objects are still freed by reference counting; only cycles among them would stay, and
+    start-up state lives until exit anyway. Not for library code: freezing is process-wide.
+    """
+    gc.collect()
+    gc.freeze()
+
+
+class CollectorPauses:
+    """Records each collection's generation and pause while installed (``gc.callbacks``), to attribute a
+    slow tick to the collector or clear it.
+
+    >>> pauses = CollectorPauses()
+    >>> with pauses:
+    ...     _ = gc.collect()
+    >>> [generation for generation, _ in pauses.take()]
+    [2]
+    """
+
+    def __init__(self) -> None:
+        self._pauses: list[tuple[int, float]] = []
+        self._started = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = perf_counter()
+        else:
+            self._pauses.append((info["generation"], (perf_counter() - self._started) * 1e3))
+
+    def __enter__(self) -> CollectorPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def take(self) -> list[tuple[int, float]]:
+        """The (generation, pause ms) of every collection since the last ``take``."""
+        pauses, self._pauses = self._pauses, []
+        return pauses
