@@ -14,6 +14,7 @@ True
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,7 +38,9 @@ def decode_pcm16(data: bytes) -> np.ndarray:
     """
     if len(data) % 2:
         raise ValueError(f"PCM16 audio must have an even number of bytes (2 per sample), got {len(data)}")
-    return np.frombuffer(data, dtype="<i2").astype(np.float32) / np.float32(32768.0)
+    samples = np.frombuffer(data, dtype="<i2").astype(np.float32)
+    samples *= np.float32(1.0 / 32768.0)   # in place; a power of two, so exactly a division by 32768
+    return samples
 
 
 def encode_pcm16(samples: np.ndarray) -> bytes:
@@ -100,7 +103,7 @@ def rms_dbfs(samples: np.ndarray) -> float:
     samples = np.asarray(samples, dtype=np.float32)
     if samples.size == 0:
         return SILENCE_DBFS
-    rms = float(np.sqrt(np.mean(np.square(samples, dtype=np.float64))))
+    rms = math.sqrt(float(np.dot(samples, samples)) / samples.size)   # dot: one pass, no squared copy
     if rms <= 0.0:
         return SILENCE_DBFS
     return max(SILENCE_DBFS, 20.0 * float(np.log10(rms)))
@@ -113,9 +116,14 @@ def clipping_fraction(samples: np.ndarray, level: float = CLIP_LEVEL) -> float:
     0.5
     """
     samples = np.asarray(samples, dtype=np.float32)
-    if samples.size == 0:
+    if samples.size == 0 or peak_magnitude(samples) < level:   # the usual case: one pass, no copies
         return 0.0
     return float(np.count_nonzero(np.abs(samples) >= level)) / samples.size
+
+
+def peak_magnitude(samples: np.ndarray) -> float:
+    """max |sample| of non-empty ``samples``, without an ``abs`` copy."""
+    return max(float(samples.max()), -float(samples.min()))
 
 
 @dataclass(frozen=True)
@@ -134,6 +142,7 @@ def levels(samples: np.ndarray, sample_rate: int) -> Levels:
     (0.0, 0.25, 0.25)
     """
     samples = np.asarray(samples, dtype=np.float32)
-    peak = float(np.max(np.abs(samples))) if samples.size else 0.0
-    peak_db = max(SILENCE_DBFS, 20.0 * float(np.log10(peak))) if peak > 0 else SILENCE_DBFS
-    return Levels(rms_dbfs(samples), peak_db, clipping_fraction(samples), samples.size * 1000.0 / sample_rate)
+    peak = peak_magnitude(samples) if samples.size else 0.0
+    peak_db = max(SILENCE_DBFS, 20.0 * math.log10(peak)) if peak > 0 else SILENCE_DBFS
+    clipping = clipping_fraction(samples) if peak >= CLIP_LEVEL else 0.0
+    return Levels(rms_dbfs(samples), peak_db, clipping, samples.size * 1000.0 / sample_rate)

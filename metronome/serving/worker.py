@@ -234,15 +234,17 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             raise ValueError(f"unknown session {inp.sid!r}")
         pcm = np.zeros(0, np.float32)
         out.input_dbfs = SILENCE_DBFS
-        if inp.audio_pcm16:
+        audio = inp.audio_pcm16   # read once: each read of a protobuf bytes field copies it
+        if audio:
             check_sample_rate(inp.sample_rate)
-            pcm = decode_pcm16(inp.audio_pcm16)
+            pcm = decode_pcm16(audio)
             lv = levels(pcm, inp.sample_rate)
             out.input_dbfs, out.input_clipping = lv.rms_dbfs, lv.clipping
-            resampler = self._resamplers.get(inp.sid)
-            if resampler is None or resampler.in_rate != inp.sample_rate:
-                resampler = self._resamplers[inp.sid] = Resampler(inp.sample_rate, self.adapter.sample_rate)
-            pcm = resampler.process(pcm)
+            if inp.sample_rate != self.adapter.sample_rate:   # else pcm, freshly decoded, goes as it is
+                resampler = self._resamplers.get(inp.sid)
+                if resampler is None or resampler.in_rate != inp.sample_rate:
+                    resampler = self._resamplers[inp.sid] = Resampler(inp.sample_rate, self.adapter.sample_rate)
+                pcm = resampler.process(pcm)
         return TickAudio(session_id=inp.sid, pcm=pcm, new_turn=inp.new_turn, text=inp.text, cancel=inp.cancel,
                          max_tokens=inp.max_tokens or default_tokens)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from metronome.audio.pcm import (SILENCE_DBFS, Resampler, check_sample_rate, clipping_fraction, decode_pcm16,
+from metronome.audio.pcm import (CLIP_LEVEL, SILENCE_DBFS, Resampler, check_sample_rate, clipping_fraction, decode_pcm16,
                                  encode_pcm16, levels, resample, rms_dbfs)
 
 
@@ -80,3 +80,19 @@ def test_levels():
     lv = levels(tone(1000, 0.5, 16000, amplitude=0.5), 16000)
     assert lv.duration_ms == 500 and lv.clipping == 0.0
     assert lv.peak_dbfs == pytest.approx(-6.02, abs=0.05) and lv.rms_dbfs == pytest.approx(-9.03, abs=0.05)
+
+
+def test_decode_and_levels_match_float64_on_every_pcm16_value():
+    """The one-pass decoding and copy-free levels equal a float64 computation of the same formulas, on every
+    PCM16 value and on clipped and quiet speech-like chunks."""
+    every = np.arange(-32768, 32768, dtype="<i2")
+    assert np.array_equal(decode_pcm16(every.tobytes()), (every.astype(np.float64) / 32768).astype(np.float32))
+    rng = np.random.default_rng(5)
+    for gain, n in ((0.001, 320), (0.3, 32000), (3.0, 32000), (1.0, 1)):
+        x = decode_pcm16(encode_pcm16(rng.standard_normal(n) * gain))   # gain 3: many samples at full scale
+        x64 = x.astype(np.float64)
+        lv = levels(x, 16000)
+        assert lv.rms_dbfs == pytest.approx(20 * np.log10(np.sqrt(np.mean(x64 ** 2))), abs=1e-3)
+        assert lv.peak_dbfs == pytest.approx(20 * np.log10(np.max(np.abs(x64))), abs=1e-4)
+        assert lv.clipping == np.count_nonzero(np.abs(x64) >= CLIP_LEVEL) / n
+    assert levels(np.full(8, -1.0, np.float32), 16000).clipping == 1.0   # negative full scale alone
