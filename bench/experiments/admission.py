@@ -328,7 +328,11 @@ def analyse_point(point: dict, budget_ms: float, target_fraction: float, tail_fr
     caps = np.asarray(cap, float)
     decreases = int((np.diff(caps) < 0).sum()) if caps.size > 1 else 0
     live = [s["live"] for s in sc]
-    tail_caps = caps[np.asarray(t, float) >= (conv["tail_start_s"] or 0.0)] if caps.size else caps
+    in_tail = np.asarray(t, float) >= (conv["tail_start_s"] or 0.0)
+    tail_caps = caps[in_tail] if caps.size else caps
+    # Sessions that never leave keep live above a cap that fell: then live, not N*, is the load the tail's
+    # latency reflects.
+    tail_live = np.asarray(live, float)[in_tail] if live else np.zeros(0)
     return {
         "arm": point["arm"], "controller": point.get("controller"), "policy": point.get("policy"),
         "profile": point.get("profile", "ramp"), "offered": len(sessions),
@@ -340,6 +344,7 @@ def analyse_point(point: dict, budget_ms: float, target_fraction: float, tail_fr
         "cap_tail_std": float(tail_caps.std()) if tail_caps.size else None,
         "cap_decreases_seen": decreases, "live_max": max(live) if live else None,
         "live_final": live[-1] if live else None,
+        "live_tail": float(np.median(tail_live)) if tail_live.size else None,
         "memory_capacity": sc[-1]["memory_capacity"] if sc else None,
         "steady_frames": int(sel.sum()),
         "p50_ms": float(np.median(lat)) if lat.size else None,

@@ -118,13 +118,16 @@ def markdown(raw: dict, analysis: dict, plots: list[str]) -> str:
          f"elapsed {raw.get('elapsed_s', '?')} s.", "",
          "N* = median cap over the last quarter of the run; *converged* = first time after which the cap stays "
          "within max(2, 15 %) of N*; latency, misses, preempted and empty frames are over admitted sessions' "
-         "frames from convergence on, or over the last quarter if that is longer (or it never converged).", "",
-         "| profile | arm | admitted / offered | rejected | N* | converged (s) | cap max | live max | memory cap | "
-         "p50 (ms) | p99 (ms) | deadline miss | preempted | empty | KV max fill |",
-         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+         "frames from convergence on, or over the last quarter if that is longer (or it never converged). "
+         "*live, last ¼* = median sessions connected over the last quarter: where sessions never leave, a decrease "
+         "cannot bring live down to the cap, and live is the load the latency columns reflect.", "",
+         "| profile | arm | admitted / offered | rejected | N* | live, last ¼ | converged (s) | cap max | live max | "
+         "memory cap | p50 (ms) | p99 (ms) | deadline miss | preempted | empty | KV max fill |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in analysis["points"]:
         L.append(f"| {r['profile']} | {r['arm']} | {r['admitted']} / {r['offered']} | {r['rejected']} | "
-                 f"{_f(r['n_star'], '.0f')} | {_f(r['converged_s'])} | {r['cap_max']} | {r['live_max']} | "
+                 f"{_f(r['n_star'], '.0f')} | {_f(r.get('live_tail'), '.0f')} | {_f(r['converged_s'])} | "
+                 f"{r['cap_max']} | {r['live_max']} | "
                  f"{r['memory_capacity']} | {_f(r['p50_ms'])} | {_f(r['p99_ms'])} | "
                  f"{r['deadline_miss_fraction']:.1%} | {r['preempted_fraction']:.1%} | {r['empty_fraction']:.1%} | "
                  f"{_f(r['kv_max_fill'], '.0%')} |")

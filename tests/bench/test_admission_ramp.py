@@ -64,6 +64,15 @@ def test_analysis_of_a_synthetic_trace():
     assert a["target_ms"] == 75.0 and a["memory_capacity"] == 128
 
 
+def test_live_over_the_tail_is_reported_when_a_decrease_cannot_shed_sessions():
+    point = _synthetic_point()
+    for row in point["scrape"]:
+        if row["t_s"] >= 30.0:   # a decrease to 18 at 30 s; the 20 sessions that hold stay connected
+            row["cap"], row["live"] = 18, 20
+    a = analyse_point(point, 250.0, 0.3, 0.25, 40.0)
+    assert a["n_star"] == 18.0 and a["live_tail"] == 20.0
+
+
 def test_unbounded_arm_shows_the_pool_running_dry_as_preempted_empty_frames():
     a = analyse_point(_synthetic_point("robust-unbounded", preempt_after=30.0), 250.0, 0.3, 0.25, 40.0)
     assert a["first_preempted_s"] == 30.0
