@@ -6,7 +6,8 @@ Qwen2.5-7B-shaped random decoder, S = 16, W = 256, N sessions with full windows,
 decode tokens a tick — with and without stop tokens, rebased and absolute positions, and profiles
 one tick of each path (host time against GPU kernel time). Each tick records the garbage collections
 that ran inside it (generation, pause); ``--heap frozen`` freezes the start-up heap first, as the worker
-does (``metronome.serving.heap``), ``--heap default`` leaves the collector as Python sets it.
+does (``metronome.serving.gc_pauses``), ``--heap default`` leaves the collector as Python sets it (as every
+run before 2026-12-01 session 5 did).
 
     python bench/engine_stops_gpu.py --sessions 64,128 --out results/engine_stops.json
 """
@@ -23,7 +24,7 @@ import time
 import torch
 
 from bench.engine_gpu import make_spec, random_model
-from metronome.serving.heap import CollectorPauses, freeze_startup_heap
+from metronome.serving.gc_pauses import CollectorPauses, freeze_startup_heap
 
 
 def run_ticks(engine, sids, ticks: int, prefill: int, decode: int, stops: tuple[int, ...], gen) -> dict:
@@ -41,11 +42,11 @@ def run_ticks(engine, sids, ticks: int, prefill: int, decode: int, stops: tuple[
             rows.append({"tick_ms": (time.perf_counter() - start) * 1e3,
                          "prefill_ms": engine.last_timing.prefill_ms, "decode_ms": engine.last_timing.decode_ms,
                          "rounds": engine.last_timing.decode_rounds,
-                         "gc": [[gen_, round(ms, 2)] for gen_, ms in pauses.take()]})
+                         "gc": [[generation, round(ms, 2)] for generation, ms in pauses.take()]})
     return {"median_tick_ms": statistics.median(r["tick_ms"] for r in rows),
             "median_prefill_ms": statistics.median(r["prefill_ms"] for r in rows),
             "median_decode_ms": statistics.median(r["decode_ms"] for r in rows),
-            "full_collections": sum(gen_ == 2 for r in rows for gen_, _ in r["gc"]),
+            "full_collections": sum(generation == 2 for r in rows for generation, _ in r["gc"]),
             "max_gc_pause_ms": max((ms for r in rows for _, ms in r["gc"]), default=0.0), "ticks": rows}
 
 
@@ -107,6 +108,7 @@ def main() -> None:
                 engine.close_session(s)
         del engine
         gc.unfreeze()
+        gc.collect()   # the engine sits in reference cycles: free its pool before the next one is made
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)

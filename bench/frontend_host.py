@@ -60,8 +60,9 @@ def main() -> None:
 
     ms = mean_ms(front_end, args.repeats)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    per_session_us = ms / args.sessions * 1e3
     print(f"| sessions | audio per session | front end per tick | per session |\n|---|---|---|---|\n"
-          f"| {args.sessions} | {args.seconds:g} s at {args.sample_rate} Hz | {ms:.1f} ms | {ms / args.sessions * 1e3:.0f} µs |")
+          f"| {args.sessions} | {args.seconds:g} s at {args.sample_rate} Hz | {ms:.1f} ms | {per_session_us:.0f} µs |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "front_end_ms": ms, "commit": commit, "machine": platform.platform(),

@@ -1,5 +1,5 @@
 """How long Python's full garbage collection stalls a serving process, before and after freezing its
-start-up heap (``metronome.serving.heap.freeze_startup_heap``).
+start-up heap (``metronome.serving.gc_pauses.freeze_startup_heap``).
 
 Builds what a worker holds before its first tick (the serving imports, an engine with the packaged
 SmolLM2 on the CPU, N open sessions stepped a few ticks), then times ``gc.collect()``: the pause a tick
@@ -19,7 +19,7 @@ import sys
 import time
 
 from metronome import Engine, EngineConfig, KVPolicy, StepInput
-from metronome.serving.heap import freeze_startup_heap
+from metronome.serving.gc_pauses import freeze_startup_heap
 
 import metronome.serving.gateway  # noqa: F401  (the worker and gateway imports: what a serving process holds)
 import metronome.serving.worker  # noqa: F401

@@ -29,7 +29,7 @@ import sys
 from metronome.config import AimdConfig, EngineConfig, GatewayConfig, KVPolicy
 from metronome.engine.engine import Engine
 from metronome.serving.gateway import serve_gateway
-from metronome.serving.heap import freeze_startup_heap
+from metronome.serving.gc_pauses import freeze_startup_heap
 from metronome.serving.worker import WorkerConfig, serve_worker
 
 

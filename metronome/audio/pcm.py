@@ -103,7 +103,7 @@ def rms_dbfs(samples: np.ndarray) -> float:
     samples = np.asarray(samples, dtype=np.float32)
     if samples.size == 0:
         return SILENCE_DBFS
-    rms = math.sqrt(float(np.dot(samples, samples)) / samples.size)   # dot: one pass, no squared copy
+    rms = math.sqrt(float(np.vdot(samples, samples)) / samples.size)   # one pass, no squared copy, any shape
     if rms <= 0.0:
         return SILENCE_DBFS
     return max(SILENCE_DBFS, 20.0 * float(np.log10(rms)))

@@ -58,8 +58,9 @@ def rope_qk_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq
                    BLOCK_HALF=triton.next_power_of_2(half))
 
 
-# The cos/sin row stride is D/2 but D when one session moves (a one-row slice is already contiguous):
-# specialising on it would compile a second variant at the first single-session rebase, mid-tick.
+# The cos/sin row stride is D/2, but D when one session moves (a one-row slice is already contiguous). Where
+# D/2 is not a multiple of 16 (head_dim 16 in the test checkpoints) Triton's divisibility specialisation made
+# those two kernels, and the first single-session rebase compiled the second mid-tick.
 @triton.jit(do_not_specialize=["stride_row"])
 def _rerotate_keys(K, SLOTS, ROWS, COS, SIN, stride_ks, stride_kh, stride_row,
                    KH: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):

@@ -31,7 +31,7 @@ import grpc
 
 from metronome.config import GatewayConfig
 from metronome.serving.client_session import ClientSession
-from metronome.serving.heap import freeze_startup_heap
+from metronome.serving.gc_pauses import freeze_startup_heap
 from metronome.serving.metrics import CONTENT_TYPE, GatewayMetrics
 from metronome.serving.proto import worker_pb2 as pb
 from metronome.serving.protocol import (

@@ -49,7 +49,7 @@ from metronome.audio.registry import ADAPTERS
 from metronome.audio.pcm import SILENCE_DBFS, Resampler, check_sample_rate, decode_pcm16, levels
 from metronome.engine.runner import DTYPES
 from metronome.errors import ConfigError
-from metronome.serving.heap import freeze_startup_heap
+from metronome.serving.gc_pauses import freeze_startup_heap
 from metronome.serving.proto import worker_pb2 as pb
 from metronome.serving.proto import worker_pb2_grpc
 
@@ -240,7 +240,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             pcm = decode_pcm16(audio)
             lv = levels(pcm, inp.sample_rate)
             out.input_dbfs, out.input_clipping = lv.rms_dbfs, lv.clipping
-            if inp.sample_rate != self.adapter.sample_rate:   # else pcm, freshly decoded, goes as it is
+            if inp.sample_rate == self.adapter.sample_rate:   # pcm, freshly decoded, goes as it is
+                self._resamplers.pop(inp.sid, None)   # a later switch back must not resume an old filter tail
+            else:
                 resampler = self._resamplers.get(inp.sid)
                 if resampler is None or resampler.in_rate != inp.sample_rate:
                     resampler = self._resamplers[inp.sid] = Resampler(inp.sample_rate, self.adapter.sample_rate)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from metronome.audio.pcm import (CLIP_LEVEL, SILENCE_DBFS, Resampler, check_sample_rate, clipping_fraction, decode_pcm16,
-                                 encode_pcm16, levels, resample, rms_dbfs)
+from metronome.audio.pcm import (CLIP_LEVEL, SILENCE_DBFS, Resampler, check_sample_rate, clipping_fraction,
+                                 decode_pcm16, encode_pcm16, levels, resample, rms_dbfs)
 
 
 def tone(freq: float, seconds: float, rate: int, amplitude: float = 0.5) -> np.ndarray:
@@ -96,3 +96,5 @@ def test_decode_and_levels_match_float64_on_every_pcm16_value():
         assert lv.peak_dbfs == pytest.approx(20 * np.log10(np.max(np.abs(x64))), abs=1e-4)
         assert lv.clipping == np.count_nonzero(np.abs(x64) >= CLIP_LEVEL) / n
     assert levels(np.full(8, -1.0, np.float32), 16000).clipping == 1.0   # negative full scale alone
+    y = decode_pcm16(encode_pcm16(rng.standard_normal(64) * 0.3))
+    assert rms_dbfs(y.reshape(8, 8)) == rms_dbfs(y)   # any shape, as before: the level of all its samples

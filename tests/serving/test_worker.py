@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from metronome import Engine, EngineConfig, KVPolicy
 from metronome.audio.energy_tokens import EnergyTokenAdapter
-from metronome.audio.pcm import encode_pcm16, resample
+from metronome.audio.pcm import Resampler, decode_pcm16, encode_pcm16, resample
 from metronome.errors import ConfigError
 from metronome.serving.proto import worker_pb2 as pb
 from metronome.serving.proto import worker_pb2_grpc
@@ -140,6 +140,23 @@ async def test_step_serves_every_session_at_16k_and_48k(stub, worker, chat_check
         texts.append(more["a"].text)
     whole = tok.decode(tokens, skip_special_tokens=True)
     assert "".join(texts) and whole.startswith("".join(texts))  # text deltas are the incremental decode
+
+
+async def test_a_session_back_at_48k_after_16k_starts_a_fresh_resampler(stub, worker):
+    """16 kHz audio skips the resampler; switching back to 48 kHz must not resume the old stream's filter tail
+    (the gateway drops old-rate audio on a rate change, so the tail would be stale sound)."""
+    await open_sessions(stub, "free_running", "r")
+    service = worker.service
+    chunks = [resample(speech_like(0.5, seed=k), 16000, 48000) for k in range(2)]
+
+    def at_adapter_rate(samples: np.ndarray, rate: int) -> np.ndarray:
+        inp = pb.SessionInput(sid="r", audio_pcm16=pcm(samples), sample_rate=rate)
+        return service._tick_audio(inp, 4, pb.SessionOutput(sid="r")).pcm
+
+    at_adapter_rate(chunks[0], 48000)
+    at_adapter_rate(speech_like(0.5, seed=9), 16000)
+    fresh = Resampler(48000, 16000).process(decode_pcm16(pcm(chunks[1])))
+    assert np.array_equal(at_adapter_rate(chunks[1], 48000), fresh)
 
 
 async def test_bad_input_stays_on_its_session(stub):

@@ -11,10 +11,10 @@ them).
 Start-up objects live as long as the process, so they are moved to the collector's permanent generation,
 which it never walks; collections then see only what ticks make (65 objects in the same benchmark).
 
->>> import gc
->>> freeze_startup_heap()
->>> gc.get_freeze_count() > 0
-True
+In a serving process's entry point, once the server is up (``run_worker``, ``run_gateway``)::
+
+    handle = await serve_worker(config)
+    freeze_startup_heap()
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ from time import perf_counter
 def freeze_startup_heap() -> None:
     """Collect what start-up left behind, then exempt every live object from later collections.
 
-    Call once in a serving process's entry point, after the engine (or the gateway) is built and before the
-    first tick. Frozen objects are still freed by reference counting; only cycles among them would stay, and
-    start-up state lives until exit anyway. Not for library code: freezing is process-wide.
+    Call once in a serving process's entry point, after the engine (or the gateway) is built and listening:
+    a request that arrives meanwhile waits for this one collection, once. Frozen objects are still freed by
+    reference counting; only cycles among them would stay, and start-up state lives until exit anyway. Not
+    for library code: freezing is process-wide.
     """
     gc.collect()
     gc.freeze()
@@ -47,13 +48,14 @@ class CollectorPauses:
 
     def __init__(self) -> None:
         self._pauses: list[tuple[int, float]] = []
-        self._started = 0.0
+        self._started: float | None = None
 
     def _callback(self, phase: str, info: dict) -> None:
         if phase == "start":
             self._started = perf_counter()
-        else:
+        elif self._started is not None:   # a stop without its start: installed mid-collection
             self._pauses.append((info["generation"], (perf_counter() - self._started) * 1e3))
+            self._started = None
 
     def __enter__(self) -> CollectorPauses:
         gc.callbacks.append(self._callback)

@@ -1,4 +1,4 @@
-"""The serving processes' collector settings (``metronome.serving.heap``)."""
+"""The serving processes' collector settings (``metronome.serving.gc_pauses``)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import gc
 import subprocess
 import sys
 
-from metronome.serving.heap import CollectorPauses
+from metronome.serving.gc_pauses import CollectorPauses
 
 FREEZE_IN_A_FRESH_PROCESS = """
 import gc
 import metronome.serving.worker  # torch, grpc, the engine: what a worker imports before its first tick
-from metronome.serving.heap import freeze_startup_heap
+from metronome.serving.gc_pauses import freeze_startup_heap
 
 before = len(gc.get_objects())
 freeze_startup_heap()
@@ -40,3 +40,5 @@ def test_collector_pauses_records_each_collection_while_installed():
     assert all(ms >= 0 for _, ms in taken)
     assert pauses.take() == []
     assert pauses._callback not in gc.callbacks
+    pauses._callback("stop", {"generation": 1})   # installed mid-collection: a stop without its start
+    assert pauses.take() == []
