@@ -7,7 +7,8 @@
 #      in 8 take 150-250 ms more in either position mode; each tick now records its collections.
 # Then, if time is left, the experiments still planned (one call each):
 #   LIMIT_S=560 bash bench/gpu_experiments.sh admission gpu-short --arms robust-sink_window --offered 1024 --duration-s 180
-#       (session 5's run saw 5 such ticks in 89; the worker now freezes its heap)
+#       (session 5's run saw 5 such ticks in 89; the worker now freezes its heap; ticks now carry worker_ms, so
+#       latency - worker_ms splits transport and gateway from the worker)
 #   LIMIT_S=560 bash bench/gpu_experiments.sh admission gpu-short --arms robust-unbounded
 #   LIMIT_S=560 bash bench/gpu_experiments.sh admission gpu-short --profiles churn --offered 1200 --duration-s 150
 set -u

@@ -75,7 +75,8 @@ class SessionTrace:
     chunks_sent: int = 0
     chunks_skipped: int = 0
     # one row per metronome.tick: [t_s, tick, latency_ms, deadline_met, batch, preempted, delta_chars,
-    # engine_ms, frontend_ms] (the last two: the worker's share of latency_ms; absent in older raw files)
+    # engine_ms, frontend_ms, worker_ms] (the last three: the worker's share of latency_ms; absent in older raw
+    # files, worker_ms in those before 2026-12-01 07:00 UTC)
     ticks: list[list] = field(default_factory=list)
     deltas: int = 0
     delta_chars: int = 0
@@ -190,7 +191,7 @@ class LoadRun:
             if kind == "metronome.tick":
                 tr.ticks.append([round(self.now(), 4), event["tick"], event["latency_ms"], event["deadline_met"],
                                  event["batch"], bool(event.get("preempted")), pending_chars,
-                                 event.get("engine_ms"), event.get("frontend_ms")])
+                                 event.get("engine_ms"), event.get("frontend_ms"), event.get("worker_ms")])
                 pending_chars = 0
             elif kind == "response.output_text.delta":
                 tr.deltas += 1

@@ -413,6 +413,7 @@ class Gateway:
                        "budget_ms": self.config.budget_ms, "deadline_met": report.deadline_met,
                        "batch": report.batch, "drift_ms": round(report.drift_ms, 3), "preempted": out.preempted,
                        "engine_ms": round(report.engine_ms, 3), "frontend_ms": round(report.frontend_ms, 3),
+                       "worker_ms": round(report.worker_ms, 3),
                        "input_dbfs": round(out.input_dbfs, 1), "input_clipping": round(out.input_clipping, 4)})
         session.send_all(events)
 

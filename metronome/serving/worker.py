@@ -313,7 +313,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self._health = self._snapshot()
         return pb.StepResponse(outputs=outputs, gpu_ms=prefill_ms + decode_ms, in_flight=len(self._sessions),
                                frontend_ms=frontend_ms, prefill_ms=prefill_ms, decode_ms=decode_ms,
-                               kv_blocks_used=stats.kv_blocks_used, kv_blocks_total=stats.kv_blocks_total)
+                               kv_blocks_used=stats.kv_blocks_used, kv_blocks_total=stats.kv_blocks_total,
+                               worker_ms=(perf_counter() - t0) * 1e3)
 
     def _run_engine(self, jobs: list[_Job]) -> tuple[float, float]:
         """Feed every job's pieces, right-aligned so all decodes share the final engine step.

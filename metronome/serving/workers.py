@@ -40,6 +40,7 @@ class TickReport:
     batch: int
     engine_ms: float = 0.0     # the worker's engine time (prefill + decode) within latency_ms
     frontend_ms: float = 0.0   # the worker's audio front end within latency_ms
+    worker_ms: float = 0.0     # the whole Step in the worker; latency_ms - worker_ms is transport and gateway
 
 
 @dataclass
@@ -293,7 +294,7 @@ class WorkerPool:
             return None
         latency_ms = (loop.time() - started) * 1e3
         report = TickReport(handle.ticks, latency_ms, drift * 1e3, latency_ms <= self.config.budget_ms, len(sessions),
-                            response.gpu_ms, response.frontend_ms)
+                            response.gpu_ms, response.frontend_ms, response.worker_ms)
         handle.last_tick = report
         m, name = self.metrics, handle.address
         m.worker_time.labels(name, "frontend").inc(response.frontend_ms / 1e3)

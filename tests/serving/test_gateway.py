@@ -89,6 +89,8 @@ async def test_a_session_streams_audio_and_gets_deltas_and_ticks(worker):
             tick = events[-1]
             assert tick["budget_ms"] == BUDGET_MS and tick["batch"] == 1
             assert isinstance(tick["deadline_met"], bool) and tick["latency_ms"] > 0
+            # The worker's share: its whole Step covers its engine and front end and sits within the latency.
+            assert tick["engine_ms"] + tick["frontend_ms"] <= tick["worker_ms"] <= tick["latency_ms"]
             assert len(ticks) + 1 >= 1
 
 

@@ -127,6 +127,7 @@ async def test_step_serves_every_session_at_16k_and_48k(stub, worker, chat_check
     assert out["a"].tokens != out["quiet"].tokens      # the audio reached the model
     assert response.in_flight == 4 and response.kv_blocks_used > 0 and response.kv_blocks_total == 80
     assert response.frontend_ms > 0 and response.prefill_ms > 0 and response.decode_ms > 0
+    assert response.worker_ms >= response.frontend_ms + response.prefill_ms + response.decode_ms
     assert response.gpu_ms == pytest.approx(response.prefill_ms + response.decode_ms)
     # 48 kHz went through the session's streaming resampler: whole frames + a carry, like the 16 kHz stream.
     assert worker.service.adapter.session_state("hi-fi")["carry_samples"] < 1280
