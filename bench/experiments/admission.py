@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.experiments.cliff import frames
+from bench.experiments.cliff import frames, tick_breakdown
 
 
 @dataclass(frozen=True)
@@ -345,6 +345,7 @@ def analyse_point(point: dict, budget_ms: float, target_fraction: float, tail_fr
         "cap_decreases_seen": decreases, "live_max": max(live) if live else None,
         "live_final": live[-1] if live else None,
         "live_tail": float(np.median(tail_live)) if tail_live.size else None,
+        "tick_breakdown": tick_breakdown(point, steady_from or 0.0),
         "memory_capacity": sc[-1]["memory_capacity"] if sc else None,
         "steady_frames": int(sel.sum()),
         "p50_ms": float(np.median(lat)) if lat.size else None,

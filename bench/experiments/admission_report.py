@@ -131,6 +131,15 @@ def markdown(raw: dict, analysis: dict, plots: list[str]) -> str:
                  f"{r['memory_capacity']} | {_f(r['p50_ms'])} | {_f(r['p99_ms'])} | "
                  f"{r['deadline_miss_fraction']:.1%} | {r['preempted_fraction']:.1%} | {r['empty_fraction']:.1%} | "
                  f"{_f(r['kv_max_fill'], '.0%')} |")
+    L += ["", "Where a tick goes over the same frames (medians per worker tick; outside the worker = transport and "
+              "gateway; – where the raw file predates the column):", "",
+          "| profile | arm | ticks | latency ms | worker ms | engine ms | front end ms | outside the worker ms |",
+          "|---|---|---|---|---|---|---|---|"]
+    for r in analysis["points"]:
+        b = r.get("tick_breakdown") or {}
+        L.append(f"| {r['profile']} | {r['arm']} | {b.get('ticks', '–')} | {_f(b.get('latency_ms'))} | "
+                 f"{_f(b.get('worker_ms'))} | {_f(b.get('engine_ms'))} | {_f(b.get('frontend_ms'))} | "
+                 f"{_f(b.get('outside_worker_ms'))} |")
     L += ["", "Paper (Qwen3-Omni-30B-A3B, B = 2 s, 512 offered at 8/s): N* ≈ 209, steady p99 12 ms on bounded "
               "KV; the same controller on unbounded KV admitted 247 and sat at the wall (~1.6 s)."]
     if plots:

@@ -97,6 +97,33 @@ def engine_p50_ms(point: dict) -> float | None:
     return float(np.median(values)) if values else None
 
 
+def tick_breakdown(point: dict, from_s: float = 0.0) -> dict[str, float | None]:
+    """Where a tick's latency went, as medians over the worker's ticks from ``from_s`` (each tick once, not once
+    per session): the whole latency, the worker's Step, its engine and front end, and what lies outside the
+    worker (transport and gateway: the median of latency − worker per tick). None where raw files predate a
+    column (engine and front end: 8th and 9th; worker: 10th).
+
+    >>> p = {"sessions": [{"ticks": [[1.0, 1, 600, True, 2, False, 3, 500, 50, 560]]},
+    ...                   {"ticks": [[1.0, 1, 600, True, 2, False, 1, 500, 50, 560]]}]}
+    >>> tick_breakdown(p)["outside_worker_ms"]
+    40.0
+    """
+    ticks = {}
+    for s in point["sessions"]:
+        for row in s["ticks"]:
+            if row[0] >= from_s:
+                ticks.setdefault(row[1], row)
+    rows = list(ticks.values())
+
+    def median(column: int) -> float | None:
+        values = [r[column] for r in rows if len(r) > column and r[column] is not None]
+        return float(np.median(values)) if values else None
+
+    outside = [r[2] - r[9] for r in rows if len(r) > 9 and r[9] is not None]
+    return {"ticks": len(rows), "latency_ms": median(2), "worker_ms": median(9), "engine_ms": median(7),
+            "frontend_ms": median(8), "outside_worker_ms": float(np.median(outside)) if outside else None}
+
+
 def analyse_run(point: dict, bucket_s: float, wall_ms: float, quiet_fraction: float, t_end: float) -> dict:
     f = frames(point)
     t = f["t"]

@@ -73,6 +73,18 @@ def test_live_over_the_tail_is_reported_when_a_decrease_cannot_shed_sessions():
     assert a["n_star"] == 18.0 and a["live_tail"] == 20.0
 
 
+def test_tick_breakdown_counts_each_worker_tick_once_from_the_steady_state():
+    point = _synthetic_point()
+    for s in point["sessions"]:   # this worker's ticks: 600 ms, of which the worker 560 (engine 500, front end 50)
+        s["ticks"] = [row + [500.0, 50.0, 560.0 if row[0] >= 7.0 else 100.0] for row in s["ticks"]]
+    b = analyse_point(point, 250.0, 0.3, 0.25, 40.0)["tick_breakdown"]
+    assert b["ticks"] == 132      # ticks 28..159 (t >= 7 s), not 22 sessions x 132 rows
+    assert (b["worker_ms"], b["engine_ms"], b["frontend_ms"]) == (560.0, 500.0, 50.0)
+    assert b["outside_worker_ms"] == b["latency_ms"] - 560.0
+    old = analyse_point(_synthetic_point(), 250.0, 0.3, 0.25, 40.0)["tick_breakdown"]
+    assert old["worker_ms"] is None and old["outside_worker_ms"] is None and old["latency_ms"] is not None
+
+
 def test_unbounded_arm_shows_the_pool_running_dry_as_preempted_empty_frames():
     a = analyse_point(_synthetic_point("robust-unbounded", preempt_after=30.0), 250.0, 0.3, 0.25, 40.0)
     assert a["first_preempted_s"] == 30.0
