@@ -88,8 +88,8 @@ class Resampler:
 
     def process(self, samples: np.ndarray) -> np.ndarray:
         samples = np.asarray(samples, dtype=np.float32)
-        if self._stream is None:
-            return samples.copy()
+        if self._stream is None:   # same rate: the samples themselves (a copy of 2 s per session cost a tick)
+            return samples
         if samples.size == 0:
             return np.zeros(0, np.float32)
         return self._stream.resample_chunk(samples)

@@ -385,8 +385,9 @@ class Engine:
 
         The host does all bookkeeping (positions, blocks, rebasing) each round, since none of it depends
         on token values. Stop tokens are read one round late, from a round that has already finished
-        (through a pinned host copy, so the host never waits for the round in flight): a session that sampled a stop token in round r
-        has been fed it in round r + 1 before the host knows, and leaves from round r + 2. That write is
+        (through a pinned host copy, so the host never waits for the round in flight): a session that
+        sampled a stop token in round r has been fed it in round r + 1 before the host knows, and leaves
+        from round r + 2. That write is
         the one its next step would make first (the stop token joins the context either way), so the
         session ends the step with the stop token in its cache and nothing pending, where the per-round
         path leaves it pending; the context is the same. Tokens sampled after a stop are dropped.

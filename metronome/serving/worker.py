@@ -240,13 +240,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             pcm = decode_pcm16(audio)
             lv = levels(pcm, inp.sample_rate)
             out.input_dbfs, out.input_clipping = lv.rms_dbfs, lv.clipping
-            if inp.sample_rate == self.adapter.sample_rate:   # pcm, freshly decoded, goes as it is
-                self._resamplers.pop(inp.sid, None)   # a later switch back must not resume an old filter tail
-            else:
-                resampler = self._resamplers.get(inp.sid)
-                if resampler is None or resampler.in_rate != inp.sample_rate:
-                    resampler = self._resamplers[inp.sid] = Resampler(inp.sample_rate, self.adapter.sample_rate)
-                pcm = resampler.process(pcm)
+            resampler = self._resamplers.get(inp.sid)
+            if resampler is None or resampler.in_rate != inp.sample_rate:
+                resampler = self._resamplers[inp.sid] = Resampler(inp.sample_rate, self.adapter.sample_rate)
+            pcm = resampler.process(pcm)
         return TickAudio(session_id=inp.sid, pcm=pcm, new_turn=inp.new_turn, text=inp.text, cancel=inp.cancel,
                          max_tokens=inp.max_tokens or default_tokens)
 
