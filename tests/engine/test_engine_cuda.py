@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -130,6 +131,43 @@ def test_pipelined_graph_rounds_with_stop_tokens_match_per_round_eager(checkpoin
     for a_step, b_step in zip(run(False), run(True)):
         assert [o.token_ids for o in a_step] == [o.token_ids for o in b_step]
         assert [o.finished for o in a_step] == [o.finished for o in b_step]
+
+
+def test_no_collection_runs_while_graphs_capture(checkpoints):
+    """A collection mid-capture that frees another graph (here: an earlier engine dropped in a reference cycle)
+    invalidates the capture and leaves the CUDA generator in capture mode for the rest of the process; that
+    broke every later GPU test once on the H200. The collector is set to run at almost every allocation."""
+    path, _ = checkpoints["qwen2"]
+    config = EngineConfig(model=path, device="cuda", attention="triton", num_blocks=300, max_chunk_tokens=32,
+                          max_batch_tokens=256, policy=KVPolicy(sinks=4, window=40, block_size=16))
+    collections_while_capturing = []
+
+    def on_collection(phase: str, info: dict) -> None:
+        if phase == "start":
+            collections_while_capturing.append(torch.cuda.is_current_stream_capturing())
+
+    thresholds = gc.get_threshold()
+    gc.collect()
+    gc.freeze()   # so that collecting at every allocation walks only this test's objects
+    try:
+        first = Engine(config)
+        assert first.runner.graphs is not None
+        cycle = [first]
+        cycle.append(cycle)
+        del first, cycle
+        gc.callbacks.append(on_collection)
+        gc.set_threshold(1, 1, 1)
+        second = Engine(config)
+    finally:
+        gc.set_threshold(*thresholds)
+        if on_collection in gc.callbacks:
+            gc.callbacks.remove(on_collection)
+        gc.unfreeze()
+    assert collections_while_capturing and not any(collections_while_capturing)
+    sid = second.open_session()
+    (out,) = second.step([StepInput(sid, token_ids=[1, 2, 3], max_new_tokens=4)])
+    assert out.error is None and len(out.token_ids) == 4
+    torch.randn(4, device="cuda")   # the generator is not left in capture mode
 
 
 def test_no_attention_kernel_compiles_after_start_up(checkpoints):

@@ -17,6 +17,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from metronome.graph_capture import collector_held_off
+
 
 def bucket(n: int) -> int:
     """The graph batch size for ``n`` rows: powers of two up to 16, then multiples of 16 (at most 2x padding)."""
@@ -62,6 +64,6 @@ class BucketedGraphs:
                 self.fn(*static_in)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with collector_held_off(), torch.cuda.graph(graph):
             static_out = list(self.fn(*static_in))
         return graph, static_in, static_out
