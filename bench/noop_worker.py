@@ -66,12 +66,22 @@ class NoopWorker(pb_grpc.WorkerServicer):
                                  kv_blocks_used=0, kv_blocks_total=CAPACITY, sessions=len(self.sessions),
                                  input_sample_rate=16000, kv_policy="noop")
 
-    async def Step(self, request, context):
+    async def StreamStep(self, request_iterator, context):
+        """The gateway's tick: input streamed over the frame period, then the last message (counted as the Step)."""
+        streamed = 0
+        last = None
+        async for message in request_iterator:
+            if last is not None:
+                streamed += sum(len(s.audio_pcm16) for s in last.sessions)
+            last = message
+        return await self.Step(last, context, streamed)
+
+    async def Step(self, request, context, streamed: int = 0):
         t = time.monotonic()
         outputs = [pb.SessionOutput(sid=s.sid, tokens=[1], text=".") for s in request.sessions]
         response = pb.StepResponse(outputs=outputs, gpu_ms=0.0, in_flight=len(self.sessions))
         if self.stats is not None:
-            audio = sum(len(s.audio_pcm16) for s in request.sessions)
+            audio = streamed + sum(len(s.audio_pcm16) for s in request.sessions)
             self.stats.write(json.dumps({"t": t, "tick": request.tick, "sessions": len(request.sessions),
                                          "audio_bytes": audio, "t_done": time.monotonic()}) + "\n")
         return response

@@ -152,6 +152,10 @@ class GatewayConfig:
     rather than growing server memory. Input per tick is bounded too: audio by ``max_buffered_audio_s``,
     text by ``max_text_bytes_per_tick`` (beyond it an error event), and a whole Step by
     ``max_step_bytes`` (sessions that do not fit wait for the next tick).
+
+    Input goes to the worker as it arrives, every ``stream_interval_ms``, so that at the tick only the
+    remainder crosses the wire (``StreamStep``); at ``stream_interval_ms >= budget_ms`` each tick's input
+    goes in one message at the tick.
     """
 
     workers: tuple[str, ...] = ("127.0.0.1:50051",)
@@ -170,6 +174,7 @@ class GatewayConfig:
     max_text_bytes_per_tick: int = 1 << 20  # user text (conversation.item.create) per session per tick
     max_step_bytes: int = 48 << 20        # one Step request; under the worker's 64 MiB gRPC message limit
     step_timeout_s: float = 30.0
+    stream_interval_ms: float = 100.0
     aimd: AimdConfig = field(default_factory=AimdConfig)
     controller: str = "aimd"  # "aimd" (robust) or "paper" (the prototype's single-sample rule, for experiments)
 
@@ -189,5 +194,7 @@ class GatewayConfig:
             raise ConfigError(f"max_step_bytes must hold one session's tick at the limits ({one_session} bytes)")
         if self.controller not in ("aimd", "paper"):
             raise ConfigError(f"controller must be 'aimd' or 'paper', got {self.controller!r}")
+        if not self.stream_interval_ms > 0:
+            raise ConfigError(f"stream_interval_ms must be > 0, got {self.stream_interval_ms}")
         if self.aimd.budget_ms != self.budget_ms:
             object.__setattr__(self, "aimd", replace(self.aimd, budget_ms=self.budget_ms))

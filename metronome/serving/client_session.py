@@ -99,6 +99,8 @@ class ClientSession:
         self.instructions = ""
         self.audio: list[bytes] = []   # the chunks since the last tick, joined once per tick (one copy)
         self.audio_bytes = 0
+        self.streamed_audio_bytes = 0  # already sent this tick (StreamStep): still counted by the bounds
+        self.streamed_text_bytes = 0
         self.new_turn = False
         self.texts: list[str] = []
         self.text_bytes = 0            # UTF-8 bytes in ``texts``: at most ``max_text_bytes`` per tick
@@ -128,7 +130,7 @@ class ClientSession:
     def append_audio(self, pcm16: bytes) -> bool:
         """Buffer audio for the next tick; False (nothing buffered) when the buffer would overflow."""
         size = self.audio_bytes + len(pcm16)
-        if size > self.max_audio_bytes:
+        if self.streamed_audio_bytes + size > self.max_audio_bytes:
             return False
         self.audio.append(pcm16)
         self.audio_bytes = size
@@ -146,7 +148,7 @@ class ClientSession:
         one tick would make the Step bigger than the worker accepts (and fail every session on it).
         """
         size = self.text_bytes + len(text.encode("utf-8", "surrogatepass"))
-        if size > self.max_text_bytes:
+        if self.streamed_text_bytes + size > self.max_text_bytes:
             return False
         self.texts.append(text)
         self.text_bytes = size
@@ -162,6 +164,18 @@ class ClientSession:
         """About how many bytes this session adds to the next Step (its input plus framing)."""
         return self.audio_bytes + self.text_bytes + 64
 
+    def take_stream_wire(self) -> list[bytes] | None:
+        """The audio and text buffered since the last take, as a ``StepRequest.sessions`` entry of a StreamStep
+        message before the tick's last (no controls: those go with the last); None when nothing is buffered.
+
+        The tick's input bounds count what was streamed, so streaming does not lift them.
+        """
+        if not self.audio_bytes and not self.texts:
+            return None
+        self.streamed_audio_bytes += self.audio_bytes
+        self.streamed_text_bytes += self.text_bytes
+        return self._take_wire(controls=False)
+
     def take_tick_wire(self) -> list[bytes]:
         """``take_tick_input``, already in protobuf wire format: one ``StepRequest.sessions`` entry, in parts.
 
@@ -169,29 +183,35 @@ class ClientSession:
         one ``b"".join`` instead of a message per session, a copy into the request and a serialisation
         (at 1,000 sessions, 32 MB per tick: about half the build + send time).
         """
+        self.streamed_audio_bytes = self.streamed_text_bytes = 0
+        return self._take_wire(controls=True)
+
+    def _take_wire(self, controls: bool) -> list[bytes]:
         sid = self.sid.encode()
         text = "".join(self.texts).encode()
         head = [b"\x0a", _varint(len(sid)), sid]
-        if self.new_turn:
+        if controls and self.new_turn:
             head.append(b"\x10\x01")
         if self.audio_bytes:
             head += [b"\x1a", _varint(self.audio_bytes)]
         tail = [b"\x20", _varint(self.sample_rate)]
         if text:
             tail += [b"\x2a", _varint(len(text)), text]
-        if self.cancel:
+        if controls and self.cancel:
             tail.append(b"\x30\x01")
         head_b, tail_b = b"".join(head), b"".join(tail)
         parts = [b"\x0a" + _varint(len(head_b) + self.audio_bytes + len(tail_b)) + head_b, *self.audio, tail_b]
         self.clear_audio()
         self.clear_text()
-        self.new_turn = self.cancel = False
+        if controls:
+            self.new_turn = self.cancel = False
         return parts
 
     def take_tick_input(self) -> pb.SessionInput:
         """Everything buffered since the last tick, as one SessionInput; the buffers start empty again."""
         inp = pb.SessionInput(sid=self.sid, new_turn=self.new_turn, audio_pcm16=b"".join(self.audio),
                               sample_rate=self.sample_rate, text="".join(self.texts), cancel=self.cancel)
+        self.streamed_audio_bytes = self.streamed_text_bytes = 0
         self.clear_audio()
         self.clear_text()
         self.new_turn = self.cancel = False

@@ -16,6 +16,10 @@ reported on that session's ``SessionOutput.error`` and logged; its input for the
 the other sessions proceed. Only an unexpected exception fails the RPC (``INTERNAL``); the worker
 stays up.
 
+StreamStep (what the gateway uses) is the same tick with its input sent as it arrives: the event loop
+files each message's audio and text by session, while the engine thread still runs the previous tick,
+and the last message runs as a Step with each session's streamed input joined in front of its own.
+
 Chunking: a session's input normally fits one engine forward (``max_chunk_tokens``, checked at start
 against what the adapter feeds per tick of audio). Bursts — the first tick's system prompt, a long
 typed message — up to ``max_input_tokens`` are prefilled in ``max_chunk_tokens`` pieces by extra
@@ -121,6 +125,34 @@ def policy_name(policy: KVPolicy) -> str:
 
 
 @dataclass
+class StreamedInput:
+    """One session's input from a StreamStep's messages before the last (joined in front of its last input)."""
+
+    sample_rate: int = 0
+    audio: list[bytes] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    new_turn: bool = False
+    cancel: bool = False
+    error: str = ""
+
+    def add(self, inp) -> int:
+        """Take one SessionInput; returns the bytes it added. Audio before a change of sample rate is dropped."""
+        audio = inp.audio_pcm16   # read once: each read of a protobuf bytes field copies it
+        if audio:
+            if inp.sample_rate != self.sample_rate:
+                self.audio.clear()
+                self.sample_rate = inp.sample_rate
+            if len(audio) % 2 and not self.error:   # joined, an odd piece would shift every later sample
+                self.error = f"a streamed PCM16 piece has an odd number of bytes ({len(audio)})"
+            self.audio.append(audio)
+        if inp.text:
+            self.text.append(inp.text)
+        self.new_turn |= inp.new_turn
+        self.cancel |= inp.cancel
+        return len(audio) + len(inp.text)
+
+
+@dataclass
 class _Job:
     """One session's engine work this tick: its input split into pieces of at most max_chunk_tokens."""
 
@@ -171,6 +203,27 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     async def Step(self, request, context):
         return await self._on_engine_thread(context, "Step", self._step, request)
+
+    async def StreamStep(self, request_iterator, context):
+        """One tick whose input arrives over the frame period; the last message is the Step request proper.
+
+        The loop only files each message's bytes by session (no decoding), so the tick's critical path
+        keeps the last message's transfer and the join, not the whole tick's audio going over the wire.
+        """
+        streamed: dict[str, StreamedInput] = {}
+        size, last = 0, None
+        async for message in request_iterator:
+            if last is not None:
+                for inp in last.sessions:
+                    size += streamed.setdefault(inp.sid, StreamedInput()).add(inp)
+                if size > self.config.max_message_bytes:
+                    log.warning("a streamed tick passed %d bytes; its input is dropped", self.config.max_message_bytes)
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                        f"the tick's streamed input exceeds {self.config.max_message_bytes} bytes")
+            last = message
+        if last is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a StreamStep needs at least its last message")
+        return await self._on_engine_thread(context, "StreamStep", self._step, last, streamed)
 
     async def Health(self, request, context):
         return self._health
@@ -226,8 +279,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         for sid in list(self._sessions):
             self._close(sid)
 
-    def _tick_audio(self, inp, default_tokens: int, out: pb.SessionOutput) -> TickAudio:
-        """One session's SessionInput → TickAudio at the adapter's rate; ValueError for bad input.
+    def _tick_audio(self, inp, default_tokens: int, out: pb.SessionOutput,
+                    earlier: StreamedInput | None = None) -> TickAudio:
+        """One session's SessionInput (after its ``earlier`` streamed input) → TickAudio at the adapter's rate;
+        ValueError for bad input.
 
         Level checks (RMS, clipping) of the audio as sent go on the session's output for the client."""
         if inp.sid not in self._sessions:
@@ -235,6 +290,14 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         pcm = np.zeros(0, np.float32)
         out.input_dbfs = SILENCE_DBFS
         audio = inp.audio_pcm16   # read once: each read of a protobuf bytes field copies it
+        text, new_turn, cancel = inp.text, inp.new_turn, inp.cancel
+        if earlier is not None:
+            if earlier.error:
+                raise ValueError(earlier.error)
+            if earlier.audio and earlier.sample_rate == inp.sample_rate:
+                audio = b"".join([*earlier.audio, audio])
+            text = "".join(earlier.text) + text
+            new_turn, cancel = new_turn or earlier.new_turn, cancel or earlier.cancel
         if audio:
             check_sample_rate(inp.sample_rate)
             pcm = decode_pcm16(audio)
@@ -244,11 +307,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             if resampler is None or resampler.in_rate != inp.sample_rate:
                 resampler = self._resamplers[inp.sid] = Resampler(inp.sample_rate, self.adapter.sample_rate)
             pcm = resampler.process(pcm)
-        return TickAudio(session_id=inp.sid, pcm=pcm, new_turn=inp.new_turn, text=inp.text, cancel=inp.cancel,
+        return TickAudio(session_id=inp.sid, pcm=pcm, new_turn=new_turn, text=text, cancel=cancel,
                          max_tokens=inp.max_tokens or default_tokens)
 
-    def _step(self, request) -> pb.StepResponse:
+    def _step(self, request, streamed: dict[str, StreamedInput] | None = None) -> pb.StepResponse:
         t0 = perf_counter()
+        streamed = streamed or {}
         outputs = [pb.SessionOutput(sid=inp.sid) for inp in request.sessions]
         ticks: list[TickAudio] = []
         indices: list[int] = []
@@ -258,7 +322,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 if inp.sid in seen:
                     raise ValueError(f"session {inp.sid!r} appears more than once in one step")
                 seen.add(inp.sid)
-                ticks.append(self._tick_audio(inp, request.tokens_per_tick, outputs[i]))
+                ticks.append(self._tick_audio(inp, request.tokens_per_tick, outputs[i], streamed.get(inp.sid)))
                 indices.append(i)
             except ValueError as exc:
                 self._session_error(request.tick, outputs[i], str(exc))

@@ -99,3 +99,22 @@ def test_the_wire_encoded_step_request_equals_the_protobuf_one():
     drained = sessions()[0]
     drained.take_tick_wire()
     assert not drained.audio and drained.audio_bytes == 0  # taken, as take_tick_input does
+
+
+def test_streamed_pieces_carry_input_without_controls_and_still_count_against_the_tick_bounds():
+    from metronome.serving.client_session import step_request_wire
+    from metronome.serving.proto import worker_pb2 as pb
+
+    s = make(buffered_s=0.01)                         # 160 samples: 320 bytes of audio per tick
+    s.max_text_bytes = 8
+    assert s.take_stream_wire() is None               # nothing buffered: nothing to stream
+    s.new_turn = s.cancel = True
+    assert s.append_audio(b"\x01\x00" * 100) and s.append_text("hey")
+    piece = pb.StepRequest.FromString(step_request_wire([s.take_stream_wire()], 0, 0))
+    assert piece == pb.StepRequest(sessions=[pb.SessionInput(sid="s", audio_pcm16=b"\x01\x00" * 100,
+                                                             sample_rate=16000, text="hey")])
+    assert not s.append_audio(b"\x02\x00" * 61)       # 200 streamed + 122 > 320: the tick's bound holds
+    assert s.append_audio(b"\x02\x00" * 60) and not s.append_text("123456") and s.append_text("12345")
+    last = pb.StepRequest.FromString(step_request_wire([s.take_tick_wire()], 4, 9)).sessions[0]
+    assert (last.audio_pcm16, last.text, last.new_turn, last.cancel) == (b"\x02\x00" * 60, "12345", True, True)
+    assert s.append_audio(b"\x03\x00" * 160)          # a new tick: the whole bound again

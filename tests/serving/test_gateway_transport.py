@@ -361,7 +361,8 @@ async def test_the_aiohttp_transport_still_serves_sessions(worker):
 class RecordingWorker(pb_grpc.WorkerServicer):
     """A model-free worker that records which sessions are open on it (what a leak would leave behind).
 
-    ``fail_steps``: status codes the next Steps abort with, one per Step.
+    ``fail_steps``: status codes the next Steps abort with, one per Step. ``streamed``: per StreamStep, the
+    number of messages that came before its last.
     """
 
     def __init__(self) -> None:
@@ -369,6 +370,8 @@ class RecordingWorker(pb_grpc.WorkerServicer):
         self.calls: list[tuple[str, str]] = []
         self.fail_steps: list[grpc.StatusCode] = []
         self.steps = 0
+        self.streamed: list[int] = []
+        self.audio_bytes: dict[str, int] = {}   # per session, over every message of every StreamStep
 
     async def OpenSession(self, request, context):
         self.calls.append(("open", request.sid))
@@ -390,6 +393,14 @@ class RecordingWorker(pb_grpc.WorkerServicer):
         if self.fail_steps:
             await context.abort(self.fail_steps.pop(0), "injected")
         return pb.StepResponse(outputs=[pb.SessionOutput(sid=s.sid, tokens=[1], text=".") for s in request.sessions])
+
+    async def StreamStep(self, request_iterator, context):
+        messages = [message async for message in request_iterator]
+        self.streamed.append(len(messages) - 1)
+        for message in messages:
+            for inp in message.sessions:
+                self.audio_bytes[inp.sid] = self.audio_bytes.get(inp.sid, 0) + len(inp.audio_pcm16)
+        return await self.Step(messages[-1], context)
 
 
 @dataclass
@@ -585,6 +596,21 @@ async def test_a_refused_step_keeps_the_sessions_and_a_failed_one_closes_them_on
         client.send(frame(append_event()))
         assert (await client.event("error"))[-1]["error"]["code"] == "step_failed"
         await until(lambda: not recording.servicer.open)  # the gateway forgot it: it closed it on the worker
+        client.close()
+
+
+async def test_audio_is_streamed_to_the_worker_before_the_tick_and_none_is_lost(recording):
+    async with running_gateway([recording], stream_interval_ms=5.0) as (gateway, addr):
+        client = await RawClient.connect(addr)
+        await client.event("session.created")
+        sid = created_sid(gateway)
+        handle = gateway.pool.handles[0]
+        client.send(frame(append_event()) * 5)
+        await until(lambda: handle.streamed_bytes >= 5 * 640)   # on the worker's stream before a tick took it
+        client.send(frame(append_event()))
+        await until(lambda: recording.servicer.audio_bytes.get(sid) == 6 * 640)
+        assert max(recording.servicer.streamed) >= 1
+        await client.event("metronome.tick")
         client.close()
 
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from metronome import Engine, EngineConfig, KVPolicy
 from metronome.audio.energy_tokens import EnergyTokenAdapter
-from metronome.audio.pcm import Resampler, decode_pcm16, encode_pcm16, resample
+from metronome.audio.pcm import Resampler, decode_pcm16, encode_pcm16, levels, resample
 from metronome.errors import ConfigError
 from metronome.serving.proto import worker_pb2 as pb
 from metronome.serving.proto import worker_pb2_grpc
@@ -158,6 +158,68 @@ async def test_a_session_back_at_48k_after_16k_starts_a_fresh_resampler(stub, wo
     at_adapter_rate(speech_like(0.5, seed=9), 16000)
     fresh = Resampler(48000, 16000).process(decode_pcm16(pcm(chunks[1])))
     assert np.array_equal(at_adapter_rate(chunks[1], 48000), fresh)
+
+
+async def stream_step(stub, *messages: pb.StepRequest) -> pb.StepResponse:
+    async def requests():
+        for message in messages:
+            yield message
+
+    return await stub.StreamStep(requests())
+
+
+async def test_a_streamed_tick_is_the_step_of_its_joined_input(stub):
+    """StreamStep: each session's pieces go in front of its input in the last message; a session the last
+    message does not name gets nothing; audio before a change of sample rate is dropped."""
+    await open_sessions(stub, "free_running", "whole", "streamed", "rate")
+    audio = pcm(speech_like(2.0))
+    pieces = [audio[i:i + 12800] for i in range(0, len(audio), 12800)]   # 0.4 s each
+    loud_48k, quiet_16k = pcm(tone(0.5, rate=48000, amplitude=0.9)), pcm(tone(1.0, amplitude=0.05))
+    whole = by_sid(await stub.Step(pb.StepRequest(tick=1, tokens_per_tick=4, sessions=[
+        pb.SessionInput(sid="whole", audio_pcm16=audio, sample_rate=16000)])))["whole"]
+    early = [pb.StepRequest(sessions=[pb.SessionInput(sid="streamed", audio_pcm16=p, sample_rate=16000),
+                                      pb.SessionInput(sid="rate", audio_pcm16=loud_48k, sample_rate=48000),
+                                      pb.SessionInput(sid="whole", audio_pcm16=p, sample_rate=16000)])
+             for p in pieces[:-1]]
+    last = pb.StepRequest(tick=1, tokens_per_tick=4, sessions=[
+        pb.SessionInput(sid="streamed", audio_pcm16=pieces[-1], sample_rate=16000),
+        pb.SessionInput(sid="rate", audio_pcm16=quiet_16k, sample_rate=16000)])
+    out = by_sid(await stream_step(stub, *early, last))
+    assert set(out) == {"streamed", "rate"}   # "whole" streamed but was not named: nothing for it
+    assert not out["streamed"].error and out["streamed"].tokens == whole.tokens
+    assert out["streamed"].input_dbfs == pytest.approx(whole.input_dbfs)
+    assert out["rate"].input_dbfs == pytest.approx(levels(decode_pcm16(quiet_16k), 16000).rms_dbfs)
+    # What "whole" streamed above did not carry over into its next tick.
+    again = by_sid(await stub.Step(pb.StepRequest(tick=2, tokens_per_tick=2, sessions=[
+        pb.SessionInput(sid="whole", audio_pcm16=quiet_16k, sample_rate=16000)])))["whole"]
+    assert again.input_dbfs == pytest.approx(out["rate"].input_dbfs)
+
+
+async def test_a_streamed_tick_is_bounded_and_checked_piece_by_piece(engine, chat_checkpoint):
+    handle = await serve_worker(config(chat_checkpoint, max_message_bytes=1 << 20), engine=engine)
+    try:
+        async with grpc.aio.insecure_channel(handle.address) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            await open_sessions(stub, "free_running", "big", "odd", "fine")
+            big = pb.StepRequest(sessions=[pb.SessionInput(sid="big", audio_pcm16=bytes(600_000), sample_rate=16000)])
+            last = pb.StepRequest(tick=1, tokens_per_tick=2, sessions=[pb.SessionInput(sid="big", sample_rate=16000)])
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stream_step(stub, big, big, last)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            with pytest.raises(grpc.aio.AioRpcError) as empty:
+                await stream_step(stub)
+            assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            # An odd piece would shift every later sample: that session's tick is refused, the others run.
+            early = pb.StepRequest(sessions=[pb.SessionInput(sid="odd", audio_pcm16=b"\x01\x00\x02", sample_rate=16000),
+                                             pb.SessionInput(sid="fine", audio_pcm16=pcm(tone(0.5)), sample_rate=16000)])
+            last = pb.StepRequest(tick=2, tokens_per_tick=2, sessions=[
+                pb.SessionInput(sid=sid, audio_pcm16=b"\x03", sample_rate=16000) for sid in ("odd",)] + [
+                pb.SessionInput(sid="fine", audio_pcm16=pcm(tone(0.5)), sample_rate=16000)])
+            out = by_sid(await stream_step(stub, early, last))
+            assert "odd number of bytes" in out["odd"].error
+            assert not out["fine"].error and len(out["fine"].tokens) == 2
+    finally:
+        await handle.stop(0)
 
 
 async def test_bad_input_stays_on_its_session(stub):

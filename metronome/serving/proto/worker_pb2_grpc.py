@@ -49,6 +49,11 @@ class WorkerStub:
                 request_serializer=metronome_dot_serving_dot_proto_dot_worker__pb2.StepRequest.SerializeToString,
                 response_deserializer=metronome_dot_serving_dot_proto_dot_worker__pb2.StepResponse.FromString,
                 _registered_method=True)
+        self.StreamStep = channel.stream_unary(
+                '/metronome.worker.v1.Worker/StreamStep',
+                request_serializer=metronome_dot_serving_dot_proto_dot_worker__pb2.StepRequest.SerializeToString,
+                response_deserializer=metronome_dot_serving_dot_proto_dot_worker__pb2.StepResponse.FromString,
+                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/metronome.worker.v1.Worker/Health',
                 request_serializer=metronome_dot_serving_dot_proto_dot_worker__pb2.HealthRequest.SerializeToString,
@@ -80,6 +85,19 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StreamStep(self, request_iterator, context):
+        """The same tick, its input sent as it arrives over the frame period, so the bulk of the audio is on
+        the worker before the tick is due. Every message but the last carries sessions' audio and text
+        since the previous message; the last is the tick's StepRequest proper: it names the tick's
+        sessions (with their remaining input and controls), tokens_per_tick and tick. Each session's
+        streamed input is put before its input in the last message. Input for a session the last message
+        does not name is dropped, as is audio at a sample rate other than the last message's for it.
+        The streamed total is bounded like one Step request (RESOURCE_EXHAUSTED beyond it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Health(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -101,6 +119,11 @@ def add_WorkerServicer_to_server(servicer, server):
             ),
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
+                    request_deserializer=metronome_dot_serving_dot_proto_dot_worker__pb2.StepRequest.FromString,
+                    response_serializer=metronome_dot_serving_dot_proto_dot_worker__pb2.StepResponse.SerializeToString,
+            ),
+            'StreamStep': grpc.stream_unary_rpc_method_handler(
+                    servicer.StreamStep,
                     request_deserializer=metronome_dot_serving_dot_proto_dot_worker__pb2.StepRequest.FromString,
                     response_serializer=metronome_dot_serving_dot_proto_dot_worker__pb2.StepResponse.SerializeToString,
             ),
@@ -189,6 +212,33 @@ class Worker:
             request,
             target,
             '/metronome.worker.v1.Worker/Step',
+            metronome_dot_serving_dot_proto_dot_worker__pb2.StepRequest.SerializeToString,
+            metronome_dot_serving_dot_proto_dot_worker__pb2.StepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamStep(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/metronome.worker.v1.Worker/StreamStep',
             metronome_dot_serving_dot_proto_dot_worker__pb2.StepRequest.SerializeToString,
             metronome_dot_serving_dot_proto_dot_worker__pb2.StepResponse.FromString,
             options,
