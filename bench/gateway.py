@@ -628,6 +628,7 @@ def run_point(n: int, args, logdir: Path, bar_position: int = 1) -> dict[str, An
         cap = n + 10
         config = GatewayConfig(workers=(worker_addr,), host="127.0.0.1", port=port, budget_ms=budget_ms,
                                tokens_per_tick=args.tokens_per_tick, max_sessions=None,
+                               stream_interval_ms=args.stream_interval_ms,
                                aimd=AimdConfig(budget_ms=budget_ms, initial_cap=cap, min_cap=cap, target_fraction=1.0))
         point["gateway_config"] = {k: v for k, v in asdict(config).items() if k != "api_key"}
         profile = str(Path(args.profile_gateway) / f"gateway_{n}.prof") if args.profile_gateway else None
@@ -908,6 +909,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--duration-s", type=float, default=None, help="measurement window per point [default 20]")
     p.add_argument("--budget-ms", type=float, default=1000.0, help="tick budget B [default 1000]")
     p.add_argument("--tokens-per-tick", type=int, default=1, help="sent in each Step [default 1]")
+    p.add_argument("--stream-interval-ms", type=float, default=100.0,
+                   help="the gateway streams input to the worker this often; >= B: all at the tick [default 100]")
     p.add_argument("--generators", type=int, default=1,
                    help="load generator processes (each a uvloop loop); more only helps with spare cores [default 1]")
     p.add_argument("--ramp-s", type=float, default=None, help="connect ramp [default max(2, N/250)]")
