@@ -32,7 +32,7 @@ def test_garbage_is_collected_on_entry_and_none_while_held_off():
     thresholds = gc.get_threshold()
     try:
         _cycle_with_finalizer(log)
-        with collector_held_off():
+        with collector_held_off(collect_first=True):
             assert log == ["freed"]          # the cycle from before went on entry
             starts.clear()
             gc.set_threshold(1, 1, 1)
@@ -48,14 +48,23 @@ def test_garbage_is_collected_on_entry_and_none_while_held_off():
     assert log.count("freed") == 2001
 
 
+def test_without_collect_first_nothing_is_collected_on_entry():
+    log: list[str] = []
+    _cycle_with_finalizer(log)
+    with collector_held_off(collect_first=False):
+        assert log == []
+    gc.collect()
+    assert log == ["freed"]
+
+
 def test_the_collector_state_is_restored_after_an_error_and_stays_off_if_it_was():
     with pytest.raises(RuntimeError):
-        with collector_held_off():
+        with collector_held_off(collect_first=False):
             raise RuntimeError("capture failed")
     assert gc.isenabled()
     gc.disable()
     try:
-        with collector_held_off():
+        with collector_held_off(collect_first=False):
             pass
         assert not gc.isenabled()
     finally:

@@ -93,7 +93,7 @@ class DecodeGraphs:
                                 policy.window, attention.options["block_n"])
         g = spec.num_heads // spec.num_kv_heads
         block_m = max(attention.options["decode_block_m"], 1 << (g - 1).bit_length())
-        with torch.inference_mode(), collector_held_off():
+        with torch.inference_mode(), collector_held_off(collect_first=True):
             for batch in reversed(self.buckets):
                 meta = PagedAttentionMetadata(
                     block_size=runner.block_size, sinks=policy.sinks if policy.bounded else 0, window=policy.window,

@@ -101,6 +101,7 @@ class ClientSession:
         self.audio_bytes = 0
         self.streamed_audio_bytes = 0  # already sent this tick (StreamStep): still counted by the bounds
         self.streamed_text_bytes = 0
+        self.audio_discarded = False   # audio streamed this tick was discarded: the next entry says clear_audio
         self.new_turn = False
         self.texts: list[str] = []
         self.text_bytes = 0            # UTF-8 bytes in ``texts``: at most ``max_text_bytes`` per tick
@@ -141,6 +142,18 @@ class ClientSession:
         self.audio.clear()
         self.audio_bytes = 0
 
+    def discard_audio(self) -> None:
+        """Drop the tick's audio so far, what was already streamed to the worker too (a clear, a rate change)."""
+        self.clear_audio()
+        if self.streamed_audio_bytes:
+            self.audio_discarded = True
+            self.streamed_audio_bytes = 0
+
+    @property
+    def streamed(self) -> bool:
+        """Input of this tick is already on the worker's stream (or must be cleared there)."""
+        return bool(self.streamed_audio_bytes or self.streamed_text_bytes or self.audio_discarded)
+
     def append_text(self, text: str) -> bool:
         """Buffer user text for the next tick; False (nothing buffered) when the tick's text would overflow.
 
@@ -170,11 +183,23 @@ class ClientSession:
 
         The tick's input bounds count what was streamed, so streaming does not lift them.
         """
-        if not self.audio_bytes and not self.texts:
+        if not self.audio_bytes and not self.texts and not self.audio_discarded:
             return None
         self.streamed_audio_bytes += self.audio_bytes
         self.streamed_text_bytes += self.text_bytes
         return self._take_wire(controls=False)
+
+    def take_name_wire(self) -> list[bytes]:
+        """An entry naming the session in a tick's last message with none of its buffered input (which waits
+        for a later tick), so that what it streamed this tick is used rather than dropped."""
+        parts = self._entry_wire([], 0, b"", controls=False)
+        self.forget_streamed()
+        return parts
+
+    def forget_streamed(self) -> None:
+        """The tick's streamed input is used or lost: the bounds count from zero again."""
+        self.streamed_audio_bytes = self.streamed_text_bytes = 0
+        self.audio_discarded = False
 
     def take_tick_wire(self) -> list[bytes]:
         """``take_tick_input``, already in protobuf wire format: one ``StepRequest.sessions`` entry, in parts.
@@ -183,35 +208,42 @@ class ClientSession:
         one ``b"".join`` instead of a message per session, a copy into the request and a serialisation
         (at 1,000 sessions, 32 MB per tick: about half the build + send time).
         """
-        self.streamed_audio_bytes = self.streamed_text_bytes = 0
-        return self._take_wire(controls=True)
+        parts = self._take_wire(controls=True)
+        self.forget_streamed()
+        return parts
 
     def _take_wire(self, controls: bool) -> list[bytes]:
-        sid = self.sid.encode()
-        text = "".join(self.texts).encode()
-        head = [b"\x0a", _varint(len(sid)), sid]
-        if controls and self.new_turn:
-            head.append(b"\x10\x01")
-        if self.audio_bytes:
-            head += [b"\x1a", _varint(self.audio_bytes)]
-        tail = [b"\x20", _varint(self.sample_rate)]
-        if text:
-            tail += [b"\x2a", _varint(len(text)), text]
-        if controls and self.cancel:
-            tail.append(b"\x30\x01")
-        head_b, tail_b = b"".join(head), b"".join(tail)
-        parts = [b"\x0a" + _varint(len(head_b) + self.audio_bytes + len(tail_b)) + head_b, *self.audio, tail_b]
+        parts = self._entry_wire(self.audio, self.audio_bytes, "".join(self.texts).encode(), controls)
         self.clear_audio()
         self.clear_text()
         if controls:
             self.new_turn = self.cancel = False
         return parts
 
+    def _entry_wire(self, audio: list[bytes], audio_bytes: int, text: bytes, controls: bool) -> list[bytes]:
+        sid = self.sid.encode()
+        head = [b"\x0a", _varint(len(sid)), sid]
+        if controls and self.new_turn:
+            head.append(b"\x10\x01")
+        if audio_bytes:
+            head += [b"\x1a", _varint(audio_bytes)]
+        tail = [b"\x20", _varint(self.sample_rate)]
+        if text:
+            tail += [b"\x2a", _varint(len(text)), text]
+        if controls and self.cancel:
+            tail.append(b"\x30\x01")
+        if self.audio_discarded:
+            tail.append(b"\x40\x01")
+            self.audio_discarded = False
+        head_b, tail_b = b"".join(head), b"".join(tail)
+        return [b"\x0a" + _varint(len(head_b) + audio_bytes + len(tail_b)) + head_b, *audio, tail_b]
+
     def take_tick_input(self) -> pb.SessionInput:
         """Everything buffered since the last tick, as one SessionInput; the buffers start empty again."""
         inp = pb.SessionInput(sid=self.sid, new_turn=self.new_turn, audio_pcm16=b"".join(self.audio),
-                              sample_rate=self.sample_rate, text="".join(self.texts), cancel=self.cancel)
-        self.streamed_audio_bytes = self.streamed_text_bytes = 0
+                              sample_rate=self.sample_rate, text="".join(self.texts), cancel=self.cancel,
+                              clear_audio=self.audio_discarded)
+        self.forget_streamed()
         self.clear_audio()
         self.clear_text()
         self.new_turn = self.cancel = False

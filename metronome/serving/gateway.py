@@ -297,7 +297,7 @@ class Gateway:
             session.new_turn = session.started = True
             session.send({"type": "input_audio_buffer.committed", "event_id": event.event_id})
         elif isinstance(event, InputAudioBufferClear):
-            session.clear_audio()
+            session.discard_audio()
             session.send({"type": "input_audio_buffer.cleared", "event_id": event.event_id})
         elif isinstance(event, ConversationItemCreate):
             text = event.text()
@@ -339,7 +339,7 @@ class Gateway:
     @staticmethod
     def _apply_rate(session: ClientSession, rate: int | None) -> None:
         if rate is not None and rate != session.sample_rate:
-            session.clear_audio()  # buffered audio was at the old rate
+            session.discard_audio()  # buffered and streamed audio was at the old rate
             session.sample_rate = rate
 
     async def _reopen(self, conn: Connection, session: ClientSession, event: SessionUpdate, mode: str,

@@ -1,10 +1,11 @@
 """The worker: the gRPC ``Worker`` service of ``proto/worker.proto`` over one ``Engine`` and one adapter.
 
 Threading: the engine and the adapter are synchronous and not thread-safe, so EVERY call into them
-(OpenSession, CloseSession, Step) runs on one dedicated thread, a ``ThreadPoolExecutor(max_workers=1)``
-awaited through ``loop.run_in_executor``. The asyncio loop only moves bytes and never blocks; two
-Step RPCs that arrive together run one after the other. Health answers at once from a snapshot the
-engine thread refreshes after every call, so it does not wait behind a running step.
+(OpenSession, CloseSession, Step, a StreamStep once its last message is in) runs on one dedicated thread,
+a ``ThreadPoolExecutor(max_workers=1)`` awaited through ``loop.run_in_executor``. The asyncio loop only
+moves bytes and never blocks; two Step RPCs that arrive together run one after the other. Health answers
+at once from a snapshot the engine thread refreshes after every call, so it does not wait behind a
+running step.
 
 One Step, per session: sid → engine session id; PCM16 decoded and resampled to the adapter's rate
 (one streaming resampler per session, so chunk edges do not click or drift); then for the whole
@@ -68,7 +69,8 @@ class WorkerConfig:
     ``port=0`` binds an ephemeral port (``WorkerServer.port`` says which). ``max_input_tokens``
     bounds one session's input per tick (see "Chunking" in the module docstring); ``None`` picks
     ``max(1024, max_chunk_tokens)``.
-    ``max_message_bytes`` bounds a Step request: 2 s of 48 kHz PCM16 is 192 KB per session.
+    ``max_message_bytes`` bounds a Step request, and a StreamStep's input before its last message: 2 s of
+    48 kHz PCM16 is 192 KB per session.
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -138,6 +140,9 @@ class StreamedInput:
     def add(self, inp) -> int:
         """Take one SessionInput; returns the bytes it added. Audio before a change of sample rate is dropped."""
         audio = inp.audio_pcm16   # read once: each read of a protobuf bytes field copies it
+        if inp.clear_audio:
+            self.audio.clear()
+            self.error = ""
         if audio:
             if inp.sample_rate != self.sample_rate:
                 self.audio.clear()
@@ -292,9 +297,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         audio = inp.audio_pcm16   # read once: each read of a protobuf bytes field copies it
         text, new_turn, cancel = inp.text, inp.new_turn, inp.cancel
         if earlier is not None:
-            if earlier.error:
+            if earlier.error and not inp.clear_audio:
                 raise ValueError(earlier.error)
-            if earlier.audio and earlier.sample_rate == inp.sample_rate:
+            if earlier.audio and earlier.sample_rate == inp.sample_rate and not inp.clear_audio:
                 audio = b"".join([*earlier.audio, audio])
             text = "".join(earlier.text) + text
             new_turn, cancel = new_turn or earlier.new_turn, cancel or earlier.cancel

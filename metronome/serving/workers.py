@@ -54,8 +54,8 @@ class WorkerHandle:
     address: str
     channel: grpc.aio.Channel
     stub: pb_grpc.WorkerStub
-    # Step and StreamStep with requests already in wire format (``step_request_wire``): at 1,000 sessions a
-    # tick carries 32 MB of audio, and building it as messages costs ~74 ms of the event loop against ~41 ms.
+    # StreamStep (and Step, for a worker without it) with requests already in wire format (``step_request_wire``):
+    # at 1,000 sessions a tick carries 32 MB of audio; building it as messages costs ~74 ms of the loop, not ~41.
     step_wire: Callable = field(init=False, repr=False)
     stream_step_wire: Callable = field(init=False, repr=False)
     controller: AimdController | PaperAimdController | None = None  # made once memory capacity is known
@@ -69,7 +69,9 @@ class WorkerHandle:
 
     # The next tick's StreamStep, open from the first input streamed to it until the tick's last message.
     stream: grpc.aio.StreamUnaryCall | None = None
-    streamed_bytes: int = 0                  # input written to ``stream`` so far
+    streamed_bytes: int = 0          # input written to ``stream`` so far
+    stream_broken: bool = False      # a write to ``stream`` failed: nothing more goes on it
+    streams: bool = True             # False: the worker has no StreamStep (an older one), so one Step a tick
     tick_task: asyncio.Task | None = None   # the last tick, until its response is handled
 
     def __post_init__(self) -> None:
@@ -80,10 +82,10 @@ class WorkerHandle:
             "/metronome.worker.v1.Worker/StreamStep", request_serializer=None,
             response_deserializer=pb.StepResponse.FromString)
 
-    def cancel_stream(self) -> None:
-        if self.stream is not None:
-            self.stream.cancel()
-            self.stream, self.streamed_bytes = None, 0
+    def take_stream(self) -> grpc.aio.StreamUnaryCall | None:
+        """The open stream, now owned by the caller; the next input opens a new one."""
+        call, self.stream, self.streamed_bytes, self.stream_broken = self.stream, None, 0, False
+        return call
 
     @property
     def live(self) -> int:
@@ -134,7 +136,8 @@ class WorkerPool:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for handle in self.handles:
-            handle.cancel_stream()
+            if (call := handle.take_stream()) is not None:
+                call.cancel()
             if handle.tick_task is not None:
                 handle.tick_task.cancel()
         if self._closes:
@@ -245,8 +248,7 @@ class WorkerPool:
                         await self._stream(handle)
                     except Exception:  # a bug must not stop this worker's ticker for every session on it
                         log.exception("streaming tick %d's input to %s failed", handle.ticks + 1, handle.address)
-                        handle.cancel_stream()
-                        self._fail_tick(handle, [s for s in handle.sessions.values() if s.started], "step_failed")
+                        handle.stream_broken = True
             if handle.tick_task is not None:   # one tick at a time on a worker: this one waits for the last
                 await handle.tick_task
                 handle.tick_task = None
@@ -257,24 +259,26 @@ class WorkerPool:
             sessions = [s for s in handle.sessions.values() if s.started]
             if handle.healthy and sessions:
                 try:
-                    call, sessions = await self._send_tick(handle, sessions)
+                    call, named, lost = await self._send_tick(handle, sessions)
                 except Exception:  # as above
                     log.exception("tick %d on %s failed", handle.ticks, handle.address)
-                    handle.cancel_stream()
                     self._fail_tick(handle, sessions, "step_failed")
                 else:
-                    handle.tick_task = loop.create_task(self._finish_tick(handle, call, sessions, started, drift),
-                                                        name=f"tick {handle.ticks} {handle.address}")
-            else:
-                handle.cancel_stream()   # nobody left to tick (or the worker is down): what was streamed goes
+                    handle.tick_task = loop.create_task(
+                        self._finish_tick(handle, call, named, lost, started, drift),
+                        name=f"tick {handle.ticks} {handle.address}")
+            else:   # nobody to tick, or the worker is down: what was streamed goes
+                self._tell_input_lost(self._drop_stream(handle, sessions), "the worker is not ready")
             next_at += budget
 
     async def _stream(self, handle: WorkerHandle) -> None:
         """Send the sessions' input buffered since the last send to the next tick's stream (opened on demand)."""
+        if not handle.streams or handle.stream_broken:
+            return   # the input stays buffered for the tick's last message
         room = self.config.max_step_bytes - handle.streamed_bytes   # the worker bounds a tick's streamed bytes
         entries = []
         for session in handle.sessions.values():
-            if not session.started or not (session.audio_bytes or session.texts):
+            if not session.started or not (session.audio_bytes or session.texts or session.audio_discarded):
                 continue
             size = session.tick_bytes
             if size > room:
@@ -285,23 +289,65 @@ class WorkerPool:
             return
         handle.streamed_bytes = self.config.max_step_bytes - room
         if handle.stream is None:
-            # The last message can follow the first by B plus a late previous tick (up to its timeout).
+            # A backstop: the tick's own timeout starts with its last message (``_tick``), which can follow the
+            # first by B plus a late previous tick.
             timeout = self.config.budget_ms / 1000.0 + 2 * self.config.step_timeout_s
             handle.stream = handle.stream_step_wire(timeout=timeout)
         try:
             await handle.stream.write(step_request_wire(entries, 0, 0))
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
-            # The call ended early (the worker refused the input, or went away): the tick reports it.
-            log.debug("streaming to %s failed: %s", handle.address, exc)
+            # The call ended early (the worker refused the input, or went away). Writing on would only
+            # overwrite its status; the tick sends its last message on a new call and reports the loss.
+            log.warning("streaming tick %d's input to %s failed: %s", handle.ticks + 1, handle.address, exc)
+            handle.stream_broken = True
+
+    def _drop_stream(self, handle: WorkerHandle, sessions: list[ClientSession]) -> list[ClientSession]:
+        """Cancel the open stream; returns the sessions whose input on it is lost (their bounds start again)."""
+        call = handle.take_stream()
+        if call is None:
+            return []
+        call.cancel()
+        lost = [s for s in sessions if s.streamed]
+        for session in lost:
+            session.forget_streamed()
+        if lost:
+            log.warning("tick %d on %s: the input %d sessions streamed was lost", handle.ticks + 1, handle.address,
+                        len(lost))
+        return lost
+
+    @staticmethod
+    def _tell_input_lost(sessions: list[ClientSession], why: str) -> None:
+        for session in sessions:
+            if not session.closed:
+                session.send(error_event("tick_failed", f"part of this tick's input was lost ({why}); it was dropped",
+                                         type="server_error"))
+
+    def _last_message(self, handle: WorkerHandle, sessions: list[ClientSession]) -> tuple[bytes, list[ClientSession]]:
+        """The tick's last message and the sessions it names: those whose remaining input fits
+        ``max_step_bytes`` (the others keep theirs for a later tick), and those left out that streamed input
+        this tick (named with nothing more, so the worker uses what they streamed)."""
+        chosen = {s.sid for s in self._fit_step(sessions, handle.ticks)}
+        entries, named = [], []
+        for session in sessions:
+            if session.sid in chosen:
+                entries.append(session.take_tick_wire())
+            elif session.streamed:
+                entries.append(session.take_name_wire())
+            else:
+                continue
+            named.append(session)
+        return step_request_wire(entries, self.config.tokens_per_tick, handle.ticks), named
 
     async def _send_tick(self, handle: WorkerHandle, sessions: list[ClientSession]
-                         ) -> tuple[grpc.aio.StreamUnaryCall, list[ClientSession]]:
-        """The tick's last message (the remainder and the controls) on the open stream, or on a new one;
-        returns the call and the sessions it names."""
+                         ) -> tuple[grpc.aio.Call, list[ClientSession], list[ClientSession]]:
+        """The tick's last message on its stream (a new one if none is open or the open one failed); returns
+        the call, the sessions the message names, and those whose streamed input a failed stream lost."""
         handle.ticks += 1
-        sessions = self._fit_step(sessions, handle.ticks)
-        request = step_request_wire([s.take_tick_wire() for s in sessions], self.config.tokens_per_tick, handle.ticks)
-        call, handle.stream, handle.streamed_bytes = handle.stream, None, 0
+        lost = self._drop_stream(handle, sessions) if handle.stream_broken else []
+        call = handle.take_stream()
+        request, sessions = self._last_message(handle, sessions)
+        if not handle.streams:
+            return handle.step_wire(request, timeout=self.config.step_timeout_s), sessions, lost
         if call is None:
             call = handle.stream_step_wire(timeout=self.config.step_timeout_s)
         try:
@@ -309,13 +355,20 @@ class WorkerPool:
             await call.done_writing()
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
             log.debug("tick %d to %s: %s", handle.ticks, handle.address, exc)   # awaiting the call reports it
-        return call, sessions
+        except BaseException:
+            call.cancel()
+            raise
+        return call, sessions, lost
 
-    async def _finish_tick(self, handle: WorkerHandle, call: grpc.aio.StreamUnaryCall,
-                           sessions: list[ClientSession], started: float, drift: float) -> None:
+    async def _finish_tick(self, handle: WorkerHandle, call: grpc.aio.Call, sessions: list[ClientSession],
+                           lost: list[ClientSession], started: float, drift: float) -> None:
+        """Await the tick's response and hand it out; sessions whose streamed input was lost hear of it when
+        the tick itself went through (a failed tick reports its own error)."""
         m, name = self.metrics, handle.address
         try:
             report = await self._tick(handle, call, sessions, started, drift)
+            if report is not None:
+                self._tell_input_lost(lost, "the stream to the worker failed")
         except Exception:  # a bug must not stop this worker's ticker for every session on it
             log.exception("tick %d on %s failed", handle.ticks, handle.address)
             self._fail_tick(handle, sessions, "step_failed")
@@ -329,13 +382,36 @@ class WorkerPool:
             decision = handle.controller.observe(report.latency_ms, not report.deadline_met, handle.live)
             m.admission_cap.labels(name).set(decision.cap)
 
+    def _tick_refused(self, handle: WorkerHandle, sessions: list[ClientSession], code: grpc.StatusCode) -> None:
+        if code == grpc.StatusCode.UNIMPLEMENTED and handle.streams:
+            # A worker from before StreamStep: from now on one Step a tick, with the whole input at the tick.
+            log.warning("worker %s has no StreamStep (an older version?): one Step a tick from now on", handle.address)
+            handle.streams = False
+            code = grpc.StatusCode.INVALID_ARGUMENT   # this tick's input is lost; the sessions live on
+        if code == grpc.StatusCode.UNAVAILABLE:  # unreachable: its sessions are gone with it
+            handle.healthy = False
+            self.metrics.worker_up.labels(handle.address).set(0)
+            self._fail_sessions(handle, "worker_unavailable", close=False)
+        elif code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+            handle.healthy = False  # hung or overloaded, maybe alive: free its sessions there too
+            self.metrics.worker_up.labels(handle.address).set(0)
+            self._fail_sessions(handle, "worker_unavailable", close=True)
+        elif code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT):
+            # The request, not the sessions: this tick's input is lost, every session lives on.
+            for session in sessions:
+                if not session.closed:
+                    session.send(self._tick_lost(code.name))
+        else:
+            self._fail_tick(handle, sessions, "step_failed")
+
     def _fit_step(self, sessions: list[ClientSession], tick: int) -> list[ClientSession]:
         """The sessions whose remaining input fits the tick's last message of ``max_step_bytes``; the others
-        keep theirs for a later tick (what they streamed this tick is dropped at the worker).
+        keep theirs for a later tick (``_last_message`` still names those that streamed input this tick).
 
         Why: a message over the worker's gRPC limit fails the tick as a whole. Taking from a rotating start
         means a session left out now is early in the order of a later tick. With the input streamed, the
-        last message holds at most ``stream_interval_ms`` of audio per session, so this rarely binds.
+        last message holds about ``stream_interval_ms`` of each session's audio plus its text, so this binds
+        only under a burst of text, or when the streamed total already reached ``max_step_bytes``.
         """
         limit = self.config.max_step_bytes
         if sum(s.tick_bytes for s in sessions) <= limit:
@@ -357,29 +433,21 @@ class WorkerPool:
         return error_event("tick_failed", f"the worker refused this tick's input ({code}); it was dropped",
                            type="server_error")
 
-    async def _tick(self, handle: WorkerHandle, call: grpc.aio.StreamUnaryCall, sessions: list[ClientSession],
+    async def _tick(self, handle: WorkerHandle, call: grpc.aio.Call, sessions: list[ClientSession],
                     started: float, drift: float) -> TickReport | None:
         loop = asyncio.get_running_loop()
         try:
-            response = await call
+            async with asyncio.timeout(self.config.step_timeout_s):   # the stream's own deadline is looser
+                response = await call
+        except TimeoutError:
+            call.cancel()
+            log.error("worker %s did not answer tick %d within %g s", handle.address, handle.ticks,
+                      self.config.step_timeout_s)
+            self._tick_refused(handle, sessions, grpc.StatusCode.DEADLINE_EXCEEDED)
+            return None
         except grpc.aio.AioRpcError as exc:
-            code = exc.code()
-            log.error("worker %s failed tick %d: %s %s", handle.address, handle.ticks, code.name, exc.details())
-            if code == grpc.StatusCode.UNAVAILABLE:  # unreachable: its sessions are gone with it
-                handle.healthy = False
-                self.metrics.worker_up.labels(handle.address).set(0)
-                self._fail_sessions(handle, "worker_unavailable", close=False)
-            elif code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
-                handle.healthy = False  # hung or overloaded, maybe alive: free its sessions there too
-                self.metrics.worker_up.labels(handle.address).set(0)
-                self._fail_sessions(handle, "worker_unavailable", close=True)
-            elif code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT):
-                # The request, not the sessions: this tick's input is lost, every session lives on.
-                for session in sessions:
-                    if not session.closed:
-                        session.send(self._tick_lost(code.name))
-            else:
-                self._fail_tick(handle, sessions, "step_failed")
+            log.error("worker %s failed tick %d: %s %s", handle.address, handle.ticks, exc.code().name, exc.details())
+            self._tick_refused(handle, sessions, exc.code())
             return None
         latency_ms = (loop.time() - started) * 1e3
         report = TickReport(handle.ticks, latency_ms, drift * 1e3, latency_ms <= self.config.budget_ms, len(sessions),

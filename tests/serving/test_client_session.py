@@ -74,7 +74,7 @@ def test_the_wire_encoded_step_request_equals_the_protobuf_one():
     # The encoder writes these fields by number: a change to the proto must show up here.
     assert [(f.name, f.number) for f in pb.SessionInput.DESCRIPTOR.fields] == [
         ("sid", 1), ("new_turn", 2), ("audio_pcm16", 3), ("sample_rate", 4), ("text", 5), ("cancel", 6),
-        ("max_tokens", 7)]
+        ("max_tokens", 7), ("clear_audio", 8)]
     assert [(f.name, f.number) for f in pb.StepRequest.DESCRIPTOR.fields] == [
         ("sessions", 1), ("tokens_per_tick", 2), ("tick", 3)]
 
@@ -87,7 +87,7 @@ def test_the_wire_encoded_step_request_equals_the_protobuf_one():
         c.sid = "séance_ü"
         c.sample_rate = 48000
         c.texts += ["hällo ", "wörld"]
-        c.new_turn = c.cancel = True
+        c.new_turn = c.cancel = c.audio_discarded = True
         c.append_audio(b"\x01\x02")
         return [a, b, c]
 

@@ -24,12 +24,12 @@ from picows import WSMsgType
 
 from metronome.config import AimdConfig, GatewayConfig
 from metronome.serving import protocol, ws_aiohttp, ws_picows
-from metronome.serving.client_session import ClientSession
+from metronome.serving.client_session import ClientSession, step_request_wire
 from metronome.serving.gateway import Gateway, serve_gateway
 from metronome.serving.metrics import GatewayMetrics
 from metronome.serving.proto import worker_pb2 as pb
 from metronome.serving.proto import worker_pb2_grpc as pb_grpc
-from metronome.serving.workers import WorkerPool
+from metronome.serving.workers import WorkerHandle, WorkerPool
 from metronome.serving.ws_aiohttp import AiohttpConnection
 from metronome.serving.ws_picows import PicowsConnection
 from tests.serving.test_gateway import BUDGET_MS, chunks, of_type, recv_until, running_gateway, start_worker, tone
@@ -361,17 +361,19 @@ async def test_the_aiohttp_transport_still_serves_sessions(worker):
 class RecordingWorker(pb_grpc.WorkerServicer):
     """A model-free worker that records which sessions are open on it (what a leak would leave behind).
 
-    ``fail_steps``: status codes the next Steps abort with, one per Step. ``streamed``: per StreamStep, the
-    number of messages that came before its last.
+    ``fail_steps``: status codes the next Steps abort with, one per Step. ``fail_streams``: status codes the
+    next StreamSteps abort with when a message before their last arrives (mid-tick). ``streamed_audio``,
+    ``last_audio``: per session, audio bytes received before a tick's last message and in it.
     """
 
     def __init__(self) -> None:
         self.open: set[str] = set()
         self.calls: list[tuple[str, str]] = []
         self.fail_steps: list[grpc.StatusCode] = []
+        self.fail_streams: list[grpc.StatusCode] = []
         self.steps = 0
-        self.streamed: list[int] = []
-        self.audio_bytes: dict[str, int] = {}   # per session, over every message of every StreamStep
+        self.streamed_audio: dict[str, int] = {}
+        self.last_audio: dict[str, int] = {}
 
     async def OpenSession(self, request, context):
         self.calls.append(("open", request.sid))
@@ -392,15 +394,29 @@ class RecordingWorker(pb_grpc.WorkerServicer):
         self.steps += 1
         if self.fail_steps:
             await context.abort(self.fail_steps.pop(0), "injected")
+        for inp in request.sessions:
+            self.last_audio[inp.sid] = self.last_audio.get(inp.sid, 0) + len(inp.audio_pcm16)
         return pb.StepResponse(outputs=[pb.SessionOutput(sid=s.sid, tokens=[1], text=".") for s in request.sessions])
 
     async def StreamStep(self, request_iterator, context):
-        messages = [message async for message in request_iterator]
-        self.streamed.append(len(messages) - 1)
-        for message in messages:
+        streamed: dict[str, int] = {}
+        async for message in request_iterator:
+            if message.tick:   # the last message
+                for sid, n in streamed.items():
+                    if any(inp.sid == sid for inp in message.sessions):   # unnamed: dropped, as the worker does
+                        self.streamed_audio[sid] = self.streamed_audio.get(sid, 0) + n
+                return await self.Step(message, context)
+            if self.fail_streams:
+                await context.abort(self.fail_streams.pop(0), "injected mid-tick")
             for inp in message.sessions:
-                self.audio_bytes[inp.sid] = self.audio_bytes.get(inp.sid, 0) + len(inp.audio_pcm16)
-        return await self.Step(messages[-1], context)
+                streamed[inp.sid] = streamed.get(inp.sid, 0) + len(inp.audio_pcm16)
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no last message")
+
+
+class StepOnlyWorker(RecordingWorker):
+    """A worker from before StreamStep."""
+
+    StreamStep = pb_grpc.WorkerServicer.StreamStep
 
 
 @dataclass
@@ -582,6 +598,38 @@ async def test_a_step_takes_only_the_sessions_that_fit_and_the_rest_wait_their_t
     assert ticked == {s.sid for s in sessions}  # everyone got through within a few ticks
 
 
+async def test_a_session_left_out_of_the_last_message_keeps_what_it_streamed():
+    """``_fit_step`` leaves a session's remainder for a later tick; if it streamed input this tick, the last
+    message still names it (with nothing more), so the worker uses that input instead of dropping it."""
+    config = GatewayConfig(port=0, max_text_bytes_per_tick=500_000, max_buffered_audio_s=1.0,
+                           max_step_bytes=1_300_000)
+    pool = WorkerPool(config, GatewayMetrics(config.budget_ms), lambda *a: None, lambda *a: None)
+    handle = WorkerHandle("127.0.0.1:1", grpc.aio.insecure_channel("127.0.0.1:1"), None)
+
+    class Quiet:
+        def send(self, data):
+            return True
+
+    sessions = [ClientSession(f"s{i}", "w", Quiet(), max_buffered_audio_s=1.0, max_messages_per_s=50.0,
+                              max_text_bytes=500_000) for i in range(4)]
+    for s in sessions:
+        assert s.append_audio(b"\x01\x00" * 800)
+    streamed = pb.StepRequest.FromString(step_request_wire([s.take_stream_wire() for s in sessions], 0, 0))
+    assert [len(i.audio_pcm16) for i in streamed.sessions] == [1600] * 4
+    for s in sessions:
+        assert s.append_text("x" * 400_000)   # four of these do not fit one message of 1.3 MB
+    handle.ticks = 1
+    wire, named = pool._last_message(handle, sessions)
+    last = pb.StepRequest.FromString(wire)
+    assert [s.sid for s in named] == [i.sid for i in last.sessions] == ["s0", "s1", "s2", "s3"]
+    waiting = [s for s in sessions if s.texts]
+    assert waiting and len(waiting) < 4
+    for s in waiting:   # named with nothing more: its text waits, its streamed audio counts no longer
+        entry = next(i for i in last.sessions if i.sid == s.sid)
+        assert entry.text == "" and entry.audio_pcm16 == b"" and s.streamed_audio_bytes == 0
+    await handle.channel.close()
+
+
 async def test_a_refused_step_keeps_the_sessions_and_a_failed_one_closes_them_on_the_worker(recording):
     async with running_gateway([recording]) as (gateway, addr):
         client = await RawClient.connect(addr)
@@ -599,19 +647,73 @@ async def test_a_refused_step_keeps_the_sessions_and_a_failed_one_closes_them_on
         client.close()
 
 
+async def stream_until_the_worker_has_streamed_audio(client: RawClient, worker: RecordingWorker, sid: str,
+                                                   ticks: int = 20) -> int:
+    """Send one chunk a tick until some reached the worker before its tick's last message; returns the bytes
+    sent. (A chunk that lands in the few ms before a tick goes in the last message instead.)"""
+    sent = 0
+    for _ in range(ticks):
+        client.send(frame(append_event()))
+        sent += 640
+        await client.event("metronome.tick")
+        if worker.streamed_audio.get(sid):
+            return sent
+    raise AssertionError(f"no audio was streamed in {ticks} ticks")
+
+
 async def test_audio_is_streamed_to_the_worker_before_the_tick_and_none_is_lost(recording):
     async with running_gateway([recording], stream_interval_ms=5.0) as (gateway, addr):
         client = await RawClient.connect(addr)
         await client.event("session.created")
         sid = created_sid(gateway)
-        handle = gateway.pool.handles[0]
-        client.send(frame(append_event()) * 5)
-        await until(lambda: handle.streamed_bytes >= 5 * 640)   # on the worker's stream before a tick took it
-        client.send(frame(append_event()))
-        await until(lambda: recording.servicer.audio_bytes.get(sid) == 6 * 640)
-        assert max(recording.servicer.streamed) >= 1
-        await client.event("metronome.tick")
+        sent = await stream_until_the_worker_has_streamed_audio(client, recording.servicer, sid)
+        worker = recording.servicer
+        await until(lambda: worker.streamed_audio.get(sid, 0) + worker.last_audio.get(sid, 0) == sent)
         client.close()
+
+
+async def test_a_stream_that_fails_mid_tick_loses_that_input_only_and_the_session_lives(recording):
+    async with running_gateway([recording], stream_interval_ms=5.0) as (gateway, addr):
+        client = await RawClient.connect(addr)
+        await client.event("session.created")
+        recording.servicer.fail_streams = [grpc.StatusCode.RESOURCE_EXHAUSTED]
+        events: list[dict] = []
+        for _ in range(20):   # until a chunk is streamed mid-tick (one landing just before a tick is not)
+            client.send(frame(append_event()))
+            events = await client.event("metronome.tick")
+            if not recording.servicer.fail_streams:
+                break
+        assert not recording.servicer.fail_streams
+        # Whether the gateway saw the abort on a mid-tick write or on the tick's last message, the input is
+        # reported lost and the session stays.
+        if not any(e["type"] == "error" for e in events):
+            events = await client.event("error")
+        assert [e["error"]["code"] for e in events if e["type"] == "error"] == ["tick_failed"]
+        client.send(frame(append_event()))
+        await client.event("metronome.tick")   # later ticks carry on
+        assert recording.servicer.open
+        client.close()
+
+
+async def test_a_worker_without_stream_step_gets_one_step_a_tick():
+    servicer = StepOnlyWorker()
+    server = grpc.aio.server()
+    pb_grpc.add_WorkerServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        old = RecordingServer(servicer, server, f"127.0.0.1:{port}")
+        async with running_gateway([old]) as (gateway, addr):
+            client = await RawClient.connect(addr)
+            await client.event("session.created")
+            client.send(frame(append_event()))
+            assert (await client.event("error"))[-1]["error"]["code"] == "tick_failed"   # the tick it found out on
+            client.send(frame(append_event()))
+            await client.event("metronome.tick")
+            assert servicer.steps >= 1 and not gateway.pool.handles[0].streams
+            client.close()
+    finally:
+        await server.stop(0)
 
 
 async def test_an_exception_in_a_tick_fails_that_tick_and_the_ticker_goes_on(recording, monkeypatch):

@@ -213,13 +213,38 @@ async def test_a_streamed_tick_is_bounded_and_checked_piece_by_piece(engine, cha
             early = pb.StepRequest(sessions=[pb.SessionInput(sid="odd", audio_pcm16=b"\x01\x00\x02", sample_rate=16000),
                                              pb.SessionInput(sid="fine", audio_pcm16=pcm(tone(0.5)), sample_rate=16000)])
             last = pb.StepRequest(tick=2, tokens_per_tick=2, sessions=[
-                pb.SessionInput(sid=sid, audio_pcm16=b"\x03", sample_rate=16000) for sid in ("odd",)] + [
+                pb.SessionInput(sid="odd", audio_pcm16=b"\x03", sample_rate=16000),
                 pb.SessionInput(sid="fine", audio_pcm16=pcm(tone(0.5)), sample_rate=16000)])
             out = by_sid(await stream_step(stub, early, last))
             assert "odd number of bytes" in out["odd"].error
             assert not out["fine"].error and len(out["fine"].tokens) == 2
     finally:
         await handle.stop(0)
+
+
+async def test_a_clear_mid_tick_drops_what_the_gateway_already_streamed(stub):
+    """The gateway's own pieces (``ClientSession``) through StreamStep: after ``input_audio_buffer.clear`` the
+    worker hears only the audio that came after it, as with the whole tick in one Step."""
+    from metronome.serving.client_session import ClientSession, step_request_wire
+
+    class Quiet:
+        def send(self, data):
+            return True
+
+    await open_sessions(stub, "free_running", "cleared", "kept")
+    loud, quiet = pcm(tone(0.5, amplitude=0.9)), pcm(tone(0.5, amplitude=0.05))
+    sessions = {sid: ClientSession(sid, "w", Quiet(), max_buffered_audio_s=10.0, max_messages_per_s=50.0)
+                for sid in ("cleared", "kept")}
+    for session in sessions.values():
+        assert session.append_audio(loud)
+    early = step_request_wire([s.take_stream_wire() for s in sessions.values()], 0, 0)
+    sessions["cleared"].discard_audio()
+    for session in sessions.values():
+        assert session.append_audio(quiet)
+    last = step_request_wire([s.take_tick_wire() for s in sessions.values()], 2, 1)
+    out = by_sid(await stream_step(stub, pb.StepRequest.FromString(early), pb.StepRequest.FromString(last)))
+    assert out["cleared"].input_dbfs == pytest.approx(levels(decode_pcm16(quiet), 16000).rms_dbfs)
+    assert out["kept"].input_dbfs == pytest.approx(levels(decode_pcm16(loud + quiet), 16000).rms_dbfs)
 
 
 async def test_bad_input_stays_on_its_session(stub):

@@ -64,6 +64,6 @@ class BucketedGraphs:
                 self.fn(*static_in)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with collector_held_off(), torch.cuda.graph(graph):
+        with collector_held_off(collect_first=False), torch.cuda.graph(graph):  # mid-tick: no full collection
             static_out = list(self.fn(*static_in))
         return graph, static_in, static_out

@@ -37,7 +37,7 @@ class CloseSessionResponse(_message.Message):
     def __init__(self, closed: _Optional[bool] = ...) -> None: ...
 
 class SessionInput(_message.Message):
-    __slots__ = ("sid", "new_turn", "audio_pcm16", "sample_rate", "text", "cancel", "max_tokens")
+    __slots__ = ("sid", "new_turn", "audio_pcm16", "sample_rate", "text", "cancel", "max_tokens", "clear_audio")
     SID_FIELD_NUMBER: _ClassVar[int]
     NEW_TURN_FIELD_NUMBER: _ClassVar[int]
     AUDIO_PCM16_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class SessionInput(_message.Message):
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CLEAR_AUDIO_FIELD_NUMBER: _ClassVar[int]
     sid: str
     new_turn: bool
     audio_pcm16: bytes
@@ -52,7 +53,8 @@ class SessionInput(_message.Message):
     text: str
     cancel: bool
     max_tokens: int
-    def __init__(self, sid: _Optional[str] = ..., new_turn: _Optional[bool] = ..., audio_pcm16: _Optional[bytes] = ..., sample_rate: _Optional[int] = ..., text: _Optional[str] = ..., cancel: _Optional[bool] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+    clear_audio: bool
+    def __init__(self, sid: _Optional[str] = ..., new_turn: _Optional[bool] = ..., audio_pcm16: _Optional[bytes] = ..., sample_rate: _Optional[int] = ..., text: _Optional[str] = ..., cancel: _Optional[bool] = ..., max_tokens: _Optional[int] = ..., clear_audio: _Optional[bool] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("sessions", "tokens_per_tick", "tick")

@@ -91,7 +91,8 @@ class WorkerServicer:
         since the previous message; the last is the tick's StepRequest proper: it names the tick's
         sessions (with their remaining input and controls), tokens_per_tick and tick. Each session's
         streamed input is put before its input in the last message. Input for a session the last message
-        does not name is dropped, as is audio at a sample rate other than the last message's for it.
+        does not name is dropped, as is audio at a sample rate other than the last message's for it and
+        audio before an entry with clear_audio.
         The streamed total is bounded like one Step request (RESOURCE_EXHAUSTED beyond it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
