@@ -426,15 +426,19 @@ class RecordingServer:
     address: str
 
 
-@pytest.fixture
-async def recording():
-    servicer = RecordingWorker()
+async def serve_recording(servicer: RecordingWorker) -> RecordingServer:
     server = grpc.aio.server()
     pb_grpc.add_WorkerServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    yield RecordingServer(servicer, server, f"127.0.0.1:{port}")
-    await server.stop(0)
+    return RecordingServer(servicer, server, f"127.0.0.1:{port}")
+
+
+@pytest.fixture
+async def recording():
+    served = await serve_recording(RecordingWorker())
+    yield served
+    await served.server.stop(0)
 
 
 async def until(condition, timeout: float = 10.0) -> None:
@@ -572,17 +576,24 @@ def created_sid(gateway: Gateway) -> str:
     return sid
 
 
-async def test_a_step_takes_only_the_sessions_that_fit_and_the_rest_wait_their_turn():
+class Quiet:
+    """A client connection that takes every event."""
+
+    def send(self, data):
+        return True
+
+
+def small_step_pool(sessions: int) -> tuple[GatewayConfig, WorkerPool, list[ClientSession]]:
+    """A pool whose last message holds 1.3 MB, and sessions that may buffer 500 kB of text a tick."""
     config = GatewayConfig(port=0, max_text_bytes_per_tick=500_000, max_buffered_audio_s=1.0,
                            max_step_bytes=1_300_000)
     pool = WorkerPool(config, GatewayMetrics(config.budget_ms), lambda *a: None, lambda *a: None)
+    return config, pool, [ClientSession(f"s{i}", "w", Quiet(), max_buffered_audio_s=1.0, max_messages_per_s=50.0,
+                                        max_text_bytes=500_000) for i in range(sessions)]
 
-    class Quiet:
-        def send(self, data):
-            return True
 
-    sessions = [ClientSession(f"s{i}", "w", Quiet(), max_buffered_audio_s=1.0, max_messages_per_s=50.0,
-                              max_text_bytes=500_000) for i in range(5)]
+async def test_a_step_takes_only_the_sessions_that_fit_and_the_rest_wait_their_turn():
+    config, pool, sessions = small_step_pool(5)
     for s in sessions:
         assert s.append_text("x" * 400_000) and not s.append_text("x" * 200_000)
     ticked: set[str] = set()
@@ -601,17 +612,8 @@ async def test_a_step_takes_only_the_sessions_that_fit_and_the_rest_wait_their_t
 async def test_a_session_left_out_of_the_last_message_keeps_what_it_streamed():
     """``_fit_step`` leaves a session's remainder for a later tick; if it streamed input this tick, the last
     message still names it (with nothing more), so the worker uses that input instead of dropping it."""
-    config = GatewayConfig(port=0, max_text_bytes_per_tick=500_000, max_buffered_audio_s=1.0,
-                           max_step_bytes=1_300_000)
-    pool = WorkerPool(config, GatewayMetrics(config.budget_ms), lambda *a: None, lambda *a: None)
+    _, pool, sessions = small_step_pool(4)
     handle = WorkerHandle("127.0.0.1:1", grpc.aio.insecure_channel("127.0.0.1:1"), None)
-
-    class Quiet:
-        def send(self, data):
-            return True
-
-    sessions = [ClientSession(f"s{i}", "w", Quiet(), max_buffered_audio_s=1.0, max_messages_per_s=50.0,
-                              max_text_bytes=500_000) for i in range(4)]
     for s in sessions:
         assert s.append_audio(b"\x01\x00" * 800)
     streamed = pb.StepRequest.FromString(step_request_wire([s.take_stream_wire() for s in sessions], 0, 0))
@@ -696,13 +698,8 @@ async def test_a_stream_that_fails_mid_tick_loses_that_input_only_and_the_sessio
 
 
 async def test_a_worker_without_stream_step_gets_one_step_a_tick():
-    servicer = StepOnlyWorker()
-    server = grpc.aio.server()
-    pb_grpc.add_WorkerServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+    old = await serve_recording(StepOnlyWorker())
     try:
-        old = RecordingServer(servicer, server, f"127.0.0.1:{port}")
         async with running_gateway([old]) as (gateway, addr):
             client = await RawClient.connect(addr)
             await client.event("session.created")
@@ -710,10 +707,10 @@ async def test_a_worker_without_stream_step_gets_one_step_a_tick():
             assert (await client.event("error"))[-1]["error"]["code"] == "tick_failed"   # the tick it found out on
             client.send(frame(append_event()))
             await client.event("metronome.tick")
-            assert servicer.steps >= 1 and not gateway.pool.handles[0].streams
+            assert old.servicer.steps >= 1 and not gateway.pool.handles[0].streams
             client.close()
     finally:
-        await server.stop(0)
+        await old.server.stop(0)
 
 
 async def test_an_exception_in_a_tick_fails_that_tick_and_the_ticker_goes_on(recording, monkeypatch):
