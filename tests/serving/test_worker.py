@@ -210,8 +210,9 @@ async def test_a_streamed_tick_is_bounded_and_checked_piece_by_piece(engine, cha
                 await stream_step(stub)
             assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             # An odd piece would shift every later sample: that session's tick is refused, the others run.
-            early = pb.StepRequest(sessions=[pb.SessionInput(sid="odd", audio_pcm16=b"\x01\x00\x02", sample_rate=16000),
-                                             pb.SessionInput(sid="fine", audio_pcm16=pcm(tone(0.5)), sample_rate=16000)])
+            early = pb.StepRequest(sessions=[
+                pb.SessionInput(sid="odd", audio_pcm16=b"\x01\x00\x02", sample_rate=16000),
+                pb.SessionInput(sid="fine", audio_pcm16=pcm(tone(0.5)), sample_rate=16000)])
             last = pb.StepRequest(tick=2, tokens_per_tick=2, sessions=[
                 pb.SessionInput(sid="odd", audio_pcm16=b"\x03", sample_rate=16000),
                 pb.SessionInput(sid="fine", audio_pcm16=pcm(tone(0.5)), sample_rate=16000)])
