@@ -50,9 +50,14 @@ def test_garbage_is_collected_on_entry_and_none_while_held_off():
 
 def test_without_collect_first_nothing_is_collected_on_entry():
     log: list[str] = []
-    _cycle_with_finalizer(log)
-    with collector_held_off(collect_first=False):
-        assert log == []
+    gc.disable()   # no automatic collection between making the cycle and entering
+    try:
+        _cycle_with_finalizer(log)
+        with collector_held_off(collect_first=False):
+            assert log == []
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
     gc.collect()
     assert log == ["freed"]
 

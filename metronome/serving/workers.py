@@ -303,16 +303,15 @@ class WorkerPool:
 
     def _drop_stream(self, handle: WorkerHandle, sessions: list[ClientSession]) -> list[ClientSession]:
         """Cancel the open stream; returns the sessions whose input on it is lost (their bounds start again)."""
-        call = handle.take_stream()
-        if call is None:
-            return []
-        call.cancel()
-        lost = [s for s in sessions if s.streamed]
-        for session in lost:
-            session.forget_streamed()
+        if (call := handle.take_stream()) is not None:
+            call.cancel()
+        lost = []
+        for session in sessions:
+            if session.streamed_audio_bytes or session.streamed_text_bytes:
+                lost.append(session)
+            session.forget_streamed()   # a pending clear goes too: what it would clear is gone
         if lost:
-            log.warning("tick %d on %s: the input %d sessions streamed was lost", handle.ticks + 1, handle.address,
-                        len(lost))
+            log.warning("the input %d sessions streamed to %s was lost", len(lost), handle.address)
         return lost
 
     @staticmethod
@@ -343,9 +342,15 @@ class WorkerPool:
         """The tick's last message on its stream (a new one if none is open or the open one failed); returns
         the call, the sessions the message names, and those whose streamed input a failed stream lost."""
         handle.ticks += 1
-        lost = self._drop_stream(handle, sessions) if handle.stream_broken else []
+        # A broken stream, or one still open when the worker turned out to have no StreamStep: its input is gone.
+        lost = self._drop_stream(handle, sessions) if handle.stream_broken or not handle.streams else []
         call = handle.take_stream()
-        request, sessions = self._last_message(handle, sessions)
+        try:
+            request, sessions = self._last_message(handle, sessions)
+        except BaseException:
+            if call is not None:
+                call.cancel()
+            raise
         if not handle.streams:
             return handle.step_wire(request, timeout=self.config.step_timeout_s), sessions, lost
         if call is None:
@@ -367,8 +372,10 @@ class WorkerPool:
         m, name = self.metrics, handle.address
         try:
             report = await self._tick(handle, call, sessions, started, drift)
-            if report is not None:
-                self._tell_input_lost(lost, "the stream to the worker failed")
+            # A failed tick told the sessions it named; the others that lost streamed input still need telling.
+            named = set() if report is not None else {s.sid for s in sessions}
+            self._tell_input_lost([s for s in lost if s.sid not in named and s.sid in handle.sessions],
+                                  "the stream to the worker failed")
         except Exception:  # a bug must not stop this worker's ticker for every session on it
             log.exception("tick %d on %s failed", handle.ticks, handle.address)
             self._fail_tick(handle, sessions, "step_failed")
@@ -385,7 +392,8 @@ class WorkerPool:
     def _tick_refused(self, handle: WorkerHandle, sessions: list[ClientSession], code: grpc.StatusCode) -> None:
         if code == grpc.StatusCode.UNIMPLEMENTED and handle.streams:
             # A worker from before StreamStep: from now on one Step a tick, with the whole input at the tick.
-            log.warning("worker %s has no StreamStep (an older version?): one Step a tick from now on", handle.address)
+            log.warning("worker %s has no StreamStep (an older version?): one Step a tick until the gateway restarts",
+                        handle.address)
             handle.streams = False
             code = grpc.StatusCode.INVALID_ARGUMENT   # this tick's input is lost; the sessions live on
         if code == grpc.StatusCode.UNAVAILABLE:  # unreachable: its sessions are gone with it

@@ -632,6 +632,20 @@ async def test_a_session_left_out_of_the_last_message_keeps_what_it_streamed():
     await handle.channel.close()
 
 
+async def test_a_stream_still_open_when_the_worker_has_no_stream_step_is_dropped_and_reported():
+    _, pool, sessions = small_step_pool(2)
+    handle = WorkerHandle("127.0.0.1:1", grpc.aio.insecure_channel("127.0.0.1:1"), None)
+    assert sessions[0].append_audio(b"\x01\x00" * 100)
+    sessions[0].take_stream_wire()                   # streamed on the open call, never to be read
+    handle.stream = open_call = handle.stream_step_wire(timeout=5.0)
+    handle.streams = False                            # the last tick found out the worker has no StreamStep
+    call, named, lost = await pool._send_tick(handle, sessions)
+    assert lost == [sessions[0]] and open_call.cancelled() and handle.stream is None
+    assert sessions[0].streamed_audio_bytes == 0
+    call.cancel()
+    await handle.channel.close()
+
+
 async def test_a_refused_step_keeps_the_sessions_and_a_failed_one_closes_them_on_the_worker(recording):
     async with running_gateway([recording]) as (gateway, addr):
         client = await RawClient.connect(addr)

@@ -232,19 +232,29 @@ async def test_a_clear_mid_tick_drops_what_the_gateway_already_streamed(stub):
         def send(self, data):
             return True
 
-    await open_sessions(stub, "free_running", "cleared", "kept")
+    await open_sessions(stub, "free_running", "cleared", "cleared-early", "kept")
     loud, quiet = pcm(tone(0.5, amplitude=0.9)), pcm(tone(0.5, amplitude=0.05))
     sessions = {sid: ClientSession(sid, "w", Quiet(), max_buffered_audio_s=10.0, max_messages_per_s=50.0)
-                for sid in ("cleared", "kept")}
+                for sid in ("cleared", "cleared-early", "kept")}
+
+    def piece() -> pb.StepRequest:
+        wire = [e for e in (s.take_stream_wire() for s in sessions.values()) if e is not None]
+        return pb.StepRequest.FromString(step_request_wire(wire, 0, 0))
+
     for session in sessions.values():
         assert session.append_audio(loud)
-    early = step_request_wire([s.take_stream_wire() for s in sessions.values()], 0, 0)
-    sessions["cleared"].discard_audio()
-    for session in sessions.values():
-        assert session.append_audio(quiet)
-    last = step_request_wire([s.take_tick_wire() for s in sessions.values()], 2, 1)
-    out = by_sid(await stream_step(stub, pb.StepRequest.FromString(early), pb.StepRequest.FromString(last)))
-    assert out["cleared"].input_dbfs == pytest.approx(levels(decode_pcm16(quiet), 16000).rms_dbfs)
+    first = piece()
+    sessions["cleared-early"].discard_audio()   # its marker goes with the next piece
+    assert sessions["cleared-early"].append_audio(quiet)
+    second = piece()
+    assert [(i.sid, i.clear_audio) for i in second.sessions] == [("cleared-early", True)]
+    sessions["cleared"].discard_audio()         # its marker goes with the last message
+    for sid in ("cleared", "kept"):
+        assert sessions[sid].append_audio(quiet)
+    last = pb.StepRequest.FromString(step_request_wire([s.take_tick_wire() for s in sessions.values()], 2, 1))
+    out = by_sid(await stream_step(stub, first, second, last))
+    for sid in ("cleared", "cleared-early"):
+        assert out[sid].input_dbfs == pytest.approx(levels(decode_pcm16(quiet), 16000).rms_dbfs)
     assert out["kept"].input_dbfs == pytest.approx(levels(decode_pcm16(loud + quiet), 16000).rms_dbfs)
 
 
