@@ -118,6 +118,10 @@ def clipping_fraction(samples: np.ndarray, level: float = CLIP_LEVEL) -> float:
     samples = np.asarray(samples, dtype=np.float32)
     if samples.size == 0 or peak_magnitude(samples) < level:   # the usual case: one pass, no copies
         return 0.0
+    return _share_at_or_above(samples, level)
+
+
+def _share_at_or_above(samples: np.ndarray, level: float) -> float:
     return float(np.count_nonzero(np.abs(samples) >= level)) / samples.size
 
 
@@ -144,5 +148,5 @@ def levels(samples: np.ndarray, sample_rate: int) -> Levels:
     samples = np.asarray(samples, dtype=np.float32)
     peak = peak_magnitude(samples) if samples.size else 0.0
     peak_db = max(SILENCE_DBFS, 20.0 * math.log10(peak)) if peak > 0 else SILENCE_DBFS
-    clipping = clipping_fraction(samples) if peak >= CLIP_LEVEL else 0.0
+    clipping = _share_at_or_above(samples, CLIP_LEVEL) if peak >= CLIP_LEVEL else 0.0
     return Levels(rms_dbfs(samples), peak_db, clipping, samples.size * 1000.0 / sample_rate)

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from metronome.attention.metadata import PagedAttentionMetadata
-from metronome.graph_capture import collector_held_off
 from metronome.engine.scheduler import ForwardSegment
+from metronome.graph_capture import collector_held_off
 
 log = logging.getLogger(__name__)
 

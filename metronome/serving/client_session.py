@@ -150,6 +150,11 @@ class ClientSession:
             self.streamed_audio_bytes = 0
 
     @property
+    def has_unsent_input(self) -> bool:
+        """Audio, text or a clear that the worker has not been sent yet this tick."""
+        return bool(self.audio_bytes or self.texts or self.audio_discarded)
+
+    @property
     def streamed(self) -> bool:
         """Input of this tick is already on the worker's stream (or must be cleared there)."""
         return bool(self.streamed_audio_bytes or self.streamed_text_bytes or self.audio_discarded)
@@ -183,7 +188,7 @@ class ClientSession:
 
         The tick's input bounds count what was streamed, so streaming does not lift them.
         """
-        if not self.audio_bytes and not self.texts and not self.audio_discarded:
+        if not self.has_unsent_input:
             return None
         self.streamed_audio_bytes += self.audio_bytes
         self.streamed_text_bytes += self.text_bytes

@@ -37,6 +37,12 @@ HEALTH_INTERVAL_S = 1.0
 FILL_SAMPLES = 120  # ticks of KV usage behind the live time-to-wall estimate
 
 
+def _send_each(sessions: list[ClientSession], event: dict) -> None:
+    for session in sessions:
+        if not session.closed:
+            session.send(event)
+
+
 @dataclass
 class TickReport:
     tick: int
@@ -278,7 +284,7 @@ class WorkerPool:
         room = self.config.max_step_bytes - handle.streamed_bytes   # the worker bounds a tick's streamed bytes
         entries = []
         for session in handle.sessions.values():
-            if not session.started or not (session.audio_bytes or session.texts or session.audio_discarded):
+            if not session.started or not session.has_unsent_input:
                 continue
             size = session.tick_bytes
             if size > room:
@@ -316,9 +322,7 @@ class WorkerPool:
 
     @staticmethod
     def _tell_input_lost(sessions: list[ClientSession], why: str) -> None:
-        for session in sessions:
-            if not session.closed:
-                session.send(error_event("tick_failed", f"part of this tick's input was lost ({why}); it was dropped",
+        _send_each(sessions, error_event("tick_failed", f"part of this tick's input was lost ({why}); it was dropped",
                                          type="server_error"))
 
     def _last_message(self, handle: WorkerHandle, sessions: list[ClientSession]) -> tuple[bytes, list[ClientSession]]:
@@ -347,21 +351,18 @@ class WorkerPool:
         call = handle.take_stream()
         try:
             request, sessions = self._last_message(handle, sessions)
+            if not handle.streams:   # then no stream is open: ``_drop_stream`` took it
+                return handle.step_wire(request, timeout=self.config.step_timeout_s), sessions, lost
+            if call is None:
+                call = handle.stream_step_wire(timeout=self.config.step_timeout_s)
+            try:
+                await call.write(request)
+                await call.done_writing()
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
+                log.debug("tick %d to %s: %s", handle.ticks, handle.address, exc)   # awaiting the call reports it
         except BaseException:
             if call is not None:
                 call.cancel()
-            raise
-        if not handle.streams:
-            return handle.step_wire(request, timeout=self.config.step_timeout_s), sessions, lost
-        if call is None:
-            call = handle.stream_step_wire(timeout=self.config.step_timeout_s)
-        try:
-            await call.write(request)
-            await call.done_writing()
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
-            log.debug("tick %d to %s: %s", handle.ticks, handle.address, exc)   # awaiting the call reports it
-        except BaseException:
-            call.cancel()
             raise
         return call, sessions, lost
 
@@ -406,9 +407,7 @@ class WorkerPool:
             self._fail_sessions(handle, "worker_unavailable", close=True)
         elif code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT):
             # The request, not the sessions: this tick's input is lost, every session lives on.
-            for session in sessions:
-                if not session.closed:
-                    session.send(self._tick_lost(code.name))
+            _send_each(sessions, self._tick_lost(code.name))
         else:
             self._fail_tick(handle, sessions, "step_failed")
 
