@@ -387,10 +387,10 @@ class Engine:
         on token values. Stop tokens are read one round late, from a round that has already finished
         (through a pinned host copy, so the host never waits for the round in flight): a session that
         sampled a stop token in round r has been fed it in round r + 1 before the host knows, and leaves
-        from round r + 2. That write is
-        the one its next step would make first (the stop token joins the context either way), so the
-        session ends the step with the stop token in its cache and nothing pending, where the per-round
-        path leaves it pending; the context is the same. Tokens sampled after a stop are dropped.
+        from round r + 2. That write is the one its next step would make first (the stop token joins the
+        context either way), so the session ends the step with the stop token in its cache and nothing
+        pending, where the per-round path leaves it pending; the context is the same. Tokens sampled after
+        a stop are dropped.
         """
         ids = self.runner.compute_logits(torch.stack([w.first_hidden for w in active])).argmax(-1)
         stops = any(w.inp.sampling.stop_token_ids for w in active)

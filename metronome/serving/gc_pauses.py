@@ -4,10 +4,9 @@ A serving process imports torch, triton, grpc and transformers and builds an eng
 tick: a CPU worker with the packaged model and 64 sessions holds ~358,000 objects the collector tracks,
 and a full collection walks all of them (159 ms on a 2-core VM: ``bench/gc_pause_host.py``). The
 interpreter runs one on its own whenever the objects that survive ticks have grown the old generation by a
-quarter, and the tick waits for it. Through the gateway on an H200, 5 of 89 ticks took 130-225 ms more
-engine time than their neighbours, the last four 24-26 s apart (docs/experiments/admission-gpu-short):
-the size and rhythm of such collections, though not yet shown to be them (``CollectorPauses`` records
-them).
+quarter, and the tick waits for it. On an H200 at 320 sessions each full collection took 185-458 ms
+and made its tick the slowest of its run; with the start-up heap frozen they took 1-2 ms
+(``CollectorPauses`` in ``bench/engine_stops_gpu.py``; docs/benchmarks/gpu.md §2g).
 Start-up objects live as long as the process, so they are moved to the collector's permanent generation,
 which it never walks; collections then see only what ticks make (65 objects in the same benchmark).
 
