@@ -79,6 +79,21 @@ def _interpreting() -> bool:
 # compile a variant for each value class it specialises ints on (== 1, multiple of 16, other) at its first
 # launch, ~1 s inside a tick; ``warm_up`` compiles what is left (the constexpr variants) before the first
 # tick. The other ints (head and cache strides, sinks, window, sink blocks) are fixed for an engine.
+@triton.jit
+def _tile_blocks(it, sink_tiles, win0, t_last, n_sink, ws, wf, sink_blocks, bt_row, offs_n0,
+                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Physical block id of every key of the ``it``-th live tile (0 where the key is not live)."""
+    tile = tl.where(it < sink_tiles, it, it - sink_tiles + win0)
+    offs_n = tile * BLOCK_N + offs_n0
+    if HAS_WINDOW:
+        live = (offs_n <= t_last) & ((offs_n < n_sink) | (offs_n >= ws))
+    else:
+        live = offs_n <= t_last
+    logical = offs_n // BLOCK_SIZE
+    col = tl.where(logical < sink_blocks, logical, logical - wf + sink_blocks)
+    return tl.load(bt_row + col, mask=live, other=0)
+
+
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _paged_attn_fwd(
     Q, K, V, O, BT, WF, ITEMS, LSE_P, O_P,
@@ -139,16 +154,20 @@ def _paged_attn_fwd(
     v_base = V + kvh * stride_vh
     offs_n0 = tl.arange(0, BLOCK_N)
 
+    # The physical block ids of tile ``it + 1`` are loaded while tile ``it`` is read: the K/V addresses then
+    # come from a register rather than from a load in the same iteration, so the software pipeliner keeps two
+    # K/V tiles in flight instead of waiting for each one (with the ids loaded in-loop, Triton 3.6 at
+    # num_stages=3 single-buffers K/V: every tile's load latency is exposed).
+    phys_next = _tile_blocks(lo, sink_tiles, win0, t_last, n_sink, ws, wf, sink_blocks, bt_row, offs_n0,
+                             BLOCK_N, BLOCK_SIZE, HAS_WINDOW)
     for it in range(lo, hi):
+        phys = phys_next
         tile = tl.where(it < sink_tiles, it, it - sink_tiles + win0)
         offs_n = tile * BLOCK_N + offs_n0
         if HAS_WINDOW:
             live = (offs_n <= t_last) & ((offs_n < n_sink) | (offs_n >= ws))
         else:
             live = offs_n <= t_last
-        logical = offs_n // BLOCK_SIZE
-        col = tl.where(logical < sink_blocks, logical, logical - wf + sink_blocks)
-        phys = tl.load(bt_row + col, mask=live, other=0)
         if KV_I64:
             phys = phys.to(tl.int64)
         within = offs_n % BLOCK_SIZE
@@ -156,6 +175,8 @@ def _paged_attn_fwd(
                     mask=live[None, :] & d_valid[:, None], other=0.0)
         v = tl.load(v_base + (phys * stride_vb + within * stride_vs)[:, None] + offs_d[None, :],
                     mask=live[:, None] & d_valid[None, :], other=0.0)
+        phys_next = _tile_blocks(tl.minimum(it + 1, hi - 1), sink_tiles, win0, t_last, n_sink, ws, wf, sink_blocks,
+                                 bt_row, offs_n0, BLOCK_N, BLOCK_SIZE, HAS_WINDOW)
         if DOT_F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
