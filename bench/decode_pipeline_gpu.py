@@ -46,6 +46,9 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--time-limit-s", type=float, default=480.0, help="skip the remaining cases after this")
     p.add_argument("--quick", action="store_true", help="N = 64 decode, a handful of configurations")
+    p.add_argument("--parts", default="n64,sizes,prefill,floor",
+                   help="comma list: n64 (the wide N = 64 grid), sizes (other N and the 30B shape), prefill, "
+                        "floor (the read floor at N = 64, 256, 512)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -161,8 +164,7 @@ def read_floor(nbytes: int, device, timer) -> list[dict]:
         t = timer.graph(calls)
         rows.append({"reader": "triton_sum", "block": block, "iters": iters, "warps": warps, "programs": grid,
                      "seconds": t, "bytes_per_s": nbytes / t})
-    sums = [torch.empty((), device=device, dtype=torch.float32) for _ in xs]
-    t = timer.graph([lambda x=x, o=o: torch.sum(x, dtype=torch.float32, out=o) for x, o in zip(xs, sums)])
+    t = timer.graph([lambda x=x: x.sum(dtype=torch.float32) for x in xs])
     rows.append({"reader": "torch_sum", "seconds": t, "bytes_per_s": nbytes / t})
     dst = torch.empty_like(xs[0])
     t = timer.graph([lambda x=x: dst.copy_(x) for x in xs])
@@ -196,13 +198,15 @@ def main(argv=None) -> int:
     tiles = [(64, 4), (128, 4)] if args.quick else [(32, 4), (64, 4), (128, 4), (128, 8)]
     stages = (3, 4) if args.quick else (2, 3, 4, 5)
     main_grid = [(bn, w, st, sp) for (bn, w), st, sp in itertools.product(tiles, stages, (1, 2, 4))]
-    small_grid = [(bn, 4, st, sp) for bn, st, sp in itertools.product((64, 128), (3, 4, 5), (None, 1))]
-    prefill_grid = [(64, 4, st, None) for st in (2, 3, 4)]
+    small_grid = [(bn, 4, st, sp) for bn, st, sp in itertools.product((64, 128), (3, 4, 5), (None, 1, 2, 4))]
+    prefill_grid = [(bn, 4, st, None) for bn, st in itertools.product((64, 128), (2, 3, 4, 5))]
     q7, q30 = MODELS["qwen2.5-7b"], MODELS["qwen3-30b-a3b"]
-    cases = [(Shape("qwen2.5-7b", *q7, "decode", 1, 64), main_grid, 3)]
-    if not args.quick:
+    parts = set(args.parts.split(","))
+    cases = [(Shape("qwen2.5-7b", *q7, "decode", 1, 64), main_grid, 3)] if "n64" in parts else []
+    if not args.quick and "sizes" in parts:
         cases += [(Shape("qwen2.5-7b", *q7, "decode", 1, n), small_grid, 0) for n in (16, 256, 512)]
         cases += [(Shape("qwen3-30b-a3b", *q30, "decode", 1, n), small_grid, 0) for n in (64, 512)]
+    if not args.quick and "prefill" in parts:
         cases += [(Shape("qwen2.5-7b", *q7, "prefill26", 26, 256), prefill_grid, 0),
                   (Shape("qwen2.5-7b", *q7, "prefill50", 50, 512), prefill_grid, 0)]
     rows, floors = [], []
@@ -211,10 +215,12 @@ def main(argv=None) -> int:
             rows.append({"model": shape.model, "mode": shape.mode, "n": shape.n, "skipped": "--time-limit-s"})
             continue
         print(f"{shape.model} {shape.mode} N={shape.n}", flush=True)
-        case_rows = run_case(shape, grid, kernels, device, timer, num_sms, args.seed, hnd_top)
-        rows += case_rows
-        if shape.mode == "decode" and shape.model == "qwen2.5-7b" and shape.n in (64, 256, 512):
-            floors += [dict(r, n=shape.n) for r in read_floor(case_rows[0]["kv_bytes"], device, timer)]
+        rows += run_case(shape, grid, kernels, device, timer, num_sms, args.seed, hnd_top)
+    if "floor" in parts:
+        h, kvh, d = q7
+        for n in (64, 256, 512):
+            nbytes = n * (16 + 1024 + 1) * kvh * d * 2 * 2     # one decode call's live K/V (bf16)
+            floors += [dict(r, n=n) for r in read_floor(nbytes, device, timer)]
 
     print(f"\ncopy bandwidth {copy['bytes_per_s'] / 1e12:.2f} TB/s; µs per call; %copy = (K/V + Q + O bytes) / time")
     for shape, _, _ in cases:
