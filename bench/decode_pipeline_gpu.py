@@ -48,7 +48,8 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="N = 64 decode, a handful of configurations")
     p.add_argument("--parts", default="n64,sizes,prefill,floor",
                    help="comma list: n64 (the wide N = 64 grid), sizes (other N and the 30B shape), prefill, "
-                        "floor (the read floor at N = 64, 256, 512)")
+                        "floor (the read floor at N = 64, 256, 512), rule (stages x split-KV at N = 16 ... 512, "
+                        "for the launch rule)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -209,6 +210,10 @@ def main(argv=None) -> int:
     if not args.quick and "prefill" in parts:
         cases += [(Shape("qwen2.5-7b", *q7, "prefill26", 26, 256), prefill_grid, 0),
                   (Shape("qwen2.5-7b", *q7, "prefill50", 50, 512), prefill_grid, 0)]
+    if "rule" in parts:
+        rule_grid = [(64, 4, st, sp) for st, sp in itertools.product((2, 3, 4), (1, 2, 3, 4))]
+        cases += [(Shape("qwen2.5-7b", *q7, "decode", 1, n), rule_grid, 0) for n in (16, 64, 128, 256, 512)]
+        cases += [(Shape("qwen3-30b-a3b", *q30, "decode", 1, 64), rule_grid, 0)]
     rows, floors = [], []
     for shape, grid, hnd_top in cases:
         if time.perf_counter() - t0 > args.time_limit_s:
