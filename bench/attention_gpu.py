@@ -83,7 +83,7 @@ def parse_args(argv=None):
     p.add_argument("--flex-budget-s", type=float, default=120.0, help="compile+run seconds allowed for flex")
     p.add_argument("--time-limit-s", type=float, default=290.0, help="skip the remaining shapes after this")
     p.add_argument("--force-splits", type=int, default=None, help="override the split-KV rule")
-    p.add_argument("--target-programs", type=int, default=None, help="split-KV target (default 4 x SMs)")
+    p.add_argument("--target-programs", type=int, default=None, help="split-KV target (default PROGRAMS_PER_SM x SMs)")
     p.add_argument("--block-n", type=int, default=64, help="keys per tile (a multiple of 16)")
     p.add_argument("--prefill-block-m", type=int, default=64, help="rows (tokens x GQA heads) per prefill program")
     p.add_argument("--num-warps", type=int, default=None, help="override (default 4)")

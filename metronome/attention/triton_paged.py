@@ -24,7 +24,7 @@ Design
   ``j <= t`` and ``j < S or j >= t - W``.
 * **Online softmax** in base 2 (``exp2``, scores pre-scaled by ``scale * log2(e)``), fp32 accumulators,
   ``tl.dot`` on the input dtype (bf16/fp16 tensor cores; fp32 in IEEE precision).
-* **Split-KV (flash-decoding).** When a launch has fewer than ``target_programs`` (default 2 × SMs)
+* **Split-KV (flash-decoding).** When a launch has fewer than ``target_programs`` (default 1 × SMs)
   (item, KV head) programs, its tile list is cut into ``num_splits`` contiguous chunks (a pure
   function of the host lists: ``min(max_splits, ceil(target / programs), max_tiles // 2)``); each
   split writes a normalised partial output and its log-sum-exp, and a small combine kernel merges
@@ -38,6 +38,7 @@ input dtype).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
@@ -57,9 +58,16 @@ BLOCK_N = 64             # keys per tile (4 blocks of 16)
 MAX_SPLITS = 16
 MIN_TILES_PER_SPLIT = 2
 DEFAULT_SMS = 132        # H200; used when no CUDA device can be asked
-# Split-KV aims at this many programs per SM. Measured on the H200 (docs/benchmarks/gpu.md, tuning
-# sweep): 2 beat 4 at 16 and 64 decode sessions (19.7 vs 23.8 µs, 49.8 vs 56.0 µs) and tied at 256.
-PROGRAMS_PER_SM = 2
+# Split-KV aims at this many programs per SM. With K/V double-buffered, H200, Qwen2.5-7B decode
+# (docs/benchmarks/gpu.md §1d): 64 sessions (256 programs) run 41.8 µs unsplit, 55.2 µs split in 2; 16 sessions
+# (64 programs) 19.3 µs in 3 splits, 28.9 µs unsplit.
+PROGRAMS_PER_SM = 1
+# Double-buffered K/V (num_stages 3: ~72 KB of shared memory for a 64-key, 128-dim program) hides each tile's
+# load behind the previous tile's math, which pays while a decode launch has few programs per SM. Past this
+# many, single-buffered programs (num_stages 2, ~40 KB) fit more per SM and hide the latency by their number:
+# measured on the H200, 7B decode at 64 sessions (1.9 programs per SM) 41.8 µs with 3 stages vs 47.2 with 2;
+# at 128 sessions (3.9 per SM) 93.1 vs 74.0; at 512, 281.0 vs 268.4.
+DOUBLE_BUFFERED_PROGRAMS_PER_SM = 2
 
 
 def _next_pow2(x: int) -> int:
@@ -260,6 +268,7 @@ class TritonLaunch:
     num_splits: int
     max_tiles: int
     workspace: dict = field(default_factory=dict)   # (dtype-independent) split partials, per head_dim
+    num_stages: int = 3                              # software-pipeline depth (choose_stages)
 
 
 @dataclass
@@ -270,7 +279,7 @@ class TritonPlan:
     block_n: int
     launches: list[TritonLaunch]
     num_warps: int | None = None    # None: 4 (8 for BLOCK_M > 64)
-    num_stages: int | None = None   # None: 3 (2 for head_dim > 128)
+    num_stages: int | None = None   # None: each launch's own (2 for head_dim > 128)
 
 
 def live_tiles(t0: int, n_q: int, sinks: int, window: int | None, block_n: int) -> int:
@@ -292,6 +301,16 @@ def choose_splits(num_programs: int, max_tiles: int, *, target_programs: int, ma
     if num_programs <= 0 or num_programs >= target_programs:
         return 1
     return max(1, min(max_splits, _cdiv(target_programs, num_programs), max_tiles // max(1, min_tiles_per_split)))
+
+
+def choose_stages(programs: int, num_sms: int, *, decode: bool) -> int:
+    """Pipeline depth of a launch of ``programs`` programs (host-only): 3 (two K/V tiles in flight per program)
+    unless a decode launch has more than ``DOUBLE_BUFFERED_PROGRAMS_PER_SM`` programs per SM, then 2.
+
+    >>> choose_stages(64 * 4, 132, decode=True), choose_stages(128 * 4, 132, decode=True)
+    (3, 2)
+    """
+    return 2 if decode and programs > DOUBLE_BUFFERED_PROGRAMS_PER_SM * num_sms else 3
 
 
 def _to_device(rows: list[list[int]], device: torch.device) -> torch.Tensor:
@@ -337,16 +356,23 @@ def plan_triton(meta: PagedAttentionMetadata, num_heads: int, num_kv_heads: int,
         else:
             splits = choose_splits(len(items) * num_kv_heads, tiles[bm], target_programs=target,
                                    max_splits=max_splits, min_tiles_per_split=min_tiles_per_split)
-        launches.append(TritonLaunch(bm, _to_device(items, device), len(items), splits, tiles[bm]))
+        stages = choose_stages(len(items) * num_kv_heads * splits, num_sms, decode=bm == bm_small)
+        launches.append(TritonLaunch(bm, _to_device(items, device), len(items), splits, tiles[bm], num_stages=stages))
     return TritonPlan(meta, num_heads, num_kv_heads, block_n, launches, num_warps, num_stages)
 
 
 # ----------------------------------------------------------------------------------------------- launch
-def _launch_config(plan: TritonPlan, block_m: int, head_dim: int, is_cuda: bool) -> dict:
+def launch_stages(plan: TritonPlan, launch: TritonLaunch, head_dim: int) -> int:
+    """The ``num_stages`` a launch compiles with: the plan's override, else the launch's own (at most 2 past a
+    head_dim of 128, where three buffers would not fit in shared memory)."""
+    return plan.num_stages or (launch.num_stages if head_dim <= 128 else min(2, launch.num_stages))
+
+
+def _launch_config(plan: TritonPlan, launch: TritonLaunch, head_dim: int, is_cuda: bool) -> dict:
     if not is_cuda:
         return {}
-    return {"num_warps": plan.num_warps or (4 if block_m <= 64 else 8),
-            "num_stages": plan.num_stages or (3 if head_dim <= 128 else 2)}
+    return {"num_warps": plan.num_warps or (4 if launch.block_m <= 64 else 8),
+            "num_stages": launch_stages(plan, launch, head_dim)}
 
 
 def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -393,7 +419,7 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
             lse_p, o_p = ws
         else:
             lse_p = o_p = out  # unused
-        cfg = _launch_config(plan, ln.block_m, head_dim, query.is_cuda)
+        cfg = _launch_config(plan, ln, head_dim, query.is_cuda)
         _paged_attn_fwd[(ln.num_items, kv_heads, ln.num_splits)](
             query, k_cache, v_cache, out, tables, meta.window_first, ln.items, lse_p, o_p,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
@@ -444,20 +470,23 @@ class TritonPagedAttention:
         return self._plan(meta, self.num_kv_heads)
 
     def warm_up(self, k_cache: torch.Tensor, v_cache: torch.Tensor, *, block_size: int, sinks: int,
-                window: int | None, sink_blocks: int, block: int, dtype: torch.dtype) -> set[tuple[int, bool]]:
+                window: int | None, sink_blocks: int, block: int,
+                dtype: torch.dtype) -> set[tuple[int, bool, int]]:
         """Launch every kernel variant a forward can use once, before the first step: decode and prefill
-        tiles, each without and with split-KV. A variant compiles at its first launch, about a second on an
-        H200; inside a served tick that was a one-off tick of 1.4 s (docs/experiments/admission-gpu-short).
+        tiles, each without and with split-KV, and an unsplit single-buffered decode tile (what a decode
+        launch of many programs uses, see :func:`choose_stages`). A variant compiles at its first launch,
+        about a second on an H200; inside a served tick that was a one-off tick of 1.4 s
+        (docs/experiments/admission-gpu-short).
 
         Attends over cache block ``block`` only (the runner's scratch block) and writes nothing to the
-        caches. Returns the ``(BLOCK_M, split)`` pairs launched, e.g. ``{(16, False), (16, True),
-        (64, False), (64, True)}``.
+        caches. Returns the ``(BLOCK_M, split, num_stages)`` triples launched, e.g. ``{(16, False, 3),
+        (16, True, 3), (16, False, 2), (64, False, 3), (64, True, 3)}``.
         """
         kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         g = self.num_heads // kv_heads
         bm_small = max(self.options["decode_block_m"], _next_pow2(g))
         dev = k_cache.device
-        launched: set[tuple[int, bool]] = set()
+        launched: set[tuple[int, bool, int]] = set()
         for n_q in (1, bm_small // g + 1):                # a decode tile, then a prefill tile
             ctx = 2 * self.options["block_n"] + n_q       # three key tiles: both halves of a split have work
             width = _cdiv(ctx, block_size)
@@ -471,10 +500,13 @@ class TritonPagedAttention:
                 window_first=torch.tensor([sink_blocks], dtype=torch.long, device=dev),
                 slot_mapping=torch.zeros(n_q, dtype=torch.long, device=dev))
             query = torch.zeros((n_q, self.num_heads, head_dim), dtype=dtype, device=dev)
-            for splits in (1, 2):
+            for splits, stages in [(1, None), (2, None)] + ([(1, 2)] if n_q == 1 else []):
                 plan = plan_triton(meta, self.num_heads, kv_heads, **{**self.options, "force_splits": splits})
+                if stages is not None:
+                    plan.launches = [dataclasses.replace(ln, num_stages=stages) for ln in plan.launches]
                 paged_attention_triton(query, k_cache, v_cache, meta, self.scale, plan)
-                launched.update((ln.block_m, ln.num_splits > 1) for ln in plan.launches)
+                launched.update((ln.block_m, ln.num_splits > 1, launch_stages(plan, ln, head_dim))
+                                for ln in plan.launches)
         return launched
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -62,7 +62,7 @@ def staging_rows(segments: list[ForwardSegment], block_size: int) -> np.ndarray:
 class DecodeGraphs:
     def __init__(self, runner, max_batch: int, table_width: int) -> None:
         from metronome.attention.triton_paged import (PROGRAMS_PER_SM, TritonLaunch, TritonPlan, choose_splits,
-                                                      live_tiles)
+                                                      choose_stages, live_tiles)
 
         self.runner = runner
         dev = runner.device
@@ -101,9 +101,10 @@ class DecodeGraphs:
                     query_start=self.query_start[:batch + 1], context_lens_t=self.context_lens[:batch],
                     block_tables=self.block_tables[:batch], window_first=self.window_first[:batch],
                     slot_mapping=self.slot_mapping[:batch])
-                splits = choose_splits(batch * spec.num_kv_heads, full_tiles,
-                                       target_programs=PROGRAMS_PER_SM * attention.options["num_sms"])
-                launch = TritonLaunch(block_m, self.items[:batch], batch, splits, full_tiles)
+                num_sms = attention.options["num_sms"]
+                splits = choose_splits(batch * spec.num_kv_heads, full_tiles, target_programs=PROGRAMS_PER_SM * num_sms)
+                stages = choose_stages(batch * spec.num_kv_heads * splits, num_sms, decode=True)
+                launch = TritonLaunch(block_m, self.items[:batch], batch, splits, full_tiles, num_stages=stages)
                 plan = TritonPlan(meta, spec.num_heads, spec.num_kv_heads, attention.options["block_n"], [launch],
                                   attention.options["num_warps"], attention.options["num_stages"])
                 self._pad(0, batch)

@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 
 from metronome.attention.reference import paged_attention_reference, plan_reference  # noqa: E402
 from metronome.attention.triton_paged import (  # noqa: E402
-    TritonPagedAttention, choose_splits, live_tiles, paged_attention_triton, plan_triton)
+    TritonPagedAttention, choose_splits, choose_stages, launch_stages, live_tiles, paged_attention_triton, plan_triton)
 from tests.attention.test_reference import CASES, build_case, dense_oracle  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -111,7 +111,7 @@ def test_default_tiles_and_automatic_split():
     """GPU defaults (64-key tiles, 16/64-row programs) with the split rule choosing by itself."""
     seqs, sinks, window, bs = [(300, 1), (41, 41), (260, 50), (17, 1)], 16, 64, 16
     meta, query, k_cache, v_cache, dense = _case(seqs, sinks, window, bs, heads=6, kv_heads=2, seed=3)
-    out, plan = _run(meta, query, k_cache, v_cache, num_sms=8)  # few SMs: the split rule must split
+    out, plan = _run(meta, query, k_cache, v_cache, num_sms=16)  # few SMs: the split rule must split
     assert {ln.block_m for ln in plan.launches} == {16, 64}
     assert any(ln.num_splits > 1 for ln in plan.launches)
     _check(out, meta, query, k_cache, v_cache, dense, seqs, sinks, window)
@@ -136,6 +136,21 @@ def test_split_rule_is_a_host_function():
     # so at most 9 splits of 2 tiles; a chunk whose window reaches back into the sink tile merges them.
     assert live_tiles(1099, 1, 16, 1024, 64) == 18
     assert live_tiles(1074, 16, 16, 1024, 64) == 18
+
+
+def test_decode_launches_of_many_programs_are_single_buffered():
+    assert choose_stages(256, 132, decode=True) == 3       # 64 sessions x 4 KV heads: 1.9 programs per SM
+    assert choose_stages(512, 132, decode=True) == 2       # 128 sessions: 3.9 per SM
+    assert choose_stages(10_000, 132, decode=False) == 3   # prefill tiles keep their two K/V buffers
+    seqs = [(1100, 1)] * 70 + [(1100, 26)] * 40
+    meta, *_ = build_case(seqs, 16, 1024, 16, heads=28, kv_heads=4)
+    wide = plan_triton(meta, 28, 4, num_sms=132)
+    assert [(ln.block_m, ln.num_splits, ln.num_stages) for ln in wide.launches] == [(16, 1, 2), (64, 1, 3)]
+    assert [launch_stages(wide, ln, 256) for ln in wide.launches] == [2, 2]   # no room for three at D = 256
+    narrow = plan_triton(meta, 28, 4, num_sms=132 * 2)
+    assert [ln.num_stages for ln in narrow.launches] == [3, 3]
+    forced = plan_triton(meta, 28, 4, num_sms=132, num_stages=4)
+    assert [launch_stages(forced, ln, 128) for ln in forced.launches] == [4, 4]
 
 
 def test_backend_writes_new_keys_then_attends():
@@ -167,7 +182,8 @@ def test_warm_up_launches_every_variant_a_plan_can_use_and_leaves_the_caches_alo
     attention = TritonPagedAttention(heads, num_kv_heads=kv_heads, num_sms=8)
     launched = attention.warm_up(k_cache, v_cache, block_size=bs, sinks=sinks, window=window,
                                  sink_blocks=-(-sinks // bs), block=num_blocks, dtype=torch.float32)
-    assert {split for _, split in launched} == {False, True} and len({bm for bm, _ in launched}) == 2
+    assert {split for _, split, _ in launched} == {False, True} and len({bm for bm, _, _ in launched}) == 2
+    assert {stages for _, _, stages in launched} == {2, 3}
     for a, b in zip(before, (k_cache, v_cache)):
         assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
     # Whatever a forward's batch looks like, its launches are variants the warm-up compiled.
@@ -179,9 +195,11 @@ def test_warm_up_launches_every_variant_a_plan_can_use_and_leaves_the_caches_alo
             qlen = int(torch.randint(1, 40, (1,), generator=rng)) if torch.rand(1, generator=rng) < 0.5 else 1
             seqs.append((qlen + int(torch.randint(0, 400, (1,), generator=rng)), qlen))
         meta, *_ = build_case(seqs, sinks, window, bs, heads=heads, kv_heads=kv_heads)
-        for target in (None, 10_000):   # the H200's rule, and one that splits whenever the tiles allow
-            plan = plan_triton(meta, heads, kv_heads, target_programs=target)
-            seen |= {(ln.block_m, ln.num_splits > 1) for ln in plan.launches}
+        # The H200's rule; one that splits whenever the tiles allow; one SM, where a decode launch of a few
+        # programs is single-buffered.
+        for target, sms in ((None, 132), (10_000, 132), (None, 1)):
+            plan = plan_triton(meta, heads, kv_heads, target_programs=target, num_sms=sms)
+            seen |= {(ln.block_m, ln.num_splits > 1, launch_stages(plan, ln, head_dim)) for ln in plan.launches}
     assert seen <= launched
     if window is None:  # long contexts: every variant occurs (a 32-token window never has tiles to split)
         assert seen == launched
