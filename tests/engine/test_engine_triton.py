@@ -5,11 +5,15 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from metronome import Engine, EngineConfig, KVPolicy, StepInput
 from tests.engine.oracle import Transcript, hf_greedy
 
 pytest.importorskip("triton")
+# These drive the kernels through the interpreter with CPU tensors; on a CUDA machine the interpreter is off and
+# tests/engine/test_engine_cuda.py runs the same engine paths compiled.
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU interpreter path (CUDA: test_engine_cuda)")
 
 
 def test_triton_engine_matches_the_windowed_oracle(checkpoints):
