@@ -21,13 +21,20 @@ kernel)
   sed -n '/^times in/,$p' "$OUT/attention_gpu.log"
   ;;
 engine)
+  # First: the same decode launches timed by the two harnesses in fresh processes (call 4's attention_gpu table
+  # read 158.5 µs at N = 256 where call 3's rule grid read 138.4 for the same launch).
+  echo "== harness check"
+  timeout 60 python3 bench/attention_gpu.py --models qwen2.5-7b --modes decode --sessions 64,256,512 --no-flex \
+    --out "$OUT/attention_decode_only.json" 2>&1 | grep -E "^qwen" | head -3
+  timeout 90 python3 bench/decode_pipeline_gpu.py --parts rule --out "$OUT/decode_rule.json" > "$OUT/decode_rule.log" 2>&1
+  grep -E "best" "$OUT/decode_rule.log"
   echo "== engine tick"
-  timeout 300 python3 bench/engine_gpu.py --out "$OUT/engine_gpu.json" --ticks 2 --hf-sessions "" \
+  timeout 280 python3 bench/engine_gpu.py --out "$OUT/engine_gpu.json" --ticks 2 --hf-sessions "" \
     --sessions 64,128,256,320,384,512 > "$OUT/engine_gpu.log" 2>&1
   echo "rc $?"
   tail -12 "$OUT/engine_gpu.log"
   echo "== served path, W = 1024"
-  timeout 240 python3 bench/engine_stops_gpu.py --sessions 320,352 --window 1024 --ticks 6 \
+  timeout 150 python3 bench/engine_stops_gpu.py --sessions 320 --window 1024 --ticks 6 \
     --out "$OUT/engine_stops_w1024.json" 2>&1 | grep -v -i warn | cut -c1-300 | tail -12
   ;;
 esac
