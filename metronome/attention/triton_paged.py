@@ -30,6 +30,11 @@ Design
   split writes a normalised partial output and its log-sum-exp, and a small combine kernel merges
   them. ``force_splits`` overrides the rule (tests use it to show both paths agree).
 
+* **Pipelining.** Each tile's physical block ids are loaded one tile ahead, so the K/V loads of a tile do not
+  wait on a load from the same iteration and ``num_stages=3`` keeps two K/V tiles in flight. Decode launches
+  with more than ``DOUBLE_BUFFERED_PROGRAMS_PER_SM`` programs per SM use ``num_stages=2`` (one buffer, more
+  programs resident): :func:`choose_stages`.
+
 CPU: the same kernels run under ``TRITON_INTERPRET=1`` (set before triton is imported). The
 interpreter multiplies bf16 bit patterns in ``tl.dot`` (triton-lang/triton#11584, unsupported
 upstream), so when interpreting the dot operands are upcast to fp32 (loads and stores stay in the
