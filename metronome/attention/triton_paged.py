@@ -88,25 +88,32 @@ def _interpreting() -> bool:
 
 
 # --------------------------------------------------------------------------------------------- kernels
-# ``num_splits`` and ``stride_bt`` (the block table's width) change from forward to forward. Triton would
-# compile a variant for each value class it specialises ints on (== 1, multiple of 16, other) at its first
-# launch, ~1 s inside a tick; ``warm_up`` compiles what is left (the constexpr variants) before the first
-# tick. The other ints (head and cache strides, sinks, window, sink blocks) are fixed for an engine.
 @triton.jit
-def _tile_blocks(it, sink_tiles, win0, t_last, n_sink, ws, wf, sink_blocks, bt_row, offs_n0,
-                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr):
-    """Physical block id of every key of the ``it``-th live tile (0 where the key is not live)."""
+def _tile_keys(it, sink_tiles, win0, t_last, n_sink, ws, offs_n0, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Token indices of the ``it``-th live tile (sink tiles first, then window tiles) and which of them are live."""
     tile = tl.where(it < sink_tiles, it, it - sink_tiles + win0)
     offs_n = tile * BLOCK_N + offs_n0
     if HAS_WINDOW:
         live = (offs_n <= t_last) & ((offs_n < n_sink) | (offs_n >= ws))
     else:
         live = offs_n <= t_last
+    return offs_n, live
+
+
+@triton.jit
+def _tile_blocks(it, sink_tiles, win0, t_last, n_sink, ws, wf, sink_blocks, bt_row, offs_n0,
+                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Physical block id of every key of the ``it``-th live tile (0 where the key is not live)."""
+    offs_n, live = _tile_keys(it, sink_tiles, win0, t_last, n_sink, ws, offs_n0, BLOCK_N, HAS_WINDOW)
     logical = offs_n // BLOCK_SIZE
     col = tl.where(logical < sink_blocks, logical, logical - wf + sink_blocks)
     return tl.load(bt_row + col, mask=live, other=0)
 
 
+# ``num_splits`` and ``stride_bt`` (the block table's width) change from forward to forward. Triton would
+# compile a variant for each value class it specialises ints on (== 1, multiple of 16, other) at its first
+# launch, ~1 s inside a tick; ``warm_up`` compiles what is left (the constexpr variants) before the first
+# tick. The other ints (head and cache strides, sinks, window, sink blocks) are fixed for an engine.
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _paged_attn_fwd(
     Q, K, V, O, BT, WF, ITEMS, LSE_P, O_P,
@@ -175,12 +182,7 @@ def _paged_attn_fwd(
                              BLOCK_N, BLOCK_SIZE, HAS_WINDOW)
     for it in range(lo, hi):
         phys = phys_next
-        tile = tl.where(it < sink_tiles, it, it - sink_tiles + win0)
-        offs_n = tile * BLOCK_N + offs_n0
-        if HAS_WINDOW:
-            live = (offs_n <= t_last) & ((offs_n < n_sink) | (offs_n >= ws))
-        else:
-            live = offs_n <= t_last
+        offs_n, live = _tile_keys(it, sink_tiles, win0, t_last, n_sink, ws, offs_n0, BLOCK_N, HAS_WINDOW)
         if KV_I64:
             phys = phys.to(tl.int64)
         within = offs_n % BLOCK_SIZE
