@@ -49,7 +49,7 @@ def parse_args(argv=None):
     p.add_argument("--parts", default="n64,sizes,prefill,floor",
                    help="comma list: n64 (the wide N = 64 grid), sizes (other N and the 30B shape), prefill, "
                         "floor (the read floor at N = 64, 256, 512), rule (stages x split-KV at N = 16 ... 512, "
-                        "for the launch rule)")
+                        "for the launch rule), warps (warps per program at N = 64, 128)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -214,6 +214,9 @@ def main(argv=None) -> int:
         rule_grid = [(64, 4, st, sp) for st, sp in itertools.product((2, 3, 4), (1, 2, 3, 4))]
         cases += [(Shape("qwen2.5-7b", *q7, "decode", 1, n), rule_grid, 0) for n in (16, 64, 128, 256, 512)]
         cases += [(Shape("qwen3-30b-a3b", *q30, "decode", 1, 64), rule_grid, 0)]
+    if "warps" in parts:   # warps per program at the sizes where a launch has few programs per SM
+        warps_grid = [(bn, w, st, 1) for bn, w, st in itertools.product((32, 64), (2, 4, 8), (3, 4))]
+        cases += [(Shape("qwen2.5-7b", *q7, "decode", 1, n), warps_grid, 0) for n in (64, 128)]
     rows, floors = [], []
     for shape, grid, hnd_top in cases:
         if time.perf_counter() - t0 > args.time_limit_s:
