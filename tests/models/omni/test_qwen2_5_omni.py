@@ -70,7 +70,10 @@ def audio_rows(thinker, clips: list[torch.Tensor]) -> list[torch.Tensor]:
         mask[i, :c.shape[1]] = 1
     with torch.no_grad():
         rows = thinker.get_audio_features(padded, feature_attention_mask=mask).last_hidden_state
-    _, counts = thinker.model.audio_tower._get_feat_extract_output_lengths(lengths)
+    # Where the encoder sits depends on the transformers version: thinker.audio_tower in 5.17 (the GPU machine),
+    # thinker.model.audio_tower in 5.24 (here).
+    tower = thinker.model.audio_tower if hasattr(thinker.model, "audio_tower") else thinker.audio_tower
+    _, counts = tower._get_feat_extract_output_lengths(lengths)
     return list(rows.split(counts.tolist()))
 
 
