@@ -70,8 +70,8 @@ def audio_rows(thinker, clips: list[torch.Tensor]) -> list[torch.Tensor]:
         mask[i, :c.shape[1]] = 1
     with torch.no_grad():
         rows = thinker.get_audio_features(padded, feature_attention_mask=mask).last_hidden_state
-    # Where the encoder sits depends on the transformers version: thinker.audio_tower in 5.17 (the GPU machine),
-    # thinker.model.audio_tower in 5.24 (here).
+    # Where the encoder (and get_rope_index) sit depends on the transformers version: on the thinker in 5.17 (the
+    # GPU machine), on thinker.model in 5.24 (here).
     tower = thinker.model.audio_tower if hasattr(thinker.model, "audio_tower") else thinker.audio_tower
     _, counts = tower._get_feat_extract_output_lengths(lengths)
     return list(rows.split(counts.tolist()))
@@ -131,10 +131,10 @@ def test_tmrope_positions_of_audio_and_text_are_one_dimensional(full):
     mask = torch.ones_like(ids)
     lengths = torch.tensor([c.shape[1] for c in clips])
     expected = torch.arange(ids.shape[1]).expand(3, 1, -1)
-    plain, _ = thinker.model.get_rope_index(ids, None, None, mask, False, lengths)
+    rope_index = (thinker.model if hasattr(thinker.model, "get_rope_index") else thinker).get_rope_index  # as above
+    plain, _ = rope_index(ids, None, None, mask, False, lengths)
     assert torch.equal(plain, expected)
-    multimodal, delta = thinker.model.get_rope_index(ids, torch.zeros(0, 3, dtype=torch.long), None, mask, False,
-                                                     lengths)
+    multimodal, delta = rope_index(ids, torch.zeros(0, 3, dtype=torch.long), None, mask, False, lengths)
     assert torch.equal(multimodal, expected) and int(delta) == 0
 
 
