@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import globaltimer, smid
 
 from metronome.attention.metadata import PagedAttentionMetadata, write_kv
 
@@ -116,18 +117,21 @@ def _tile_blocks(it, sink_tiles, win0, t_last, n_sink, ws, wf, sink_blocks, bt_r
 # tick. The other ints (head and cache strides, sinks, window, sink blocks) are fixed for an engine.
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _paged_attn_fwd(
-    Q, K, V, O, BT, WF, ITEMS, LSE_P, O_P,
+    Q, K, V, O, BT, WF, ITEMS, LSE_P, O_P, TIMES,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt,
     qk_scale, sinks, window, sink_blocks, num_splits,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HEAD_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr,
-    KV_I64: tl.constexpr, DOT_F32: tl.constexpr, IEEE: tl.constexpr,
+    KV_I64: tl.constexpr, DOT_F32: tl.constexpr, IEEE: tl.constexpr, TIMELINE: tl.constexpr,
 ):
     item = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    if TIMELINE:
+        started_ns = globaltimer()
+        started_clk = _clock64()
     # Work item: (sequence, first packed query row, query tokens in the tile, token index of the first).
     seq = tl.load(ITEMS + item * 4)
     q_row0 = tl.load(ITEMS + item * 4 + 1)
@@ -228,6 +232,27 @@ def _paged_attn_fwd(
     else:
         tl.store(O + (q_row0 + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  out.to(O.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
+    if TIMELINE:
+        _record_program(TIMES, ((split * tl.num_programs(0) + item) * tl.num_programs(1) + kvh) * 5,
+                        started_ns, started_clk, tl.maximum(hi - lo, 0))
+
+
+@triton.jit
+def _clock64():
+    return tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _record_program(TIMES, base, started_ns, started_clk, n_tiles):
+    """One program's row of a launch timeline: SM, start and end (global ns), cycles on its SM, tiles read.
+    The stores come after the output's, so ``end`` covers the whole program."""
+    ended_clk = _clock64()
+    ended_ns = globaltimer()
+    tl.store(TIMES + base, smid().to(tl.int64))
+    tl.store(TIMES + base + 1, started_ns)
+    tl.store(TIMES + base + 2, ended_ns)
+    tl.store(TIMES + base + 3, ended_clk - started_clk)
+    tl.store(TIMES + base + 4, n_tiles.to(tl.int64))
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -384,8 +409,13 @@ def _launch_config(plan: TritonPlan, launch: TritonLaunch, head_dim: int, is_cud
 
 def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: PagedAttentionMetadata, scale: float | None = None,
-                           plan: TritonPlan | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention of ``query`` [T, H, D] over the paged cache; returns [T, H, D] in ``query.dtype``."""
+                           plan: TritonPlan | None = None, out: torch.Tensor | None = None,
+                           timelines: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """Attention of ``query`` [T, H, D] over the paged cache; returns [T, H, D] in ``query.dtype``.
+
+    ``timelines`` (CUDA only, for benchmarks): one int64 tensor per launch of the plan, ``[splits, items,
+    KV heads, 5]``, that each program fills with its SM, start and end (``%globaltimer`` ns), cycles and tiles
+    read (``bench/decode_timeline_gpu.py``). Without it the probe is compiled out."""
     t, heads, head_dim = query.shape
     kv_heads = k_cache.shape[2]
     if plan is None:
@@ -412,7 +442,14 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     common = dict(G=g, BLOCK_N=plan.block_n, BLOCK_D=block_d, HEAD_D=head_dim, BLOCK_SIZE=meta.block_size,
                   HAS_WINDOW=meta.window is not None, KV_I64=kv_i64, DOT_F32=interp,
                   IEEE=query.dtype == torch.float32)
-    for ln in plan.launches:
+    if timelines is not None:
+        if interp:
+            raise ValueError("launch timelines read GPU clocks: they need compiled kernels on a CUDA device")
+        if len(timelines) != len(plan.launches) or any(
+                t.dtype != torch.int64 or t.numel() != ln.num_splits * ln.num_items * kv_heads * 5
+                for t, ln in zip(timelines, plan.launches)):
+            raise ValueError("timelines: one int64 [splits, items, KV heads, 5] tensor per launch of the plan")
+    for i, ln in enumerate(plan.launches):
         split = ln.num_splits > 1
         if split:
             key = (block_d, str(query.device))
@@ -427,14 +464,15 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         else:
             lse_p = o_p = out  # unused
         cfg = _launch_config(plan, ln, head_dim, query.is_cuda)
+        times = timelines[i] if timelines is not None else ln.items  # unused without a timeline
         _paged_attn_fwd[(ln.num_items, kv_heads, ln.num_splits)](
-            query, k_cache, v_cache, out, tables, meta.window_first, ln.items, lse_p, o_p,
+            query, k_cache, v_cache, out, tables, meta.window_first, ln.items, lse_p, o_p, times,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             tables.stride(0),
             qk_scale, meta.sinks, window, meta.sink_blocks, ln.num_splits,
-            BLOCK_M=ln.block_m, SPLIT=split, **common, **cfg)
+            BLOCK_M=ln.block_m, SPLIT=split, TIMELINE=timelines is not None, **common, **cfg)
         if split:
             _paged_attn_combine[(ln.num_items, kv_heads)](
                 out, ln.items, lse_p, o_p, out.stride(0), out.stride(1), ln.num_splits,

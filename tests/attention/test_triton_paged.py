@@ -203,3 +203,43 @@ def test_warm_up_launches_every_variant_a_plan_can_use_and_leaves_the_caches_alo
     assert seen <= launched
     if window is None:  # long contexts: every variant occurs (a 32-token window never has tiles to split)
         assert seen == launched
+
+
+def _timelines(plan, kv_heads, device):
+    return [torch.full((ln.num_splits, ln.num_items, kv_heads, 5), -1, dtype=torch.int64, device=device)
+            for ln in plan.launches]
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's refusal; the GPU test below fills them")
+def test_launch_timelines_are_refused_where_there_are_no_gpu_clocks():
+    seqs, sinks, window = [(300, 1), (60, 20)], 16, 64
+    meta, query, k_cache, v_cache, _ = _case(seqs, sinks, window, 16)
+    plan = plan_triton(meta, 4, 2)
+    with pytest.raises(ValueError, match="need compiled kernels on a CUDA device"):
+        paged_attention_triton(query, k_cache, v_cache, meta, plan=plan, timelines=_timelines(plan, 2, "cpu"))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device (GPU clocks)")
+def test_launch_timelines_record_every_program_and_leave_the_output_unchanged():
+    seqs, sinks, window = [(1100, 1)] * 5 + [(300, 1), (41, 41), (260, 50)], 16, 64
+    meta, query, k_cache, v_cache, dense = _case(seqs, sinks, window, 16, heads=8, kv_heads=2,
+                                                 dtype=torch.bfloat16, seed=4)
+    plan = plan_triton(meta, 8, 2, num_sms=8, block_n=16)      # few SMs: the decode launch splits
+    assert any(ln.num_splits > 1 for ln in plan.launches)
+    plain = torch.full_like(query, float("nan"))
+    paged_attention_triton(query, k_cache, v_cache, meta, plan=plan, out=plain)
+    probed = torch.full_like(query, float("nan"))
+    timelines = _timelines(plan, 2, DEVICE)
+    paged_attention_triton(query, k_cache, v_cache, meta, plan=plan, out=probed, timelines=timelines)
+    assert torch.equal(plain, probed)
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    for ln, rows in zip(plan.launches, timelines):
+        rows = rows.view(-1, 5).cpu()
+        assert (rows[:, 0] >= 0).all() and (rows[:, 0] < sms).all()          # every program wrote its SM
+        assert (rows[:, 2] >= rows[:, 1]).all() and (rows[:, 3] > 0).all()  # end after start, cycles spent
+        items = ln.items.cpu().tolist()
+        per_item = [live_tiles(t0, n_q, sinks, window, 16) for _, _, n_q, t0 in items]
+        tiles = rows[:, 4].view(ln.num_splits, ln.num_items, 2).sum(0)       # the splits share the tiles
+        assert tiles.tolist() == [[n, n] for n in per_item]
+    with pytest.raises(ValueError, match="one int64"):
+        paged_attention_triton(query, k_cache, v_cache, meta, plan=plan, timelines=timelines[:1])

@@ -1,0 +1,283 @@
+"""What the compiler makes of the paged-attention kernel for a GPU, on a machine without one.
+
+Compiles ``_paged_attn_fwd`` ahead of time for a CUDA target (default sm_90, the H200) with the specialisation
+an engine launch gets at a model's shape, and reports for each launch variant the compiler's resource report
+(shared memory, registers, local memory), how many K/V tiles the software pipeliner keeps buffered and how
+many it leaves in flight during a tile's math, the main loop's size in SASS, and from those how many programs
+fit on one SM, so how many waves a decode launch of N sessions takes under the engine's launch rule. No device
+time: Triton's wheel carries ptxas and cuobjdump.
+
+    PYTHONPATH=. python bench/kernel_report_host.py --sessions 16,64,128,256,512 --out results/kernel_report.json
+
+prints (Triton 3.9, sm_90, Qwen2.5-7B 28/4x128)::
+
+    variant          BLOCK_M stages  smem KB  regs  local  K/V bufs  in flight  loop instrs  per SM
+    decode                16      3     70.0   117      0         2          1          585       3
+    ...
+    N    programs  splits  stages  per SM fit  waves
+    64        256       1       3           3      1
+
+``in flight`` is the ``num`` of the loop's ``async_wait``: commit groups (one K and one V copy per tile) still
+outstanding while a tile is used, so ``2`` = one more tile's K and V. Per SM uses the sm_90 limits
+(228 KB shared memory with 1 KB reserved per block, 64 K registers in 256-register warp units, 64 warps).
+
+``main`` sets ``TRITON_INTERPRET=0`` before Triton is imported (the interpreter has no compiler): run it as a
+script or a subprocess, not inside a process that already interprets kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+MODELS = {"smollm2-135m": (9, 3, 64), "qwen2.5-7b": (28, 4, 128), "qwen3-30b-a3b": (32, 4, 128)}
+
+# sm_90 occupancy limits (CUDA programming guide, compute capability 9.0).
+SMEM_PER_SM = 228 * 1024
+SMEM_RESERVED_PER_BLOCK = 1024
+REGS_PER_SM = 64 * 1024
+REG_ALLOC_UNIT = 256           # registers are allocated per warp in units of 256
+MAX_WARPS_PER_SM = 64
+MAX_BLOCKS_PER_SM = 32
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One compiled form of ``_paged_attn_fwd``: what the engine's launches choose between."""
+
+    name: str
+    block_m: int
+    num_stages: int
+    split: bool = False
+    num_warps: int = 4
+    timeline: bool = False     # the launch-timeline probe compiled in (bench/decode_timeline_gpu.py)
+
+
+VARIANTS = (
+    Variant("decode", 16, 3),
+    Variant("decode-1buf", 16, 2),
+    Variant("decode-split", 16, 3, split=True),
+    Variant("prefill", 64, 3),
+    Variant("decode-timeline", 16, 3, timeline=True),
+)
+
+
+@dataclass
+class Report:
+    variant: str
+    block_m: int
+    num_stages: int
+    split: bool
+    num_warps: int
+    shared_bytes: int            # dynamic shared memory Triton asks for at launch
+    static_shared_bytes: int
+    registers: int
+    local_bytes: int             # > 0: registers spilled to local memory
+    kv_buffers: list[int]        # leading dimension of each mutable shared-memory K/V buffer
+    loop_wait_groups: list[int]  # ``num`` of the async_wait in the main loop (groups left in flight)
+    loop_instructions: int       # SASS instructions in the main (tile) loop's body
+    loop_opcodes: dict[str, int]
+    programs_per_sm: int
+
+
+def _nvidia_tool(name: str) -> str:
+    import triton.backends.nvidia as nv
+
+    path = Path(nv.__file__).parent / "bin" / name
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: this Triton wheel ships no {name}")
+    return str(path)
+
+
+def compile_variant(v: Variant, *, heads: int, kv_heads: int, head_dim: int, block_n: int = 64,
+                    block_size: int = 16, sinks: int = 16, window: int = 1024, arch: int = 90):
+    """The kernel as a launch of the engine compiles it: pointers 16-byte aligned, ints specialised on
+    divisibility by 16 (or == 1) except ``num_splits`` and ``stride_bt``, as ``do_not_specialize`` says, and
+    32-bit cache offsets (``KV_I64`` is for one layer's cache past 2**31 elements: 262,144 blocks at the 7B
+    shape, more than an H200 holds)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from metronome.attention import triton_paged as tp
+
+    fn = tp._paged_attn_fwd
+    if not isinstance(fn, triton.runtime.JITFunction):
+        raise RuntimeError("the kernel was imported under TRITON_INTERPRET=1; run this module on its own")
+    g = heads // kv_heads
+    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    partial = "*fp32" if v.split else "*bf16"
+    pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "BT": "*i32", "WF": "*i64",
+                "ITEMS": "*i32", "LSE_P": partial, "O_P": partial, "TIMES": "*i64" if v.timeline else "*i32"}
+    qkv_width = (heads + 2 * kv_heads) * head_dim   # q is a view into the fused qkv projection
+    ints = dict(stride_qt=qkv_width, stride_qh=head_dim, stride_ot=heads * head_dim, stride_oh=head_dim,
+                stride_kb=block_size * kv_heads * head_dim, stride_ks=kv_heads * head_dim, stride_kh=head_dim,
+                stride_vb=block_size * kv_heads * head_dim, stride_vs=kv_heads * head_dim, stride_vh=head_dim,
+                stride_bt=70, sinks=sinks, window=window, sink_blocks=-(-sinks // block_size), num_splits=1)
+    not_specialised = {"num_splits", "stride_bt"}
+    constexprs = dict(G=g, BLOCK_M=v.block_m, BLOCK_N=block_n, BLOCK_D=block_d, HEAD_D=head_dim,
+                      BLOCK_SIZE=block_size, HAS_WINDOW=True, SPLIT=v.split, KV_I64=False, DOT_F32=False,
+                      IEEE=False, TIMELINE=v.timeline)
+    signature, consts, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in pointers:
+            signature[name] = pointers[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name == "qk_scale":
+            signature[name] = "fp32"
+        elif name in ints:
+            value = ints[name]
+            if value == 1 and name not in not_specialised:
+                signature[name], consts[name] = "constexpr", 1
+            else:
+                signature[name] = "i32"
+                if value % 16 == 0 and name not in not_specialised:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in constexprs:
+            signature[name], consts[name] = "constexpr", constexprs[name]
+        else:
+            raise KeyError(f"kernel argument {name!r} is new: teach compile_variant its type")
+    return triton.compile(ASTSource(fn, signature, consts, attrs), target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": v.num_warps, "num_stages": v.num_stages})
+
+
+def resource_usage(cubin: bytes, workdir: Path) -> dict[str, int]:
+    """``cuobjdump -res-usage`` of the kernel: REG, SHARED (static), LOCAL, STACK."""
+    path = workdir / "kernel.cubin"
+    path.write_bytes(cubin)
+    text = subprocess.run([_nvidia_tool("cuobjdump"), "-res-usage", str(path)], check=True, capture_output=True,
+                          text=True).stdout
+    line = next(ln for ln in text.splitlines() if "REG:" in ln)
+    return {k: int(v) for k, v in re.findall(r"(\w+):(\d+)", line)}
+
+
+def main_loop(cubin: bytes, workdir: Path) -> tuple[int, dict[str, int]]:
+    """Size and opcode counts of the SASS loop holding the tensor-core instructions (the tile loop)."""
+    path = workdir / "kernel.cubin"
+    path.write_bytes(cubin)
+    sass = subprocess.run([_nvidia_tool("nvdisasm"), "-c", str(path)], check=True, capture_output=True,
+                          text=True).stdout.splitlines()
+    labels = {m.group(1): i for i, ln in enumerate(sass) if (m := re.match(r"^(\.L_x_\d+):", ln))}
+    best: list[str] = []
+    for i, ln in enumerate(sass):
+        m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", ln)
+        if m and labels.get(m.group(1), i) < i:          # a backward branch closes a loop
+            body = sass[labels[m.group(1)]:i + 1]
+            if any("HMMA" in b or "HGMMA" in b for b in body) and len(body) > len(best):
+                best = body
+    opcodes: dict[str, int] = {}
+    for ln in best:
+        m = re.match(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9_]*)", ln)
+        if m:
+            opcodes[m.group(1)] = opcodes.get(m.group(1), 0) + 1
+    return sum(opcodes.values()), dict(sorted(opcodes.items(), key=lambda kv: -kv[1]))
+
+
+def programs_per_sm(shared: int, static_shared: int, registers: int, num_warps: int) -> int:
+    """Resident programs per SM under the sm_90 limits (shared memory, registers, warps, blocks)."""
+    by_smem = SMEM_PER_SM // (shared + static_shared + SMEM_RESERVED_PER_BLOCK)
+    regs_per_warp = math.ceil(registers * 32 / REG_ALLOC_UNIT) * REG_ALLOC_UNIT
+    by_regs = REGS_PER_SM // (regs_per_warp * num_warps)
+    return max(0, min(by_smem, by_regs, MAX_WARPS_PER_SM // num_warps, MAX_BLOCKS_PER_SM))
+
+
+def report(v: Variant, workdir: Path, **shape) -> Report:
+    kernel = compile_variant(v, **shape)
+    ttgir = kernel.asm["ttgir"]
+    buffers = [int(n) for n in re.findall(r"ttg\.local_alloc : \(\) -> !ttg\.memdesc<(\d+)x\d+x\d+x", ttgir)]
+    loop = ttgir[ttgir.index("scf.for"):] if "scf.for" in ttgir else ""
+    waits = [int(n) for n in re.findall(r"ttg\.async_wait [^{]*\{num = (\d+)", loop.split("scf.yield")[0])]
+    res = resource_usage(kernel.asm["cubin"], workdir)
+    instructions, opcodes = main_loop(kernel.asm["cubin"], workdir)
+    shared = int(kernel.metadata.shared)
+    return Report(v.name, v.block_m, v.num_stages, v.split, v.num_warps, shared, res.get("SHARED", 0),
+                  res["REG"], res.get("LOCAL", 0), buffers, waits, instructions, opcodes,
+                  programs_per_sm(shared, res.get("SHARED", 0), res["REG"], v.num_warps))
+
+
+def decode_waves(reports: dict[str, Report], sessions: list[int], *, kv_heads: int, sinks: int, window: int,
+                 block_n: int, num_sms: int) -> list[dict]:
+    """The engine's launch rule at each N (splits, stages) and the waves that takes with these resources."""
+    from metronome.attention import triton_paged as tp
+
+    tiles = tp.live_tiles(4096, 1, sinks, window, block_n)
+    rows = []
+    for n in sessions:
+        programs = n * kv_heads
+        splits = tp.choose_splits(programs, tiles, target_programs=tp.PROGRAMS_PER_SM * num_sms)
+        stages = tp.choose_stages(programs * splits, num_sms, decode=True)
+        name = "decode-split" if splits > 1 else ("decode" if stages == 3 else "decode-1buf")
+        fit = reports[name].programs_per_sm if name in reports else 0
+        rows.append({"sessions": n, "programs": programs * splits, "splits": splits, "stages": stages,
+                     "variant": name, "programs_per_sm_fit": fit,
+                     "waves": math.ceil(programs * splits / (fit * num_sms)) if fit else None})
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen2.5-7b", choices=sorted(MODELS))
+    p.add_argument("--variants", default=",".join(v.name for v in VARIANTS),
+                   help=f"comma list of {[v.name for v in VARIANTS]}")
+    p.add_argument("--sessions", default="16,64,128,256,512", help="decode sizes for the waves table")
+    p.add_argument("--arch", type=int, default=90, help="CUDA compute capability x 10")
+    p.add_argument("--num-sms", type=int, default=132, help="SMs of the target GPU (H200: 132)")
+    p.add_argument("--sinks", type=int, default=16)
+    p.add_argument("--window", type=int, default=1024)
+    p.add_argument("--out", default=None, help="write the raw report as JSON here")
+    args = p.parse_args(argv)
+    os.environ["TRITON_INTERPRET"] = "0"
+    import tempfile
+
+    import triton
+
+    heads, kv_heads, head_dim = MODELS[args.model]
+    wanted = args.variants.split(",")
+    unknown = set(wanted) - {v.name for v in VARIANTS}
+    if unknown:
+        p.error(f"unknown variants {sorted(unknown)}")
+    shape = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, sinks=args.sinks, window=args.window,
+                 arch=args.arch)
+    reports: dict[str, Report] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for v in VARIANTS:
+            if v.name in wanted:
+                print(f"compiling {v.name} for sm_{args.arch} ...", file=sys.stderr, flush=True)
+                reports[v.name] = report(v, Path(tmp), **shape)
+    waves = decode_waves(reports, [int(n) for n in args.sessions.split(",") if n], kv_heads=kv_heads,
+                         sinks=args.sinks, window=args.window, block_n=64, num_sms=args.num_sms)
+    print(f"\nTriton {triton.__version__}, sm_{args.arch}, {args.model} {heads}/{kv_heads}x{head_dim}, "
+          f"S = {args.sinks}, W = {args.window}")
+    print(f"{'variant':<14} {'BLOCK_M':>7} {'stages':>6} {'smem KB':>8} {'regs':>5} {'local':>6} "
+          f"{'K/V bufs':>9} {'in flight':>10} {'loop instrs':>12} {'per SM':>7}")
+    for r in reports.values():
+        bufs = "/".join(map(str, r.kv_buffers)) or "-"
+        waits = "/".join(map(str, r.loop_wait_groups)) or "-"
+        print(f"{r.variant:<14} {r.block_m:>7} {r.num_stages:>6} {r.shared_bytes / 1024:>8.1f} {r.registers:>5} "
+              f"{r.local_bytes:>6} {bufs:>9} {waits:>10} {r.loop_instructions:>12} {r.programs_per_sm:>7}")
+    print(f"\n{'N':<5} {'programs':>8} {'splits':>7} {'stages':>7} {'per SM fit':>11} {'waves':>6}")
+    for w in waves:
+        print(f"{w['sessions']:<5} {w['programs']:>8} {w['splits']:>7} {w['stages']:>7} "
+              f"{w['programs_per_sm_fit']:>11} {str(w['waves']):>6}")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({
+            "triton": triton.__version__, "arch": args.arch, "model": args.model, "num_sms": args.num_sms,
+            "sinks": args.sinks, "window": args.window, "variants": [asdict(r) for r in reports.values()],
+            "decode_waves": waves}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

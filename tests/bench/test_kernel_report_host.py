@@ -1,0 +1,74 @@
+"""The attention kernel as the compiler builds it for an H200 (sm_90), checked on a machine without a GPU.
+
+The decode loop's pipelining is a property of the compiled code, not of its results: loading each tile's block
+ids in the same iteration as its K/V once made Triton single-buffer K/V at ``num_stages=3``, which left every
+tile's load latency exposed (docs/benchmarks/gpu.md §1d) while every numerical test still passed.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.kernel_report_host import programs_per_sm
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def sm90_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("kernel_report") / "report.json"
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT), "TRITON_DEFAULT_FP_FUSION": "1"}
+    subprocess.run([sys.executable, str(ROOT / "bench" / "kernel_report_host.py"), "--sessions", "64,128",
+                    "--out", str(out)], check=True, env=env, cwd=ROOT, capture_output=True, timeout=300)
+    report = json.loads(out.read_text())
+    return report, {v["variant"]: v for v in report["variants"]}
+
+
+def test_double_buffered_decode_keeps_a_second_kv_tile_in_flight_during_the_math(sm90_report):
+    _, variants = sm90_report
+    decode = variants["decode"]
+    assert decode["num_stages"] == 3
+    assert decode["kv_buffers"] == [2, 2]                 # K and V, two tiles each
+    assert decode["loop_wait_groups"] and min(decode["loop_wait_groups"]) >= 2   # next tile's K and V copies
+    single = variants["decode-1buf"]
+    assert single["kv_buffers"] == [1, 1] and single["loop_wait_groups"] == [0]
+    assert single["shared_bytes"] < decode["shared_bytes"]
+
+
+def test_no_variant_spills_and_each_fits_on_an_sm(sm90_report):
+    _, variants = sm90_report
+    for name, v in variants.items():
+        assert v["local_bytes"] == 0, f"{name} spills registers to local memory"
+        assert v["registers"] <= 255
+        assert v["programs_per_sm"] >= 1, name
+        tensor_core = v["loop_opcodes"].get("HMMA", 0) + v["loop_opcodes"].get("HGMMA", 0)   # mma.sync, wgmma
+        assert v["loop_instructions"] > 0 and tensor_core > 0, name
+
+
+def test_waves_follow_the_engines_launch_rule(sm90_report):
+    report, variants = sm90_report
+    rows = {r["sessions"]: r for r in report["decode_waves"]}
+    from metronome.attention.triton_paged import choose_stages
+
+    for n, row in rows.items():
+        assert row["splits"] == 1                          # 64 and 128 sessions fill 132 SMs unsplit
+        assert row["stages"] == choose_stages(n * 4, report["num_sms"], decode=True)
+        fit = variants[row["variant"]]["programs_per_sm"]
+        assert row["waves"] == -(-row["programs"] // (fit * report["num_sms"]))
+
+
+def test_programs_per_sm_follows_the_sm90_occupancy_limits():
+    # shared memory bound: (70 KB + 1 KB static + 1 KB reserved) x 3 <= 228 KB < x 4
+    assert programs_per_sm(71680, 1024, 117, 4) == 3
+    # register bound: 117 -> 3,840 a warp (15 units of 256), 4 warps = 15,360; 65,536 // 15,360 = 4
+    assert programs_per_sm(38912, 1024, 117, 4) == 4
+    # 141 -> 4,608 a warp, 18,432 a program: 3 fit
+    assert programs_per_sm(38912, 1024, 141, 4) == 3
+    # warps bound: 8 warps of 16 registers, no shared memory: 64 warps // 8 (registers would allow 16)
+    assert programs_per_sm(0, 0, 16, 8) == 8
+    # a program larger than the SM fits nowhere
+    assert programs_per_sm(300 * 1024, 0, 32, 4) == 0
