@@ -1,0 +1,230 @@
+"""Where a decode launch's time goes, program by program: the paged kernel's launch-timeline probe on the GPU.
+
+At N = 64 (Qwen2.5-7B decode, S = 16, W = 1024) one launch takes ~42 µs where reading its bytes takes ~34 µs
+(docs/benchmarks/gpu.md §1d). The candidates for the difference are the launch's start (the gap before its
+first program runs), each program's own start (four dependent loads before its first K/V byte), the ramp-down
+while the last programs finish, and uneven SMs. The probe (``paged_attention_triton(..., timelines=...)``)
+makes every program record its SM, start and end (``%globaltimer``) and cycles; this script runs it and says
+how much of the launch each of those is.
+
+    PYTHONPATH=$PWD python3 bench/decode_timeline_gpu.py --sessions 64,256,512 --out results/decode_timeline.json
+
+Per N it measures, on ``bench/attention_gpu.py``'s inputs (session sets rotated past the L2, NaN-poisoned pool,
+every timed launch checked against fp32 SDPA first):
+
+* µs per call by CUDA-graph replay without and with the probe (its cost);
+* from the probed replay of back-to-back launches (one per session set): each launch's span (first program
+  start to last program end), the gap between one launch's last end and the next one's first start, when
+  the programs start (the waves), programs per SM, program durations, and how long the launch runs with
+  fewer than 90 % of its peak programs resident (ramp-up plus ramp-down);
+* at N = 64 again with other windows (``--windows``): the median program duration against the tiles it reads,
+  whose intercept is the fixed cost of one program at that concurrency.
+
+Without CUDA it says so and exits with status 2. The summary's arithmetic is tested on the CPU
+(``tests/bench/test_decode_timeline_gpu.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+FULL = 0.9       # "running full": at least this fraction of the launch's peak programs resident
+LATE_US = 2.0    # a program that starts this long after the launch's first one waited for a free slot
+
+
+def summarise_launch(rows: np.ndarray) -> dict:
+    """One launch's timeline, ``rows`` = [programs, 5] of (SM, start ns, end ns, cycles, tiles).
+
+    >>> r = np.array([[0, 0, 10_000, 19_800, 4], [1, 0, 10_000, 19_800, 4], [0, 10_000, 20_000, 19_800, 4]])
+    >>> s = summarise_launch(r)
+    >>> s["span_us"], s["late_programs"], s["peak_resident"], s["programs_per_sm"]
+    (20.0, 1, 2, {'1': 1, '2': 1})
+    """
+    sm, start, end, cycles = rows[:, 0], rows[:, 1].astype(np.int64), rows[:, 2].astype(np.int64), rows[:, 3]
+    t0 = int(start.min())
+    span = int(end.max()) - t0
+    # Resident programs over time: +1 at each start, -1 at each end (ends before starts at the same instant).
+    times = np.concatenate([start, end]) - t0
+    steps = np.concatenate([np.ones_like(start), -np.ones_like(end)])
+    order = np.lexsort((steps, times))
+    times, resident = times[order], np.cumsum(steps[order])
+    peak = int(resident.max())
+    widths = np.diff(np.append(times, span))
+    below = float(widths[resident < FULL * peak].sum())
+    duration = (end - start) / 1e3
+    per_sm = np.bincount(np.unique(sm, return_counts=True)[1])
+    ns = end - start
+    return {
+        "programs": int(len(rows)),
+        "span_us": span / 1e3,
+        "first_start_ns": t0,
+        "last_end_ns": int(end.max()),
+        "start_offsets_us": {q: float(np.percentile(start - t0, q) / 1e3) for q in (50, 90, 100)},
+        "late_programs": int(((start - t0) > LATE_US * 1e3).sum()),
+        "peak_resident": peak,
+        "below_full_us": below / 1e3,
+        "program_us": {q: float(np.percentile(duration, q)) for q in (10, 50, 90)},
+        "programs_per_sm": {str(k): int(v) for k, v in enumerate(per_sm) if k and v},
+        "sms_used": int(len(np.unique(sm))),
+        "clock_ghz": float(np.median(cycles[ns > 0] / ns[ns > 0])) if (ns > 0).any() else None,
+        "tiles": {q: float(np.percentile(rows[:, 4], q)) for q in (0, 50, 100)},
+    }
+
+
+def summarise_replay(launches: list[np.ndarray]) -> dict:
+    """Back-to-back launches of one replay: the median of each launch's summary, and the gaps between them.
+
+    >>> a = np.array([[0, 0, 10_000, 1, 2]]); b = np.array([[0, 13_000, 20_000, 1, 2]])
+    >>> summarise_replay([a, b])["gap_us"]
+    3.0
+    """
+    each = [summarise_launch(r) for r in launches]
+    gaps = [(n["first_start_ns"] - p["last_end_ns"]) / 1e3 for p, n in zip(each, each[1:])]
+    med = lambda key: float(np.median([e[key] for e in each]))  # noqa: E731
+    return {"launches": len(each), "span_us": med("span_us"), "below_full_us": med("below_full_us"),
+            "late_programs": med("late_programs"), "gap_us": float(np.median(gaps)) if gaps else None,
+            "timer_step_ns": timer_step_ns(launches), "middle": each[len(each) // 2], "each": each}
+
+
+def timer_step_ns(launches: list[np.ndarray]) -> int | None:
+    """The smallest non-zero difference between recorded ``%globaltimer`` values: its resolution here."""
+    stamps = np.unique(np.concatenate([r[:, 1:3].ravel() for r in launches]))
+    steps = np.diff(stamps)
+    return int(steps[steps > 0].min()) if (steps > 0).any() else None
+
+
+def fixed_cost(points: list[tuple[float, float]]) -> dict:
+    """Least-squares ``program µs = fixed + per_tile * tiles`` over (tiles, median program µs) points.
+
+    >>> fixed_cost([(2, 5.0), (10, 13.0), (18, 21.0)])
+    {'fixed_us': 3.0, 'per_tile_us': 1.0}
+    """
+    x, y = np.array(points, dtype=float).T
+    per_tile, fixed = np.polyfit(x, y, 1)
+    return {"fixed_us": round(float(fixed), 3), "per_tile_us": round(float(per_tile), 3)}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=str(ROOT / "results" / "decode_timeline.json"))
+    p.add_argument("--model", default="qwen2.5-7b")
+    p.add_argument("--sessions", default="64,256,512")
+    p.add_argument("--windows", default="128,384,640,1024", help="windows W for the fixed-cost fit at N = 64")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("decode_timeline_gpu.py needs a CUDA GPU; nothing was measured.", file=sys.stderr)
+        return 2
+    import triton
+
+    from bench.attention_gpu import MODELS, Shape, Timer, band_mask, build_sets, errors
+    from metronome.attention.triton_paged import paged_attention_triton
+
+    device = torch.device("cuda")
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    timer = Timer(device, graphs=True, warmup=3, repeats=args.repeats)
+    heads, kv_heads, head_dim = MODELS[args.model]
+    plan_kw = {"num_sms": num_sms, "block_n": 64, "force_splits": None, "target_programs": None,
+               "prefill_block_m": 64, "num_warps": None, "num_stages": None}
+    scale = 1.0 / math.sqrt(head_dim)
+    out = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+           "device": torch.cuda.get_device_name(device), "num_sms": num_sms, "args": vars(args),
+           "started": time.strftime("%Y-%m-%d %H:%M:%S"), "cases": []}
+
+    def case(n: int, window: int) -> dict:
+        sa = argparse.Namespace(block_size=16, sinks=16, window=window, age=4096, seed=args.seed, rotate_mb=256.0,
+                                max_sets=128)
+        shape = Shape(args.model, heads, kv_heads, head_dim, "decode", 1, n)
+        per_session = (sa.sinks + window + 1) * kv_heads * head_dim * 4
+        n_sets = max(2, min(sa.max_sets, math.ceil(sa.rotate_mb * 2**20 / (per_session * n))))   # >= 2: gaps
+        sets = build_sets(shape, n_sets, sa, device, torch.bfloat16, plan_kw)
+        mask = band_mask(1, sets.live_keys, sa.sinks, window, device)
+        timelines = [[torch.full((ln.num_splits, ln.num_items, kv_heads, 5), -1, dtype=torch.int64, device=device)
+                      for ln in plan.launches] for plan in sets.plans]
+
+        def call(s, probe):
+            return lambda: paged_attention_triton(sets.queries[s], sets.k_cache, sets.v_cache, sets.metas[s], scale,
+                                                  sets.plans[s], out=sets.outs[s],
+                                                  timelines=timelines[s] if probe else None)
+        row = {"sessions": n, "window": window, "n_sets": n_sets, "kv_bytes": sets.kv_bytes,
+               "launches": [{"splits": ln.num_splits, "stages": ln.num_stages, "items": ln.num_items}
+                            for ln in sets.plans[0].launches]}
+        k = min(n, 64)   # the same check as attention_gpu.py, on the first 64 sessions, with the probe on
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            sets.q_c[0][:k].float(), sets.k_c[0][:k].float(), sets.v_c[0][:k].float(), attn_mask=mask,
+            scale=scale, enable_gqa=True)
+        sets.outs[0].fill_(float("nan"))
+        call(0, True)()
+        row["check"] = errors(sets.outs[0].view(n, 1, heads, head_dim).transpose(1, 2)[:k], ref)
+        plain = timer.graph([call(s, False) for s in range(n_sets)])
+        probed = timer.graph([call(s, True) for s in range(n_sets)])   # its last replay fills the timelines
+        if plain is None or probed is None:
+            raise RuntimeError("CUDA graph capture failed (printed above): the timeline needs back-to-back replays")
+        row["plain_us"], row["probed_us"] = plain * 1e6, probed * 1e6
+        torch.cuda.synchronize()
+        launches = [t.view(-1, 5).cpu().numpy() for per_set in timelines for t in per_set]
+        if any((r[:, 0] < 0).any() for r in launches):
+            raise RuntimeError("a program left its timeline row unwritten")
+        row["timeline"] = summarise_replay(launches)
+        row["timeline"].pop("each")
+        row["bytes_per_s"] = sets.kv_bytes / (row["plain_us"] * 1e-6)
+        del sets, timelines
+        torch.cuda.empty_cache()
+        return row
+
+    for n in [int(x) for x in args.sessions.split(",") if x]:
+        out["cases"].append(case(n, 1024))
+        print(json.dumps({k: v for k, v in out["cases"][-1].items() if k != "timeline"}), flush=True)
+    fit_points = []
+    for window in [int(x) for x in args.windows.split(",") if x]:
+        row = next((c for c in out["cases"] if (c["sessions"], c["window"]) == (64, window)), None)
+        if row is None:
+            row = case(64, window)
+            out["cases"].append(row)
+        middle = row["timeline"]["middle"]
+        fit_points.append((middle["tiles"][50], middle["program_us"][50]))
+    if len(fit_points) >= 2:
+        out["n64_fixed_cost"] = fixed_cost(fit_points) | {"points": fit_points}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+
+    print(f"\n{out['device']}, {args.model} decode, S = 16, W = 1024; µs; timer step "
+          f"{out['cases'][0]['timeline']['timer_step_ns']} ns")
+    head = (f"{'N':>4} {'W':>5} {'plain':>7} {'probed':>7} {'span':>6} {'gap':>5} {'<90%':>6} {'late':>5} "
+            f"{'start p90':>9} {'prog p10/50/90':>16} {'per SM':>14} {'GHz':>5}")
+    print(head)
+    for c in out["cases"]:
+        t, f = c["timeline"], c["timeline"]["middle"]
+        prog = "/".join(f"{f['program_us'][q]:.1f}" for q in (10, 50, 90))
+        per_sm = ",".join(f"{k}x{v}" for k, v in f["programs_per_sm"].items())
+        print(f"{c['sessions']:>4} {c['window']:>5} {c['plain_us']:7.1f} {c['probed_us']:7.1f} {t['span_us']:6.1f} "
+              f"{t['gap_us'] if t['gap_us'] is not None else float('nan'):5.1f} {t['below_full_us']:6.1f} "
+              f"{t['late_programs']:5.0f} {f['start_offsets_us'][90]:9.2f} {prog:>16} {per_sm:>14} "
+              f"{f['clock_ghz'] or 0:5.2f}")
+    if "n64_fixed_cost" in out:
+        fc = out["n64_fixed_cost"]
+        print(f"N = 64: program µs = {fc['fixed_us']:.2f} + {fc['per_tile_us']:.3f} x tiles")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
