@@ -12,7 +12,10 @@ how much of the launch each of those is.
 Per N it measures, on ``bench/attention_gpu.py``'s inputs (session sets rotated past the L2, NaN-poisoned pool,
 every timed launch checked against fp32 SDPA first):
 
-* µs per call by CUDA-graph replay without and with the probe (its cost);
+* µs per call by CUDA-graph replay: as the engine launches it, with the register cap (``--max-registers``, 128:
+  ptxas otherwise gives the probed single-buffered variant 156 registers with Triton 3.6, 3 programs per SM
+  instead of 4; the cap's own cost is this A/B), and with the cap and the probe (the probe's cost; trust the
+  timeline where the last two agree);
 * from the probed replay of back-to-back launches (one per session set): each launch's span (first program
   start to last program end), the gap between one launch's last end and the next one's first start, when
   the programs start (the waves), programs per SM, program durations, and how long the launch runs with
@@ -27,6 +30,7 @@ Without CUDA it says so and exits with status 2. The summary's arithmetic is tes
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import platform
@@ -45,14 +49,16 @@ LATE_US = 2.0    # a program that starts this long after the launch's first one 
 
 
 def summarise_launch(rows: np.ndarray) -> dict:
-    """One launch's timeline, ``rows`` = [programs, 5] of (SM, start ns, end ns, cycles, tiles).
+    """One launch's timeline, ``rows`` = [programs, 6] of (SM, start ns, end ns, start clock, end clock, tiles),
+    as the kernel's probe writes them.
 
-    >>> r = np.array([[0, 0, 10_000, 19_800, 4], [1, 0, 10_000, 19_800, 4], [0, 10_000, 20_000, 19_800, 4]])
+    >>> r = np.array([[0, 0, 10_000, 0, 19_800, 4], [1, 0, 10_000, 5, 19_805, 4], [0, 10_000, 20_000, 0, 19_800, 4]])
     >>> s = summarise_launch(r)
     >>> s["span_us"], s["late_programs"], s["peak_resident"], s["programs_per_sm"]
     (20.0, 1, 2, {'1': 1, '2': 1})
     """
-    sm, start, end, cycles = rows[:, 0], rows[:, 1].astype(np.int64), rows[:, 2].astype(np.int64), rows[:, 3]
+    sm, start, end = rows[:, 0], rows[:, 1].astype(np.int64), rows[:, 2].astype(np.int64)
+    cycles = rows[:, 4] - rows[:, 3]
     t0 = int(start.min())
     span = int(end.max()) - t0
     # Resident programs over time: +1 at each start, -1 at each end (ends before starts at the same instant).
@@ -79,14 +85,14 @@ def summarise_launch(rows: np.ndarray) -> dict:
         "programs_per_sm": {str(k): int(v) for k, v in enumerate(per_sm) if k and v},
         "sms_used": int(len(np.unique(sm))),
         "clock_ghz": float(np.median(cycles[ns > 0] / ns[ns > 0])) if (ns > 0).any() else None,
-        "tiles": {q: float(np.percentile(rows[:, 4], q)) for q in (0, 50, 100)},
+        "tiles": {q: float(np.percentile(rows[:, 5], q)) for q in (0, 50, 100)},
     }
 
 
 def summarise_replay(launches: list[np.ndarray]) -> dict:
     """Back-to-back launches of one replay: the median of each launch's summary, and the gaps between them.
 
-    >>> a = np.array([[0, 0, 10_000, 1, 2]]); b = np.array([[0, 13_000, 20_000, 1, 2]])
+    >>> a = np.array([[0, 0, 10_000, 0, 1, 2]]); b = np.array([[0, 13_000, 20_000, 0, 1, 2]])
     >>> summarise_replay([a, b])["gap_us"]
     3.0
     """
@@ -120,7 +126,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=str(ROOT / "results" / "decode_timeline.json"))
     p.add_argument("--model", default="qwen2.5-7b")
-    p.add_argument("--sessions", default="64,256,512")
+    p.add_argument("--sessions", default="64,128,256,512")
+    p.add_argument("--max-registers", type=int, default=128, help="ptxas cap for the capped and probed runs")
     p.add_argument("--windows", default="128,384,640,1024", help="windows W for the fixed-cost fit at N = 64")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
@@ -158,13 +165,14 @@ def main(argv=None) -> int:
         n_sets = max(2, min(sa.max_sets, math.ceil(sa.rotate_mb * 2**20 / (per_session * n))))   # >= 2: gaps
         sets = build_sets(shape, n_sets, sa, device, torch.bfloat16, plan_kw)
         mask = band_mask(1, sets.live_keys, sa.sinks, window, device)
-        timelines = [[torch.full((ln.num_splits, ln.num_items, kv_heads, 5), -1, dtype=torch.int64, device=device)
+        timelines = [[torch.full((ln.num_splits, ln.num_items, kv_heads, 6), -1, dtype=torch.int64, device=device)
                       for ln in plan.launches] for plan in sets.plans]
 
-        def call(s, probe):
+        capped = [dataclasses.replace(p, max_registers=args.max_registers) for p in sets.plans]
+
+        def call(s, probe, plans=capped):
             return lambda: paged_attention_triton(sets.queries[s], sets.k_cache, sets.v_cache, sets.metas[s], scale,
-                                                  sets.plans[s], out=sets.outs[s],
-                                                  timelines=timelines[s] if probe else None)
+                                                  plans[s], out=sets.outs[s], timelines=timelines[s] if probe else None)
         row = {"sessions": n, "window": window, "n_sets": n_sets, "kv_bytes": sets.kv_bytes,
                "launches": [{"splits": ln.num_splits, "stages": ln.num_stages, "items": ln.num_items}
                             for ln in sets.plans[0].launches]}
@@ -175,19 +183,20 @@ def main(argv=None) -> int:
         sets.outs[0].fill_(float("nan"))
         call(0, True)()
         row["check"] = errors(sets.outs[0].view(n, 1, heads, head_dim).transpose(1, 2)[:k], ref)
-        plain = timer.graph([call(s, False) for s in range(n_sets)])
+        plain = timer.graph([call(s, False, sets.plans) for s in range(n_sets)])
+        cap = timer.graph([call(s, False) for s in range(n_sets)])
         probed = timer.graph([call(s, True) for s in range(n_sets)])   # its last replay fills the timelines
-        if plain is None or probed is None:
+        if None in (plain, cap, probed):
             raise RuntimeError("CUDA graph capture failed (printed above): the timeline needs back-to-back replays")
-        row["plain_us"], row["probed_us"] = plain * 1e6, probed * 1e6
+        row["plain_us"], row["capped_us"], row["probed_us"] = plain * 1e6, cap * 1e6, probed * 1e6
         torch.cuda.synchronize()
-        launches = [t.view(-1, 5).cpu().numpy() for per_set in timelines for t in per_set]
+        launches = [t.view(-1, 6).cpu().numpy() for per_set in timelines for t in per_set]
         if any((r[:, 0] < 0).any() for r in launches):
             raise RuntimeError("a program left its timeline row unwritten")
         row["timeline"] = summarise_replay(launches)
         row["timeline"].pop("each")
         row["bytes_per_s"] = sets.kv_bytes / (row["plain_us"] * 1e-6)
-        del sets, timelines
+        del sets, timelines, capped
         torch.cuda.empty_cache()
         return row
 
@@ -209,14 +218,14 @@ def main(argv=None) -> int:
 
     print(f"\n{out['device']}, {args.model} decode, S = 16, W = 1024; µs; timer step "
           f"{out['cases'][0]['timeline']['timer_step_ns']} ns")
-    head = (f"{'N':>4} {'W':>5} {'plain':>7} {'probed':>7} {'span':>6} {'gap':>5} {'<90%':>6} {'late':>5} "
+    head = (f"{'N':>4} {'W':>5} {'plain':>7} {'capped':>7} {'probed':>7} {'span':>6} {'gap':>5} {'<90%':>6} {'late':>5} "
             f"{'start p90':>9} {'prog p10/50/90':>16} {'per SM':>14} {'GHz':>5}")
     print(head)
     for c in out["cases"]:
         t, f = c["timeline"], c["timeline"]["middle"]
         prog = "/".join(f"{f['program_us'][q]:.1f}" for q in (10, 50, 90))
         per_sm = ",".join(f"{k}x{v}" for k, v in f["programs_per_sm"].items())
-        print(f"{c['sessions']:>4} {c['window']:>5} {c['plain_us']:7.1f} {c['probed_us']:7.1f} {t['span_us']:6.1f} "
+        print(f"{c['sessions']:>4} {c['window']:>5} {c['plain_us']:7.1f} {c['capped_us']:7.1f} {c['probed_us']:7.1f} {t['span_us']:6.1f} "
               f"{t['gap_us'] if t['gap_us'] is not None else float('nan'):5.1f} {t['below_full_us']:6.1f} "
               f"{t['late_programs']:5.0f} {f['start_offsets_us'][90]:9.2f} {prog:>16} {per_sm:>14} "
               f"{f['clock_ghz'] or 0:5.2f}")

@@ -15,6 +15,6 @@ grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -12
 echo "== kernel report (sm_90, this machine's Triton)"
 timeout 120 python3 bench/kernel_report_host.py --out "$OUT/kernel_report.json" 2>&1 | grep -v "^compiling"
 echo "== decode timeline"
-timeout 240 python3 bench/decode_timeline_gpu.py --out "$OUT/decode_timeline.json" > "$OUT/decode_timeline.log" 2>&1
+timeout 300 python3 bench/decode_timeline_gpu.py --out "$OUT/decode_timeline.json" > "$OUT/decode_timeline.log" 2>&1
 echo "rc $?"
 tail -12 "$OUT/decode_timeline.log"

@@ -9,13 +9,15 @@ time: Triton's wheel carries ptxas and cuobjdump.
 
     PYTHONPATH=. python bench/kernel_report_host.py --sessions 16,64,128,256,512 --out results/kernel_report.json
 
-prints (Triton 3.9, sm_90, Qwen2.5-7B 28/4x128)::
+prints, with the GPU machine's Triton 3.6 (docs/benchmarks/raw/session8/ has 3.6 and 3.9)::
 
-    variant          BLOCK_M stages  smem KB  regs  local  K/V bufs  in flight  loop instrs  per SM
-    decode                16      3     70.0   117      0         2          1          585       3
+    variant                      BLOCK_M stages  smem KB  regs  local  K/V bufs  in flight  loop instrs  per SM
+    decode                            16      3     70.0   117      0       2/2          2          585       3
+    decode-1buf                       16      2     38.0   117      0       1/1          0          573       4
     ...
-    N    programs  splits  stages  per SM fit  waves
-    64        256       1       3           3      1
+    N     programs  splits  stages  per SM fit  waves
+    64         256       1       3           3      1
+    128        512       1       2           4      1
 
 ``in flight`` is the ``num`` of the loop's ``async_wait``: commit groups (one K and one V copy per tile) still
 outstanding while a tile is used, so ``2`` = one more tile's K and V. Per SM uses the sm_90 limits
@@ -62,6 +64,7 @@ class Variant:
     split: bool = False
     num_warps: int = 4
     timeline: bool = False     # the launch-timeline probe compiled in (bench/decode_timeline_gpu.py)
+    maxnreg: int | None = None  # ptxas register cap per thread (None: ptxas chooses)
 
 
 VARIANTS = (
@@ -70,6 +73,9 @@ VARIANTS = (
     Variant("decode-split", 16, 3, split=True),
     Variant("prefill", 64, 3),
     Variant("decode-timeline", 16, 3, timeline=True),
+    Variant("decode-1buf-timeline", 16, 2, timeline=True),
+    Variant("decode-1buf-128reg", 16, 2, maxnreg=128),
+    Variant("decode-1buf-timeline-128reg", 16, 2, timeline=True, maxnreg=128),
 )
 
 
@@ -149,7 +155,8 @@ def compile_variant(v: Variant, *, heads: int, kv_heads: int, head_dim: int, blo
         else:
             raise KeyError(f"kernel argument {name!r} is new: teach compile_variant its type")
     return triton.compile(ASTSource(fn, signature, consts, attrs), target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": v.num_warps, "num_stages": v.num_stages})
+                          options={"num_warps": v.num_warps, "num_stages": v.num_stages,
+                                   **({"maxnreg": v.maxnreg} if v.maxnreg else {})})
 
 
 def resource_usage(cubin: bytes, workdir: Path) -> dict[str, int]:
@@ -259,12 +266,12 @@ def main(argv=None) -> int:
                          sinks=args.sinks, window=args.window, block_n=64, num_sms=args.num_sms)
     print(f"\nTriton {triton.__version__}, sm_{args.arch}, {args.model} {heads}/{kv_heads}x{head_dim}, "
           f"S = {args.sinks}, W = {args.window}")
-    print(f"{'variant':<14} {'BLOCK_M':>7} {'stages':>6} {'smem KB':>8} {'regs':>5} {'local':>6} "
+    print(f"{'variant':<28} {'BLOCK_M':>7} {'stages':>6} {'smem KB':>8} {'regs':>5} {'local':>6} "
           f"{'K/V bufs':>9} {'in flight':>10} {'loop instrs':>12} {'per SM':>7}")
     for r in reports.values():
         bufs = "/".join(map(str, r.kv_buffers)) or "-"
         waits = "/".join(map(str, r.loop_wait_groups)) or "-"
-        print(f"{r.variant:<14} {r.block_m:>7} {r.num_stages:>6} {r.shared_bytes / 1024:>8.1f} {r.registers:>5} "
+        print(f"{r.variant:<28} {r.block_m:>7} {r.num_stages:>6} {r.shared_bytes / 1024:>8.1f} {r.registers:>5} "
               f"{r.local_bytes:>6} {bufs:>9} {waits:>10} {r.loop_instructions:>12} {r.programs_per_sm:>7}")
     print(f"\n{'N':<5} {'programs':>8} {'splits':>7} {'stages':>7} {'per SM fit':>11} {'waves':>6}")
     for w in waves:

@@ -130,8 +130,10 @@ def _paged_attn_fwd(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     if TIMELINE:
-        started_ns = globaltimer()
-        started_clk = _clock64()
+        # Stored at once, so no timer value stays live in registers through the loop.
+        timeline_row = TIMES + ((split * tl.num_programs(0) + item) * tl.num_programs(1) + kvh) * 6
+        tl.store(timeline_row + 1, globaltimer())
+        tl.store(timeline_row + 3, _clock64())
     # Work item: (sequence, first packed query row, query tokens in the tile, token index of the first).
     seq = tl.load(ITEMS + item * 4)
     q_row0 = tl.load(ITEMS + item * 4 + 1)
@@ -233,8 +235,7 @@ def _paged_attn_fwd(
         tl.store(O + (q_row0 + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  out.to(O.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
     if TIMELINE:
-        _record_program(TIMES, ((split * tl.num_programs(0) + item) * tl.num_programs(1) + kvh) * 5,
-                        started_ns, started_clk, tl.maximum(hi - lo, 0))
+        _record_end(timeline_row, tl.maximum(hi - lo, 0))
 
 
 @triton.jit
@@ -243,16 +244,13 @@ def _clock64():
 
 
 @triton.jit
-def _record_program(TIMES, base, started_ns, started_clk, n_tiles):
-    """One program's row of a launch timeline: SM, start and end (global ns), cycles on its SM, tiles read.
-    The stores come after the output's, so ``end`` covers the whole program."""
-    ended_clk = _clock64()
-    ended_ns = globaltimer()
-    tl.store(TIMES + base, smid().to(tl.int64))
-    tl.store(TIMES + base + 1, started_ns)
-    tl.store(TIMES + base + 2, ended_ns)
-    tl.store(TIMES + base + 3, ended_clk - started_clk)
-    tl.store(TIMES + base + 4, n_tiles.to(tl.int64))
+def _record_end(row, n_tiles):
+    """The rest of one program's row of a launch timeline, ``(SM, start ns, end ns, start clock, end clock,
+    tiles read)``: after the output's stores, so the end covers the whole program."""
+    tl.store(row + 4, _clock64())
+    tl.store(row + 2, globaltimer())
+    tl.store(row, smid().to(tl.int64))
+    tl.store(row + 5, n_tiles.to(tl.int64))
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -312,6 +310,10 @@ class TritonPlan:
     launches: list[TritonLaunch]
     num_warps: int | None = None    # None: 4 (8 for BLOCK_M > 64)
     num_stages: int | None = None   # None: each launch's own (2 for head_dim > 128)
+    # ptxas register cap per thread (None: ptxas chooses). 128 lets 4 programs of 4 warps share an SM, which
+    # the single-buffered decode launch needs for its occupancy where ptxas would take more (141 with Triton
+    # 3.9 against 117 with 3.6; bench/kernel_report_host.py).
+    max_registers: int | None = None
 
 
 def live_tiles(t0: int, n_q: int, sinks: int, window: int | None, block_n: int) -> int:
@@ -404,7 +406,8 @@ def _launch_config(plan: TritonPlan, launch: TritonLaunch, head_dim: int, is_cud
     if not is_cuda:
         return {}
     return {"num_warps": plan.num_warps or (4 if launch.block_m <= 64 else 8),
-            "num_stages": launch_stages(plan, launch, head_dim)}
+            "num_stages": launch_stages(plan, launch, head_dim),
+            **({"maxnreg": plan.max_registers} if plan.max_registers else {})}
 
 
 def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -414,8 +417,9 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     """Attention of ``query`` [T, H, D] over the paged cache; returns [T, H, D] in ``query.dtype``.
 
     ``timelines`` (CUDA only, for benchmarks): one int64 tensor per launch of the plan, ``[splits, items,
-    KV heads, 5]``, that each program fills with its SM, start and end (``%globaltimer`` ns), cycles and tiles
-    read (``bench/decode_timeline_gpu.py``). Without it the probe is compiled out."""
+    KV heads, 6]``, that each program fills with its SM, start and end (``%globaltimer`` ns), start and end
+    clock (its SM's cycles) and tiles read (``bench/decode_timeline_gpu.py``). Without it the probe is compiled
+    out."""
     t, heads, head_dim = query.shape
     kv_heads = k_cache.shape[2]
     if plan is None:
@@ -446,9 +450,9 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         if interp:
             raise ValueError("launch timelines read GPU clocks: they need compiled kernels on a CUDA device")
         if len(timelines) != len(plan.launches) or any(
-                t.dtype != torch.int64 or t.numel() != ln.num_splits * ln.num_items * kv_heads * 5
+                t.dtype != torch.int64 or t.numel() != ln.num_splits * ln.num_items * kv_heads * 6
                 for t, ln in zip(timelines, plan.launches)):
-            raise ValueError("timelines: one int64 [splits, items, KV heads, 5] tensor per launch of the plan")
+            raise ValueError("timelines: one int64 [splits, items, KV heads, 6] tensor per launch of the plan")
     for i, ln in enumerate(plan.launches):
         split = ln.num_splits > 1
         if split:

@@ -16,10 +16,10 @@ def _launch(t0_ns, sms, programs_per_sm, duration_ns, *, late_extra=0, clock_ghz
     rows = []
     for sm in range(sms):
         for _ in range(programs_per_sm):
-            rows.append([sm, t0_ns, t0_ns + duration_ns, int(duration_ns * clock_ghz), tiles])
+            rows.append([sm, t0_ns, t0_ns + duration_ns, 1000, 1000 + int(duration_ns * clock_ghz), tiles])
     for _ in range(late_extra):
         start = t0_ns + duration_ns
-        rows.append([0, start, start + duration_ns, int(duration_ns * clock_ghz), tiles])
+        rows.append([0, start, start + duration_ns, 0, int(duration_ns * clock_ghz), tiles])
     return np.array(rows, dtype=np.int64)
 
 
@@ -59,8 +59,8 @@ def test_replay_reports_the_gap_between_launches_and_the_timer_step():
     r = summarise_replay(launches)
     assert r["launches"] == 3 and r["gap_us"] == pytest.approx(2.5)      # gaps of 2 and 3 µs
     assert r["span_us"] == 10.0 and r["middle"]["first_start_ns"] == 12_000
-    assert timer_step_ns([np.array([[0, 32, 64, 1, 1], [0, 32, 96, 1, 1]])]) == 32
-    assert timer_step_ns([np.array([[0, 5, 5, 1, 1]])]) is None
+    assert timer_step_ns([np.array([[0, 32, 64, 0, 1, 1], [0, 32, 96, 0, 1, 1]])]) == 32
+    assert timer_step_ns([np.array([[0, 5, 5, 0, 1, 1]])]) is None
 
 
 def test_fixed_cost_is_the_intercept_of_program_time_against_tiles():

@@ -39,6 +39,13 @@ def test_double_buffered_decode_keeps_a_second_kv_tile_in_flight_during_the_math
     assert single["shared_bytes"] < decode["shared_bytes"]
 
 
+def test_a_128_register_cap_fits_four_single_buffered_programs_per_sm_without_spilling(sm90_report):
+    _, variants = sm90_report
+    for name in ("decode-1buf-128reg", "decode-1buf-timeline-128reg"):
+        assert variants[name]["registers"] <= 128 and variants[name]["local_bytes"] == 0, name
+        assert variants[name]["programs_per_sm"] == 4, name
+
+
 def test_no_variant_spills_and_each_fits_on_an_sm(sm90_report):
     _, variants = sm90_report
     for name, v in variants.items():
