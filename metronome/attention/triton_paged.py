@@ -72,7 +72,10 @@ PROGRAMS_PER_SM = 1
 # load behind the previous tile's math, which pays while a decode launch has few programs per SM. Past this
 # many, single-buffered programs (num_stages 2, ~40 KB) fit more per SM and hide the latency by their number:
 # measured on the H200, 7B decode at 64 sessions (1.9 programs per SM) 41.8 µs with 3 stages vs 47.2 with 2;
-# at 128 sessions (3.9 per SM) 93.1 vs 74.0; at 512, 281.0 vs 268.4.
+# at 128 sessions (3.9 per SM) 93.1 vs 74.0; at 512, 281.0 vs 268.4. Those are wave counts: with Triton 3.6 the
+# 3-stage kernel fits 3 programs per SM (shared memory) and the 2-stage one 4 (117 registers), so 128 sessions
+# run in one wave only single-buffered. Triton 3.9 gives the 2-stage kernel 141 registers, 3 per SM, unless
+# ``TritonPlan.max_registers`` caps them (bench/kernel_report_host.py; docs/benchmarks/gpu.md §1e).
 DOUBLE_BUFFERED_PROGRAMS_PER_SM = 2
 
 
