@@ -7,16 +7,18 @@ while the last programs finish, and uneven SMs. The probe (``paged_attention_tri
 makes every program record its SM, start and end (``%globaltimer``) and cycles; this script runs it and says
 how much of the launch each of those is.
 
-    PYTHONPATH=$PWD python3 bench/decode_timeline_gpu.py --sessions 64,256,512 --out results/decode_timeline.json
+    PYTHONPATH=$PWD python3 bench/decode_timeline_gpu.py --out results/decode_timeline.json
 
-Per N it measures, on ``bench/attention_gpu.py``'s inputs (session sets rotated past the L2, NaN-poisoned pool,
-every timed launch checked against fp32 SDPA first):
+Per N (64, 128, 256, 512 by default) it measures, on ``bench/attention_gpu.py``'s inputs (session sets rotated
+past the L2, NaN-poisoned pool; every configuration's output checked against fp32 SDPA first, and the run exits 1
+if one is off):
 
-* µs per call by CUDA-graph replay: as the engine launches it, with the register cap (``--max-registers``, 128:
-  ptxas otherwise gives the probed single-buffered variant 156 registers with Triton 3.6, 3 programs per SM
-  instead of 4; the cap's own cost is this A/B), and with the cap and the probe (the probe's cost; trust the
-  timeline where the last two agree);
-* from the probed replay of back-to-back launches (one per session set): each launch's span (first program
+* µs per call by CUDA-graph replay, median of ``--rounds`` interleaved rounds, for: the engine's launch; the same
+  with the single-buffered decode launch capped at ``--max-registers`` (128: ptxas otherwise gives the probed
+  variant 156 registers with Triton 3.6, 3 programs per SM instead of 4, and gives Triton 3.9's plain one 141);
+  capped with the probe (trust the timeline where these two agree); and the experimental warp-split kernel
+  (``bench/paged_attn_warp_split.py``, ``WARP_SPLIT`` configurations; ``--no-warp-split`` leaves it out);
+* from one replay of the probed launches back to back (one per session set): each launch's span (first program
   start to last program end), the gap between one launch's last end and the next one's first start, when
   the programs start (the waves), programs per SM, program durations, and how long the launch runs with
   fewer than 90 % of its peak programs resident (ramp-up plus ramp-down);
@@ -45,6 +47,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 FULL = 0.9       # "running full": at least this fraction of the launch's peak programs resident
+# (key groups, warps, stages) of the experimental warp-split decode kernel (bench/paged_attn_warp_split.py):
+# 4 warps with a group each (255 registers, 2 programs per SM), and 2 warps with a group each (194, 3 per SM).
+WARP_SPLIT = ((4, 4, 3), (2, 2, 3), (4, 4, 2))
+CHECK_REL = 2e-2  # bf16 output against fp32 SDPA: ‖error‖ / ‖ref‖ above this fails the run
 LATE_US = 2.0    # a program that starts this long after the launch's first one waited for a free slot
 
 
@@ -130,6 +136,9 @@ def parse_args(argv=None):
     p.add_argument("--max-registers", type=int, default=128, help="ptxas cap for the capped and probed runs")
     p.add_argument("--windows", default="128,384,640,1024", help="windows W for the fixed-cost fit at N = 64")
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds of every configuration")
+    p.add_argument("--no-warp-split", dest="warp_split", action="store_false",
+                   help="leave out the experimental warp-split kernel")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -144,7 +153,8 @@ def main(argv=None) -> int:
     import triton
 
     from bench.attention_gpu import MODELS, Shape, Timer, band_mask, build_sets, errors
-    from metronome.attention.triton_paged import paged_attention_triton
+    from bench.paged_attn_warp_split import paged_attention_warp_split
+    from metronome.attention.triton_paged import paged_attention_triton, plan_triton
 
     device = torch.device("cuda")
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -164,39 +174,63 @@ def main(argv=None) -> int:
         per_session = (sa.sinks + window + 1) * kv_heads * head_dim * 4
         n_sets = max(2, min(sa.max_sets, math.ceil(sa.rotate_mb * 2**20 / (per_session * n))))   # >= 2: gaps
         sets = build_sets(shape, n_sets, sa, device, torch.bfloat16, plan_kw)
-        mask = band_mask(1, sets.live_keys, sa.sinks, window, device)
         timelines = [[torch.full((ln.num_splits, ln.num_items, kv_heads, 6), -1, dtype=torch.int64, device=device)
                       for ln in plan.launches] for plan in sets.plans]
-
         capped = [dataclasses.replace(p, max_registers=args.max_registers) for p in sets.plans]
+        unsplit = [plan_triton(m, heads, kv_heads, **{**plan_kw, "force_splits": 1}) for m in sets.metas]
 
-        def call(s, probe, plans=capped):
-            return lambda: paged_attention_triton(sets.queries[s], sets.k_cache, sets.v_cache, sets.metas[s], scale,
-                                                  plans[s], out=sets.outs[s], timelines=timelines[s] if probe else None)
+        def engine(plans, probe=False):
+            return lambda s: lambda: paged_attention_triton(
+                sets.queries[s], sets.k_cache, sets.v_cache, sets.metas[s], scale, plans[s], out=sets.outs[s],
+                timelines=timelines[s] if probe else None)
+
+        def warp_split(groups, warps, stages):
+            return lambda s: lambda: paged_attention_warp_split(
+                sets.queries[s], sets.k_cache, sets.v_cache, sets.metas[s], unsplit[s], scale, out=sets.outs[s],
+                groups=groups, num_warps=warps, num_stages=stages)
+
+        configs = {"engine": engine(sets.plans), "capped": engine(capped), "probed": engine(capped, probe=True)}
+        for g, w, st in WARP_SPLIT if args.warp_split else ():
+            configs[f"warp-split g{g} w{w} s{st}"] = warp_split(g, w, st)
         row = {"sessions": n, "window": window, "n_sets": n_sets, "kv_bytes": sets.kv_bytes,
                "launches": [{"splits": ln.num_splits, "stages": ln.num_stages, "items": ln.num_items}
-                            for ln in sets.plans[0].launches]}
-        k = min(n, 64)   # the same check as attention_gpu.py, on the first 64 sessions, with the probe on
+                            for ln in sets.plans[0].launches], "checks": {}, "us": {}}
+        # Each configuration against fp32 SDPA with the explicit mask on the first 64 sessions of set 0.
+        k = min(n, 64)
         ref = torch.nn.functional.scaled_dot_product_attention(
-            sets.q_c[0][:k].float(), sets.k_c[0][:k].float(), sets.v_c[0][:k].float(), attn_mask=mask,
-            scale=scale, enable_gqa=True)
-        sets.outs[0].fill_(float("nan"))
-        call(0, True)()
-        row["check"] = errors(sets.outs[0].view(n, 1, heads, head_dim).transpose(1, 2)[:k], ref)
-        plain = timer.graph([call(s, False, sets.plans) for s in range(n_sets)])
-        cap = timer.graph([call(s, False) for s in range(n_sets)])
-        probed = timer.graph([call(s, True) for s in range(n_sets)])   # its last replay fills the timelines
-        if None in (plain, cap, probed):
-            raise RuntimeError("CUDA graph capture failed (printed above): the timeline needs back-to-back replays")
-        row["plain_us"], row["capped_us"], row["probed_us"] = plain * 1e6, cap * 1e6, probed * 1e6
+            sets.q_c[0][:k].float(), sets.k_c[0][:k].float(), sets.v_c[0][:k].float(),
+            attn_mask=band_mask(1, sets.live_keys, sa.sinks, window, device), scale=scale, enable_gqa=True)
+        for name, make in configs.items():
+            sets.outs[0].fill_(float("nan"))
+            make(0)()
+            row["checks"][name] = errors(sets.outs[0].view(n, 1, heads, head_dim).transpose(1, 2)[:k], ref)
+        # Interleaved rounds: no configuration always runs first (the first timed one read slowest).
+        samples: dict[str, list[float]] = {name: [] for name in configs}
+        for _ in range(args.rounds):
+            for name, make in configs.items():
+                t = timer.graph([make(s) for s in range(n_sets)])
+                if t is None:
+                    raise RuntimeError(f"CUDA graph capture failed for {name} (printed above)")
+                samples[name].append(t * 1e6)
+        row["us"] = {name: float(np.median(v)) for name, v in samples.items()}
+        row["us_rounds"] = samples
+        # The timeline: one replay of the probed launches back to back, into rows reset to -1 first.
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for s in range(n_sets):
+                configs["probed"](s)()
+        for per_set in timelines:
+            for t in per_set:
+                t.fill_(-1)
+        graph.replay()
         torch.cuda.synchronize()
         launches = [t.view(-1, 6).cpu().numpy() for per_set in timelines for t in per_set]
         if any((r[:, 0] < 0).any() for r in launches):
             raise RuntimeError("a program left its timeline row unwritten")
         row["timeline"] = summarise_replay(launches)
         row["timeline"].pop("each")
-        row["bytes_per_s"] = sets.kv_bytes / (row["plain_us"] * 1e-6)
-        del sets, timelines, capped
+        row["bytes_per_s"] = sets.kv_bytes / (row["us"]["engine"] * 1e-6)
+        del sets, timelines, capped, unsplit, configs, graph
         torch.cuda.empty_cache()
         return row
 
@@ -216,22 +250,31 @@ def main(argv=None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
 
-    print(f"\n{out['device']}, {args.model} decode, S = 16, W = 1024; µs; timer step "
-          f"{out['cases'][0]['timeline']['timer_step_ns']} ns")
-    head = (f"{'N':>4} {'W':>5} {'plain':>7} {'capped':>7} {'probed':>7} {'span':>6} {'gap':>5} {'<90%':>6} {'late':>5} "
-            f"{'start p90':>9} {'prog p10/50/90':>16} {'per SM':>14} {'GHz':>5}")
-    print(head)
+    names = list(out["cases"][0]["us"])
+    print(f"\n{out['device']}, {args.model} decode, S = 16; µs per call (median of {args.rounds} interleaved "
+          f"rounds of CUDA-graph replays)")
+    print(f"{'N':>4} {'W':>5} " + " ".join(f"{name:>20}" for name in names))
+    for c in out["cases"]:
+        print(f"{c['sessions']:>4} {c['window']:>5} " + " ".join(f"{c['us'][name]:20.1f}" for name in names))
+    print(f"\ntimeline of the probed launches (µs); timer step {out['cases'][0]['timeline']['timer_step_ns']} ns")
+    print(f"{'N':>4} {'W':>5} {'span':>6} {'gap':>5} {'<90%':>6} {'late':>5} {'start p90':>9} {'prog p10/50/90':>16} "
+          f"{'per SM':>16} {'GHz':>5}")
     for c in out["cases"]:
         t, f = c["timeline"], c["timeline"]["middle"]
         prog = "/".join(f"{f['program_us'][q]:.1f}" for q in (10, 50, 90))
         per_sm = ",".join(f"{k}x{v}" for k, v in f["programs_per_sm"].items())
-        print(f"{c['sessions']:>4} {c['window']:>5} {c['plain_us']:7.1f} {c['capped_us']:7.1f} {c['probed_us']:7.1f} {t['span_us']:6.1f} "
-              f"{t['gap_us'] if t['gap_us'] is not None else float('nan'):5.1f} {t['below_full_us']:6.1f} "
-              f"{t['late_programs']:5.0f} {f['start_offsets_us'][90]:9.2f} {prog:>16} {per_sm:>14} "
+        gap = t["gap_us"] if t["gap_us"] is not None else float("nan")
+        print(f"{c['sessions']:>4} {c['window']:>5} {t['span_us']:6.1f} {gap:5.1f} {t['below_full_us']:6.1f} "
+              f"{t['late_programs']:5.0f} {f['start_offsets_us'][90]:9.2f} {prog:>16} {per_sm:>16} "
               f"{f['clock_ghz'] or 0:5.2f}")
     if "n64_fixed_cost" in out:
         fc = out["n64_fixed_cost"]
         print(f"N = 64: program µs = {fc['fixed_us']:.2f} + {fc['per_tile_us']:.3f} x tiles")
+    failed = [(c["sessions"], c["window"], name) for c in out["cases"] for name, e in c["checks"].items()
+              if not e["finite"] or e["rel"] > CHECK_REL]
+    if failed:
+        print(f"CHECK FAILED (output against fp32 SDPA): {failed}", file=sys.stderr)
+        return 1
     return 0
 
 

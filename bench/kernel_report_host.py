@@ -2,7 +2,7 @@
 
 Compiles ``_paged_attn_fwd`` ahead of time for a CUDA target (default sm_90, the H200) with the specialisation
 an engine launch gets at a model's shape, and reports for each launch variant the compiler's resource report
-(shared memory, registers, local memory), how many K/V tiles the software pipeliner keeps buffered and how
+(shared memory, registers, spills), how many K/V tiles the software pipeliner keeps buffered and how
 many it leaves in flight during a tile's math, the main loop's size in SASS, and from those how many programs
 fit on one SM, so how many waves a decode launch of N sessions takes under the engine's launch rule. No device
 time: Triton's wheel carries ptxas and cuobjdump.
@@ -89,7 +89,8 @@ class Report:
     shared_bytes: int            # dynamic shared memory Triton asks for at launch
     static_shared_bytes: int
     registers: int
-    local_bytes: int             # > 0: registers spilled to local memory
+    stack_bytes: int             # > 0: ptxas spilled registers (to the stack frame, in local memory)
+    spill_instructions: int      # STL / LDL in the whole kernel's SASS
     kv_buffers: list[int]        # leading dimension of each mutable shared-memory K/V buffer
     loop_wait_groups: list[int]  # ``num`` of the async_wait in the main loop (groups left in flight)
     loop_instructions: int       # SASS instructions in the main (tile) loop's body
@@ -160,7 +161,8 @@ def compile_variant(v: Variant, *, heads: int, kv_heads: int, head_dim: int, blo
 
 
 def resource_usage(cubin: bytes, workdir: Path) -> dict[str, int]:
-    """``cuobjdump -res-usage`` of the kernel: REG, SHARED (static), LOCAL, STACK."""
+    """``cuobjdump -res-usage`` of the kernel: REG, SHARED (static), LOCAL, STACK (spilled registers live in the
+    stack frame, not under LOCAL)."""
     path = workdir / "kernel.cubin"
     path.write_bytes(cubin)
     text = subprocess.run([_nvidia_tool("cuobjdump"), "-res-usage", str(path)], check=True, capture_output=True,
@@ -169,12 +171,20 @@ def resource_usage(cubin: bytes, workdir: Path) -> dict[str, int]:
     return {k: int(v) for k, v in re.findall(r"(\w+):(\d+)", line)}
 
 
-def main_loop(cubin: bytes, workdir: Path) -> tuple[int, dict[str, int]]:
-    """Size and opcode counts of the SASS loop holding the tensor-core instructions (the tile loop)."""
+def disassemble(cubin: bytes, workdir: Path) -> list[str]:
     path = workdir / "kernel.cubin"
     path.write_bytes(cubin)
-    sass = subprocess.run([_nvidia_tool("nvdisasm"), "-c", str(path)], check=True, capture_output=True,
+    return subprocess.run([_nvidia_tool("nvdisasm"), "-c", str(path)], check=True, capture_output=True,
                           text=True).stdout.splitlines()
+
+
+def opcode(line: str) -> str | None:
+    m = re.match(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9_]*)", line)
+    return m.group(1) if m else None
+
+
+def main_loop(sass: list[str]) -> tuple[int, dict[str, int]]:
+    """Size and opcode counts of the SASS loop holding the tensor-core instructions (the tile loop)."""
     labels = {m.group(1): i for i, ln in enumerate(sass) if (m := re.match(r"^(\.L_x_\d+):", ln))}
     best: list[str] = []
     for i, ln in enumerate(sass):
@@ -185,9 +195,8 @@ def main_loop(cubin: bytes, workdir: Path) -> tuple[int, dict[str, int]]:
                 best = body
     opcodes: dict[str, int] = {}
     for ln in best:
-        m = re.match(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9_]*)", ln)
-        if m:
-            opcodes[m.group(1)] = opcodes.get(m.group(1), 0) + 1
+        if op := opcode(ln):
+            opcodes[op] = opcodes.get(op, 0) + 1
     return sum(opcodes.values()), dict(sorted(opcodes.items(), key=lambda kv: -kv[1]))
 
 
@@ -206,10 +215,12 @@ def report(v: Variant, workdir: Path, **shape) -> Report:
     loop = ttgir[ttgir.index("scf.for"):] if "scf.for" in ttgir else ""
     waits = [int(n) for n in re.findall(r"ttg\.async_wait [^{]*\{num = (\d+)", loop.split("scf.yield")[0])]
     res = resource_usage(kernel.asm["cubin"], workdir)
-    instructions, opcodes = main_loop(kernel.asm["cubin"], workdir)
+    sass = disassemble(kernel.asm["cubin"], workdir)
+    instructions, opcodes = main_loop(sass)
+    spills = sum(opcode(ln) in ("STL", "LDL") for ln in sass)
     shared = int(kernel.metadata.shared)
     return Report(v.name, v.block_m, v.num_stages, v.split, v.num_warps, shared, res.get("SHARED", 0),
-                  res["REG"], res.get("LOCAL", 0), buffers, waits, instructions, opcodes,
+                  res["REG"], res.get("STACK", 0), spills, buffers, waits, instructions, opcodes,
                   programs_per_sm(shared, res.get("SHARED", 0), res["REG"], v.num_warps))
 
 
@@ -266,13 +277,13 @@ def main(argv=None) -> int:
                          sinks=args.sinks, window=args.window, block_n=64, num_sms=args.num_sms)
     print(f"\nTriton {triton.__version__}, sm_{args.arch}, {args.model} {heads}/{kv_heads}x{head_dim}, "
           f"S = {args.sinks}, W = {args.window}")
-    print(f"{'variant':<28} {'BLOCK_M':>7} {'stages':>6} {'smem KB':>8} {'regs':>5} {'local':>6} "
+    print(f"{'variant':<28} {'BLOCK_M':>7} {'stages':>6} {'smem KB':>8} {'regs':>5} {'spill B':>7} "
           f"{'K/V bufs':>9} {'in flight':>10} {'loop instrs':>12} {'per SM':>7}")
     for r in reports.values():
         bufs = "/".join(map(str, r.kv_buffers)) or "-"
         waits = "/".join(map(str, r.loop_wait_groups)) or "-"
         print(f"{r.variant:<28} {r.block_m:>7} {r.num_stages:>6} {r.shared_bytes / 1024:>8.1f} {r.registers:>5} "
-              f"{r.local_bytes:>6} {bufs:>9} {waits:>10} {r.loop_instructions:>12} {r.programs_per_sm:>7}")
+              f"{r.stack_bytes:>7} {bufs:>9} {waits:>10} {r.loop_instructions:>12} {r.programs_per_sm:>7}")
     print(f"\n{'N':<5} {'programs':>8} {'splits':>7} {'stages':>7} {'per SM fit':>11} {'waves':>6}")
     for w in waves:
         print(f"{w['sessions']:<5} {w['programs']:>8} {w['splits']:>7} {w['stages']:>7} "

@@ -238,6 +238,7 @@ def _paged_attn_fwd(
         tl.store(O + (q_row0 + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  out.to(O.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
     if TIMELINE:
+        tl.debug_barrier()   # every warp's stores issued: the end stamp covers the whole program
         _record_end(timeline_row, tl.maximum(hi - lo, 0))
 
 
@@ -302,6 +303,7 @@ class TritonLaunch:
     max_tiles: int
     workspace: dict = field(default_factory=dict)   # (dtype-independent) split partials, per head_dim
     num_stages: int = 3                              # software-pipeline depth (choose_stages)
+    decode: bool = False                             # the launch of query tiles that fit a decode program
 
 
 @dataclass
@@ -313,9 +315,10 @@ class TritonPlan:
     launches: list[TritonLaunch]
     num_warps: int | None = None    # None: 4 (8 for BLOCK_M > 64)
     num_stages: int | None = None   # None: each launch's own (2 for head_dim > 128)
-    # ptxas register cap per thread (None: ptxas chooses). 128 lets 4 programs of 4 warps share an SM, which
-    # the single-buffered decode launch needs for its occupancy where ptxas would take more (141 with Triton
-    # 3.9 against 117 with 3.6; bench/kernel_report_host.py).
+    # ptxas register cap per thread for the single-buffered decode launch (None: ptxas chooses). 128 lets 4
+    # programs of 4 warps share an SM, the occupancy that launch is chosen for, where ptxas may take more (141
+    # with Triton 3.9 against 117 with 3.6; bench/kernel_report_host.py). Prefill and double-buffered launches
+    # are not capped: their occupancy is set by shared memory, and a cap only makes them spill.
     max_registers: int | None = None
 
 
@@ -394,7 +397,8 @@ def plan_triton(meta: PagedAttentionMetadata, num_heads: int, num_kv_heads: int,
             splits = choose_splits(len(items) * num_kv_heads, tiles[bm], target_programs=target,
                                    max_splits=max_splits, min_tiles_per_split=min_tiles_per_split)
         stages = choose_stages(len(items) * num_kv_heads * splits, num_sms, decode=bm == bm_small)
-        launches.append(TritonLaunch(bm, _to_device(items, device), len(items), splits, tiles[bm], num_stages=stages))
+        launches.append(TritonLaunch(bm, _to_device(items, device), len(items), splits, tiles[bm], num_stages=stages,
+                                     decode=bm == bm_small))
     return TritonPlan(meta, num_heads, num_kv_heads, block_n, launches, num_warps, num_stages)
 
 
@@ -410,7 +414,12 @@ def _launch_config(plan: TritonPlan, launch: TritonLaunch, head_dim: int, is_cud
         return {}
     return {"num_warps": plan.num_warps or (4 if launch.block_m <= 64 else 8),
             "num_stages": launch_stages(plan, launch, head_dim),
-            **({"maxnreg": plan.max_registers} if plan.max_registers else {})}
+            **({"maxnreg": plan.max_registers} if plan.max_registers and _single_buffered_decode(
+                plan, launch, head_dim) else {})}
+
+
+def _single_buffered_decode(plan: TritonPlan, launch: TritonLaunch, head_dim: int) -> bool:
+    return launch.decode and launch_stages(plan, launch, head_dim) == 2
 
 
 def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -453,8 +462,8 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         if interp:
             raise ValueError("launch timelines read GPU clocks: they need compiled kernels on a CUDA device")
         if len(timelines) != len(plan.launches) or any(
-                t.dtype != torch.int64 or t.numel() != ln.num_splits * ln.num_items * kv_heads * 6
-                for t, ln in zip(timelines, plan.launches)):
+                t.dtype != torch.int64 or t.shape != (ln.num_splits, ln.num_items, kv_heads, 6)
+                or not t.is_contiguous() for t, ln in zip(timelines, plan.launches)):
             raise ValueError("timelines: one int64 [splits, items, KV heads, 6] tensor per launch of the plan")
     for i, ln in enumerate(plan.launches):
         split = ln.num_splits > 1

@@ -224,7 +224,7 @@ def test_launch_timelines_record_every_program_and_leave_the_output_unchanged():
     seqs, sinks, window = [(1100, 1)] * 5 + [(300, 1), (41, 41), (260, 50)], 16, 64
     meta, query, k_cache, v_cache, dense = _case(seqs, sinks, window, 16, heads=8, kv_heads=2,
                                                  dtype=torch.bfloat16, seed=4)
-    plan = plan_triton(meta, 8, 2, num_sms=8, block_n=16)      # few SMs: the decode launch splits
+    plan = plan_triton(meta, 8, 2, num_sms=32, block_n=16)     # 12 and 14 programs for 32 SMs: both launches split
     assert any(ln.num_splits > 1 for ln in plan.launches)
     plain = torch.full_like(query, float("nan"))
     paged_attention_triton(query, k_cache, v_cache, meta, plan=plan, out=plain)
