@@ -318,12 +318,30 @@ def errors(out, ref) -> dict:
             "finite": True}
 
 
+def engine_plan_kw(shape: Shape, plan_kw: dict, args, device, dtype) -> dict:
+    """``plan_kw`` with the register cap the engine's start-up warm-up settles for this shape
+    (``TritonPagedAttention.warm_up``) unless one was given; on the CPU, unchanged."""
+    import torch
+
+    from metronome.attention.triton_paged import TritonPagedAttention
+
+    if device.type != "cuda" or plan_kw.get("max_registers") is not None:
+        return plan_kw
+    attention = TritonPagedAttention(shape.heads, num_kv_heads=shape.kv_heads, **plan_kw)
+    scratch = [torch.zeros((2, args.block_size, shape.kv_heads, shape.head_dim), dtype=dtype, device=device)
+               for _ in range(2)]
+    attention.warm_up(*scratch, block_size=args.block_size, sinks=args.sinks, window=args.window,
+                      sink_blocks=-(-args.sinks // args.block_size), block=1, dtype=dtype)
+    return {**plan_kw, "max_registers": attention.options["max_registers"]}
+
+
 def run_shape(shape: Shape, args, device, dtype, timer: Timer, plan_kw, flex_state, sdpa_ok) -> dict:
     import torch
     import torch.nn.functional as F
 
     from metronome.attention.triton_paged import paged_attention_triton
 
+    plan_kw = engine_plan_kw(shape, plan_kw, args, device, dtype)
     per_session_kv = (args.sinks + args.window + shape.q) * shape.kv_heads * shape.head_dim * 4
     n_sets = max(1, min(args.max_sets, math.ceil(args.rotate_mb * 2**20 / (per_session_kv * shape.n))))
     sets = build_sets(shape, n_sets, args, device, dtype, plan_kw)
@@ -332,7 +350,8 @@ def run_shape(shape: Shape, args, device, dtype, timer: Timer, plan_kw, flex_sta
            "mode": shape.mode, "q": shape.q, "n": shape.n, "n_sets": n_sets, "live_keys": sets.live_keys,
            "kv_bytes": sets.kv_bytes, "qo_bytes": sets.qo_bytes,
            "launches": [{"block_m": ln.block_m, "items": ln.num_items, "splits": ln.num_splits,
-                         "max_tiles": ln.max_tiles} for ln in sets.plans[0].launches]}
+                         "max_tiles": ln.max_tiles, "stages": ln.num_stages} for ln in sets.plans[0].launches],
+           "max_registers": plan_kw.get("max_registers")}
 
     def triton_call(s, plans):
         return lambda: paged_attention_triton(sets.queries[s], sets.k_cache, sets.v_cache, sets.metas[s],

@@ -13,10 +13,11 @@ Per N (64, 128, 256, 512 by default) it measures, on ``bench/attention_gpu.py``'
 past the L2, NaN-poisoned pool; every configuration's output checked against fp32 SDPA first, and the run exits 1
 if one is off):
 
-* µs per call by CUDA-graph replay, median of ``--rounds`` interleaved rounds, for: the engine's launch; the same
-  with the single-buffered decode launch capped at ``--max-registers`` (128: ptxas otherwise gives the probed
-  variant 156 registers with Triton 3.6, 3 programs per SM instead of 4, and gives Triton 3.9's plain one 141);
-  capped with the probe (trust the timeline where these two agree); and the experimental warp-split kernel
+* µs per call by CUDA-graph replay, median of ``--rounds`` interleaved rounds, for: the engine's launch (with the
+  register cap its warm-up settles for the shape, ``TritonPagedAttention.warm_up``); the same uncapped, and with
+  the single-buffered decode launch capped at ``--max-registers`` (128: ptxas otherwise gives the probed variant
+  156 registers with Triton 3.6, 3 programs per SM instead of 4); capped with the probe (trust the timeline
+  where these two agree); and the experimental warp-split kernel
   (``bench/paged_attn_warp_split.py``, ``WARP_SPLIT`` configurations; ``--no-warp-split`` leaves it out);
 * from one replay of the probed launches back to back (one per session set): each launch's span (first program
   start to last program end), the gap between one launch's last end and the next one's first start, when
@@ -152,7 +153,7 @@ def main(argv=None) -> int:
         return 2
     import triton
 
-    from bench.attention_gpu import MODELS, Shape, Timer, band_mask, build_sets, errors
+    from bench.attention_gpu import MODELS, Shape, Timer, band_mask, build_sets, engine_plan_kw, errors
     from bench.paged_attn_warp_split import paged_attention_warp_split
     from metronome.attention.triton_paged import paged_attention_triton, plan_triton
 
@@ -173,10 +174,12 @@ def main(argv=None) -> int:
         shape = Shape(args.model, heads, kv_heads, head_dim, "decode", 1, n)
         per_session = (sa.sinks + window + 1) * kv_heads * head_dim * 4
         n_sets = max(2, min(sa.max_sets, math.ceil(sa.rotate_mb * 2**20 / (per_session * n))))   # >= 2: gaps
-        sets = build_sets(shape, n_sets, sa, device, torch.bfloat16, plan_kw)
+        kw = engine_plan_kw(shape, plan_kw, sa, device, torch.bfloat16)   # the engine's register cap, if any
+        sets = build_sets(shape, n_sets, sa, device, torch.bfloat16, kw)
         timelines = [[torch.full((ln.num_splits, ln.num_items, kv_heads, 6), -1, dtype=torch.int64, device=device)
                       for ln in plan.launches] for plan in sets.plans]
         capped = [dataclasses.replace(p, max_registers=args.max_registers) for p in sets.plans]
+        uncapped = [dataclasses.replace(p, max_registers=None) for p in sets.plans]
         unsplit = [plan_triton(m, heads, kv_heads, **{**plan_kw, "force_splits": 1}) for m in sets.metas]
 
         def engine(plans, probe=False):
@@ -189,10 +192,12 @@ def main(argv=None) -> int:
                 sets.queries[s], sets.k_cache, sets.v_cache, sets.metas[s], unsplit[s], scale, out=sets.outs[s],
                 groups=groups, num_warps=warps, num_stages=stages)
 
-        configs = {"engine": engine(sets.plans), "capped": engine(capped), "probed": engine(capped, probe=True)}
+        configs = {"engine": engine(sets.plans), "uncapped": engine(uncapped), "capped": engine(capped),
+                   "probed": engine(capped, probe=True)}
         for g, w, st in WARP_SPLIT if args.warp_split else ():
             configs[f"warp-split g{g} w{w} s{st}"] = warp_split(g, w, st)
         row = {"sessions": n, "window": window, "n_sets": n_sets, "kv_bytes": sets.kv_bytes,
+               "engine_max_registers": kw.get("max_registers"),
                "launches": [{"splits": ln.num_splits, "stages": ln.num_stages, "items": ln.num_items}
                             for ln in sets.plans[0].launches], "checks": {}, "us": {}}
         # Each configuration against fp32 SDPA with the explicit mask on the first 64 sessions of set 0.
@@ -230,7 +235,7 @@ def main(argv=None) -> int:
         row["timeline"] = summarise_replay(launches)
         row["timeline"].pop("each")
         row["bytes_per_s"] = sets.kv_bytes / (row["us"]["engine"] * 1e-6)
-        del sets, timelines, capped, unsplit, configs, graph
+        del sets, timelines, capped, uncapped, unsplit, configs, graph
         torch.cuda.empty_cache()
         return row
 

@@ -77,6 +77,12 @@ PROGRAMS_PER_SM = 1
 # run in one wave only single-buffered. Triton 3.9 gives the 2-stage kernel 141 registers, 3 per SM, unless
 # ``TritonPlan.max_registers`` caps them (bench/kernel_report_host.py; docs/benchmarks/gpu.md §1e).
 DOUBLE_BUFFERED_PROGRAMS_PER_SM = 2
+# Single-buffered decode programs are chosen for their number per SM: 4 of 4 warps fit in 64 K registers only at
+# <= 128 registers a thread. Where ptxas takes more (150 for the Qwen3-30B-A3B 32/4 shape with Triton 3.6, 141
+# for 28/4 with 3.9) only 3 fit, and 128 sessions need two waves: measured on the H200, 32/4 decode at 128
+# sessions 95.3 µs uncapped against 74.7 capped at 128 (256: 156.9 vs 141.6; 512: 300.5 vs 273.1). Where ptxas
+# stays under it (117 for 28/4 with 3.6) a cap only adds spills: 74.6 vs 76.9 µs (docs/benchmarks/gpu.md §1e).
+SINGLE_BUFFERED_MAX_REGISTERS = 128
 
 
 def _next_pow2(x: int) -> int:
@@ -315,10 +321,9 @@ class TritonPlan:
     launches: list[TritonLaunch]
     num_warps: int | None = None    # None: 4 (8 for BLOCK_M > 64)
     num_stages: int | None = None   # None: each launch's own (2 for head_dim > 128)
-    # ptxas register cap per thread for the single-buffered decode launch (None: ptxas chooses). 128 lets 4
-    # programs of 4 warps share an SM, the occupancy that launch is chosen for, where ptxas may take more (141
-    # with Triton 3.9 against 117 with 3.6; bench/kernel_report_host.py). Prefill and double-buffered launches
-    # are not capped: their occupancy is set by shared memory, and a cap only makes them spill.
+    # ptxas register cap per thread for the single-buffered decode launch (None: ptxas chooses); see
+    # SINGLE_BUFFERED_MAX_REGISTERS, and TritonPagedAttention.warm_up, which sets it where it pays. Prefill and
+    # double-buffered launches are never capped: shared memory sets their occupancy, and a cap only spills.
     max_registers: int | None = None
 
 
@@ -366,7 +371,7 @@ def plan_triton(meta: PagedAttentionMetadata, num_heads: int, num_kv_heads: int,
                 min_tiles_per_split: int = MIN_TILES_PER_SPLIT, force_splits: int | None = None,
                 decode_block_m: int = DECODE_BLOCK_M, prefill_block_m: int = PREFILL_BLOCK_M,
                 block_n: int = BLOCK_N, num_warps: int | None = None,
-                num_stages: int | None = None) -> TritonPlan:
+                num_stages: int | None = None, max_registers: int | None = None) -> TritonPlan:
     """Launch plan of one forward, from the metadata's host lists (shared by every layer)."""
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
@@ -399,7 +404,7 @@ def plan_triton(meta: PagedAttentionMetadata, num_heads: int, num_kv_heads: int,
         stages = choose_stages(len(items) * num_kv_heads * splits, num_sms, decode=bm == bm_small)
         launches.append(TritonLaunch(bm, _to_device(items, device), len(items), splits, tiles[bm], num_stages=stages,
                                      decode=bm == bm_small))
-    return TritonPlan(meta, num_heads, num_kv_heads, block_n, launches, num_warps, num_stages)
+    return TritonPlan(meta, num_heads, num_kv_heads, block_n, launches, num_warps, num_stages, max_registers)
 
 
 # ----------------------------------------------------------------------------------------------- launch
@@ -425,13 +430,14 @@ def _single_buffered_decode(plan: TritonPlan, launch: TritonLaunch, head_dim: in
 def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: PagedAttentionMetadata, scale: float | None = None,
                            plan: TritonPlan | None = None, out: torch.Tensor | None = None,
-                           timelines: list[torch.Tensor] | None = None) -> torch.Tensor:
+                           timelines: list[torch.Tensor] | None = None, kernels: list | None = None) -> torch.Tensor:
     """Attention of ``query`` [T, H, D] over the paged cache; returns [T, H, D] in ``query.dtype``.
 
     ``timelines`` (CUDA only, for benchmarks): one int64 tensor per launch of the plan, ``[splits, items,
     KV heads, 6]``, that each program fills with its SM, start and end (``%globaltimer`` ns), start and end
     clock (its SM's cycles) and tiles read (``bench/decode_timeline_gpu.py``). Without it the probe is compiled
-    out."""
+    out. ``kernels``: each launch's compiled forward kernel is appended to it (its ``n_regs`` once launched on a
+    GPU; ``None`` under the interpreter)."""
     t, heads, head_dim = query.shape
     kv_heads = k_cache.shape[2]
     if plan is None:
@@ -481,7 +487,7 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
             lse_p = o_p = out  # unused
         cfg = _launch_config(plan, ln, head_dim, query.is_cuda)
         times = timelines[i] if timelines is not None else ln.items  # unused without a timeline
-        _paged_attn_fwd[(ln.num_items, kv_heads, ln.num_splits)](
+        kernel = _paged_attn_fwd[(ln.num_items, kv_heads, ln.num_splits)](
             query, k_cache, v_cache, out, tables, meta.window_first, ln.items, lse_p, o_p, times,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -489,6 +495,8 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
             tables.stride(0),
             qk_scale, meta.sinks, window, meta.sink_blocks, ln.num_splits,
             BLOCK_M=ln.block_m, SPLIT=split, TIMELINE=timelines is not None, **common, **cfg)
+        if kernels is not None:
+            kernels.append(kernel)
         if split:
             _paged_attn_combine[(ln.num_items, kv_heads)](
                 out, ln.items, lse_p, o_p, out.stride(0), out.stride(1), ln.num_splits,
@@ -510,7 +518,7 @@ class TritonPagedAttention:
                  num_sms: int | None = None, target_programs: int | None = None, max_splits: int = MAX_SPLITS,
                  force_splits: int | None = None, decode_block_m: int = DECODE_BLOCK_M,
                  prefill_block_m: int = PREFILL_BLOCK_M, block_n: int = BLOCK_N, num_warps: int | None = None,
-                 num_stages: int | None = None) -> None:
+                 num_stages: int | None = None, max_registers: int | None = None) -> None:
         self.num_heads = num_heads
         self.scale = scale
         self.num_kv_heads = num_kv_heads
@@ -520,7 +528,7 @@ class TritonPagedAttention:
         self.options = dict(num_sms=num_sms, target_programs=target_programs, max_splits=max_splits,
                             force_splits=force_splits, decode_block_m=decode_block_m,
                             prefill_block_m=prefill_block_m, block_n=block_n, num_warps=num_warps,
-                            num_stages=num_stages)
+                            num_stages=num_stages, max_registers=max_registers)
 
     def _plan(self, meta: PagedAttentionMetadata, num_kv_heads: int) -> TritonPlan:
         return plan_triton(meta, self.num_heads, num_kv_heads, **self.options)
@@ -542,6 +550,10 @@ class TritonPagedAttention:
         Attends over cache block ``block`` only (the runner's scratch block) and writes nothing to the
         caches. Returns the ``(BLOCK_M, split, num_stages)`` triples launched, e.g. ``{(16, False, 3),
         (16, True, 3), (16, False, 2), (64, False, 3), (64, True, 3)}``.
+
+        On a GPU it also settles the single-buffered decode launch's register cap, unless one was given: where
+        ptxas compiled that kernel past ``SINGLE_BUFFERED_MAX_REGISTERS``, ``options["max_registers"]`` caps it
+        there (and the capped kernel is compiled too), so plans made after this keep 4 programs per SM.
         """
         kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         g = self.num_heads // kv_heads
@@ -565,9 +577,16 @@ class TritonPagedAttention:
                 plan = plan_triton(meta, self.num_heads, kv_heads, **{**self.options, "force_splits": splits})
                 if stages is not None:
                     plan.launches = [dataclasses.replace(ln, num_stages=stages) for ln in plan.launches]
-                paged_attention_triton(query, k_cache, v_cache, meta, self.scale, plan)
+                kernels: list = []
+                paged_attention_triton(query, k_cache, v_cache, meta, self.scale, plan, kernels=kernels)
                 launched.update((ln.block_m, ln.num_splits > 1, launch_stages(plan, ln, head_dim))
                                 for ln in plan.launches)
+                registers = getattr(kernels[0], "n_regs", None) if kernels else None
+                if (stages == 2 and self.options["max_registers"] is None and registers is not None
+                        and registers > SINGLE_BUFFERED_MAX_REGISTERS):
+                    self.options["max_registers"] = SINGLE_BUFFERED_MAX_REGISTERS
+                    plan.max_registers = SINGLE_BUFFERED_MAX_REGISTERS
+                    paged_attention_triton(query, k_cache, v_cache, meta, self.scale, plan)
         return launched
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -104,9 +104,11 @@ class DecodeGraphs:
                 num_sms = attention.options["num_sms"]
                 splits = choose_splits(batch * spec.num_kv_heads, full_tiles, target_programs=PROGRAMS_PER_SM * num_sms)
                 stages = choose_stages(batch * spec.num_kv_heads * splits, num_sms, decode=True)
-                launch = TritonLaunch(block_m, self.items[:batch], batch, splits, full_tiles, num_stages=stages)
+                launch = TritonLaunch(block_m, self.items[:batch], batch, splits, full_tiles, num_stages=stages,
+                                      decode=True)
                 plan = TritonPlan(meta, spec.num_heads, spec.num_kv_heads, attention.options["block_n"], [launch],
-                                  attention.options["num_warps"], attention.options["num_stages"])
+                                  attention.options["num_warps"], attention.options["num_stages"],
+                                  attention.options["max_registers"])
                 self._pad(0, batch)
                 self.embeds[:batch] = runner.model.embed(self.input_ids[:batch])
                 forward = self._forward_fn(batch, plan)

@@ -20,7 +20,8 @@ pytest.importorskip("triton")
 
 from metronome.attention.reference import paged_attention_reference, plan_reference  # noqa: E402
 from metronome.attention.triton_paged import (  # noqa: E402
-    TritonPagedAttention, choose_splits, choose_stages, launch_stages, live_tiles, paged_attention_triton, plan_triton)
+    SINGLE_BUFFERED_MAX_REGISTERS, TritonPagedAttention, choose_splits, choose_stages, launch_stages, live_tiles,
+    paged_attention_triton, plan_triton)
 from tests.attention.test_reference import CASES, build_case, dense_oracle  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -184,6 +185,8 @@ def test_warm_up_launches_every_variant_a_plan_can_use_and_leaves_the_caches_alo
                                  sink_blocks=-(-sinks // bs), block=num_blocks, dtype=torch.float32)
     assert {split for _, split, _ in launched} == {False, True} and len({bm for bm, _, _ in launched}) == 2
     assert {stages for _, _, stages in launched} == {2, 3}
+    if DEVICE == "cpu":   # the interpreter compiles nothing, so no register count can ask for a cap
+        assert attention.options["max_registers"] is None
     for a, b in zip(before, (k_cache, v_cache)):
         assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
     # Whatever a forward's batch looks like, its launches are variants the warm-up compiled.
@@ -244,3 +247,30 @@ def test_launch_timelines_record_every_program_and_leave_the_output_unchanged():
         assert tiles.tolist() == [[n, n] for n in per_item]
     with pytest.raises(ValueError, match="one int64"):
         paged_attention_triton(query, k_cache, v_cache, meta, plan=plan, timelines=timelines[:1])
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device (compiled register counts)")
+def test_warm_up_caps_single_buffered_decode_registers_only_where_ptxas_takes_more():
+    """Qwen3-30B-A3B's 32/4 x 128 decode: ptxas gives the single-buffered kernel 150 registers with Triton 3.6
+    (3 programs per SM where the launch rule wants 4). After the warm-up, plans cap it, and the output stays
+    the function it was."""
+    heads, kv_heads, head_dim, bs = 32, 4, 128, 16
+    scratch = [torch.randn((4, bs, kv_heads, head_dim), device=DEVICE, dtype=torch.bfloat16) for _ in range(2)]
+    attention = TritonPagedAttention(heads, num_kv_heads=kv_heads)
+    attention.warm_up(*scratch, block_size=bs, sinks=16, window=1024, sink_blocks=1, block=3, dtype=torch.bfloat16)
+    seqs = [(1100, 1)] * 70                                 # 280 programs, over 2 per SM: single-buffered
+    meta, query, k_cache, v_cache, dense = _case(seqs, 16, 1024, bs, heads=heads, kv_heads=kv_heads,
+                                                 head_dim=head_dim, dtype=torch.bfloat16, seed=6)
+    plan = attention._plan(meta, kv_heads)
+    assert [(ln.decode, ln.num_stages) for ln in plan.launches] == [(True, 2)]
+    outs, kernels = [], []
+    for p in (plan, dataclasses.replace(plan, max_registers=None)):
+        out = torch.full_like(query, float("nan"))
+        paged_attention_triton(query, k_cache, v_cache, meta, plan=p, out=out, kernels=kernels)
+        outs.append(out)
+    planned, uncapped = (k.n_regs for k in kernels)
+    assert planned <= SINGLE_BUFFERED_MAX_REGISTERS
+    expected_cap = SINGLE_BUFFERED_MAX_REGISTERS if uncapped > SINGLE_BUFFERED_MAX_REGISTERS else None
+    assert attention.options["max_registers"] == expected_cap and plan.max_registers == expected_cap
+    _check(outs[0], meta, query, k_cache, v_cache, dense, seqs, 16, 1024)
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-2, rtol=1e-2)
