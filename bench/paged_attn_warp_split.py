@@ -1,19 +1,21 @@
-"""Experimental decode kernel for the A/B in ``bench/decode_timeline_gpu.py``: each warp owns its own keys.
+"""An experimental decode kernel, kept as the record of an A/B that it lost: each warp owns its own keys.
 
 The engine's kernel (:mod:`metronome.attention.triton_paged`) computes a decode tile as one ``[16, 64]`` score
-block. Triton spreads it over the 4 warps along the keys (``warpsPerCTA = [1, 4]``), so every tile pays three
-exchanges through shared memory, each behind a barrier: the row maximum, the row sum, and the probabilities
-handed to the ``P @ V`` product. At N = 64 on the H200 the timeline probe measured ~1.9 µs per tile per program
-with 2 programs per SM. That is the length of one dependent chain, far above what its bytes need
-(docs/benchmarks/gpu.md §1e).
+block. Triton spreads it over the 4 warps along the keys (``warpsPerCTA = [1, 4]``), so every tile hands its row
+maximum, row sum and probabilities between warps through shared memory, behind barriers (9 ``BAR`` in the loop).
+The hypothesis was that this chain, not the memory, set the per-tile time at N = 64.
 
 Here the tile is ``[WARPS, 16, 64 / WARPS]``: the key tile is cut into one group per warp, both products are
-batched over the groups (3-D ``tl.dot``, whose batch dimension Triton gives to the warps), and each group keeps
-its own running max, sum and accumulator. The groups' partial results are merged once, after the last tile. The
-live-key set, block-id prefetch, masks and output are the engine kernel's. Decode launches only, without split-KV.
+batched over the groups (3-D ``tl.dot``, whose batch dimension Triton gives to the warps: ``warpsPerCTA = [4, 1,
+1]``, 2 ``BAR``), and each group keeps its own running max, sum and accumulator. The groups' partial results are
+merged once, after the last tile. The live-key set, block-id prefetch, masks and output are the engine kernel's.
+Decode launches only, without split-KV.
 
-Checked against the torch reference and the float64 oracle under the interpreter
-(``tests/bench/test_paged_attn_warp_split.py``); compiled for sm_90 by ``bench/kernel_report_host.py``.
+On the H200 it was slower at every size: 47.7 against 43.4 µs at N = 64, 88.1 against 74.6 at 128 (255 registers, 2
+programs per SM). The launch timeline showed why: the engine kernel's tile loop already reads at the copy
+bandwidth (docs/benchmarks/gpu.md §1e). Checked against the torch reference and the float64 oracle under the
+interpreter and compiled on the GPU (``tests/bench/test_paged_attn_warp_split.py``); timed by
+``bench/decode_timeline_gpu.py``.
 """
 
 from __future__ import annotations
