@@ -17,8 +17,8 @@ if one is off):
   register cap its warm-up settles for the shape, ``TritonPagedAttention.warm_up``); the same uncapped, and with
   the single-buffered decode launch capped at ``--max-registers`` (128: ptxas otherwise gives the probed variant
   156 registers with Triton 3.6, 3 programs per SM instead of 4); capped with the probe (trust the timeline
-  where these two agree); and the experimental warp-split kernel
-  (``bench/paged_attn_warp_split.py``, ``WARP_SPLIT`` configurations; ``--no-warp-split`` leaves it out);
+  where these two agree). Session 8 also timed an experimental warp-split kernel here (commit 7740932; it lost,
+  docs/benchmarks/gpu.md §1e);
 * from one replay of the probed launches back to back (one per session set): each launch's span (first program
   start to last program end), the gap between one launch's last end and the next one's first start, when
   the programs start (the waves), programs per SM, program durations, and how long the launch runs with
@@ -48,9 +48,6 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 FULL = 0.9       # "running full": at least this fraction of the launch's peak programs resident
-# (key groups, warps, stages) of the experimental warp-split decode kernel (bench/paged_attn_warp_split.py):
-# 4 warps with a group each (255 registers, 2 programs per SM), and 2 warps with a group each (194, 3 per SM).
-WARP_SPLIT = ((4, 4, 3), (2, 2, 3), (4, 4, 2))
 CHECK_REL = 2e-2  # bf16 output against fp32 SDPA: ‖error‖ / ‖ref‖ above this fails the run
 LATE_US = 2.0    # a program that starts this long after the launch's first one waited for a free slot
 
@@ -138,8 +135,6 @@ def parse_args(argv=None):
     p.add_argument("--windows", default="128,384,640,1024", help="windows W for the fixed-cost fit at N = 64")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds of every configuration")
-    p.add_argument("--no-warp-split", dest="warp_split", action="store_false",
-                   help="leave out the experimental warp-split kernel")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -154,8 +149,7 @@ def main(argv=None) -> int:
     import triton
 
     from bench.attention_gpu import MODELS, Shape, Timer, band_mask, build_sets, engine_plan_kw, errors
-    from bench.paged_attn_warp_split import paged_attention_warp_split
-    from metronome.attention.triton_paged import paged_attention_triton, plan_triton
+    from metronome.attention.triton_paged import paged_attention_triton
 
     device = torch.device("cuda")
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -180,22 +174,14 @@ def main(argv=None) -> int:
                       for ln in plan.launches] for plan in sets.plans]
         capped = [dataclasses.replace(p, max_registers=args.max_registers) for p in sets.plans]
         uncapped = [dataclasses.replace(p, max_registers=None) for p in sets.plans]
-        unsplit = [plan_triton(m, heads, kv_heads, **{**plan_kw, "force_splits": 1}) for m in sets.metas]
 
         def engine(plans, probe=False):
             return lambda s: lambda: paged_attention_triton(
                 sets.queries[s], sets.k_cache, sets.v_cache, sets.metas[s], scale, plans[s], out=sets.outs[s],
                 timelines=timelines[s] if probe else None)
 
-        def warp_split(groups, warps, stages):
-            return lambda s: lambda: paged_attention_warp_split(
-                sets.queries[s], sets.k_cache, sets.v_cache, sets.metas[s], unsplit[s], scale, out=sets.outs[s],
-                groups=groups, num_warps=warps, num_stages=stages)
-
         configs = {"engine": engine(sets.plans), "uncapped": engine(uncapped), "capped": engine(capped),
                    "probed": engine(capped, probe=True)}
-        for g, w, st in WARP_SPLIT if args.warp_split else ():
-            configs[f"warp-split g{g} w{w} s{st}"] = warp_split(g, w, st)
         row = {"sessions": n, "window": window, "n_sets": n_sets, "kv_bytes": sets.kv_bytes,
                "engine_max_registers": kw.get("max_registers"),
                "launches": [{"splits": ln.num_splits, "stages": ln.num_stages, "items": ln.num_items}
@@ -235,7 +221,7 @@ def main(argv=None) -> int:
         row["timeline"] = summarise_replay(launches)
         row["timeline"].pop("each")
         row["bytes_per_s"] = sets.kv_bytes / (row["us"]["engine"] * 1e-6)
-        del sets, timelines, capped, uncapped, unsplit, configs, graph
+        del sets, timelines, capped, uncapped, configs, graph
         torch.cuda.empty_cache()
         return row
 

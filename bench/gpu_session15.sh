@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Session 8 (2026-12-01), one device call:
+# Session 8 (2026-12-01), device call 1, as run at commit 7740932 (the warp-split kernel and its test were removed
+# after this call, having lost the A/B: docs/benchmarks/gpu.md §1e):
 # 1. the GPU tests of the attention kernels (the launch-timeline probe, the warp-split kernel compiled) and the
 #    sm_90 kernel report;
 # 2. the kernel report with the device's own Triton;

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Session 8, device call 4: the single-buffered decode launch's register cap, as the engine's warm-up now settles
+# Session 8, device call 4, as run at commit 24f36c7 (later commits removed the warp-split kernel, its test and
+# --no-warp-split: docs/benchmarks/gpu.md §1e): the single-buffered decode launch's register cap, as the engine's warm-up now settles
 # it per shape. GPU tests (attention, engine on CUDA with its decode graphs, graph capture), then the issue's
 # kernel table (bench/attention_gpu.py, the standard --rotate-mb 256, SDPA and Flex side by side), then the decode
 # A/B (engine / uncapped / capped) for both 128-dim shapes.
