@@ -341,7 +341,6 @@ def run_shape(shape: Shape, args, device, dtype, timer: Timer, plan_kw, flex_sta
 
     from metronome.attention.triton_paged import paged_attention_triton
 
-    plan_kw = engine_plan_kw(shape, plan_kw, args, device, dtype)
     per_session_kv = (args.sinks + args.window + shape.q) * shape.kv_heads * shape.head_dim * 4
     n_sets = max(1, min(args.max_sets, math.ceil(args.rotate_mb * 2**20 / (per_session_kv * shape.n))))
     sets = build_sets(shape, n_sets, args, device, dtype, plan_kw)
@@ -554,6 +553,8 @@ def main(argv=None) -> int:
 
     rows = []
     for model, (h, kvh, d) in models.items():
+        # The cap depends on the heads and head size alone: settled once per model, as the engine does at start.
+        model_kw = engine_plan_kw(Shape(model, h, kvh, d, "decode", 1, 1), plan_kw, args, device, dtype)
         for mode, q in modes.items():
             for n in sessions:
                 shape = Shape(model, h, kvh, d, mode, q, n)
@@ -562,7 +563,7 @@ def main(argv=None) -> int:
                     continue
                 t_shape = time.perf_counter()
                 try:
-                    row = run_shape(shape, args, device, dtype, timer, plan_kw, flex_state, not args.no_sdpa)
+                    row = run_shape(shape, args, device, dtype, timer, model_kw, flex_state, not args.no_sdpa)
                 except torch.cuda.OutOfMemoryError as exc:
                     torch.cuda.empty_cache()
                     row = {"model": model, "mode": mode, "n": n, "skipped": f"out of memory: {str(exc)[:80]}"}

@@ -157,6 +157,9 @@ def main(argv=None) -> int:
     heads, kv_heads, head_dim = MODELS[args.model]
     plan_kw = {"num_sms": num_sms, "block_n": 64, "force_splits": None, "target_programs": None,
                "prefill_block_m": 64, "num_warps": None, "num_stages": None}
+    # The engine's register cap for this model (it depends on heads and head size, not on N or W).
+    engine_kw = engine_plan_kw(Shape(args.model, heads, kv_heads, head_dim, "decode", 1, 1), plan_kw,
+                               argparse.Namespace(block_size=16, sinks=16, window=1024), device, torch.bfloat16)
     scale = 1.0 / math.sqrt(head_dim)
     out = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
            "device": torch.cuda.get_device_name(device), "num_sms": num_sms, "args": vars(args),
@@ -168,8 +171,7 @@ def main(argv=None) -> int:
         shape = Shape(args.model, heads, kv_heads, head_dim, "decode", 1, n)
         per_session = (sa.sinks + window + 1) * kv_heads * head_dim * 4
         n_sets = max(2, min(sa.max_sets, math.ceil(sa.rotate_mb * 2**20 / (per_session * n))))   # >= 2: gaps
-        kw = engine_plan_kw(shape, plan_kw, sa, device, torch.bfloat16)   # the engine's register cap, if any
-        sets = build_sets(shape, n_sets, sa, device, torch.bfloat16, kw)
+        sets = build_sets(shape, n_sets, sa, device, torch.bfloat16, engine_kw)
         timelines = [[torch.full((ln.num_splits, ln.num_items, kv_heads, 6), -1, dtype=torch.int64, device=device)
                       for ln in plan.launches] for plan in sets.plans]
         capped = [dataclasses.replace(p, max_registers=args.max_registers) for p in sets.plans]
@@ -183,7 +185,7 @@ def main(argv=None) -> int:
         configs = {"engine": engine(sets.plans), "uncapped": engine(uncapped), "capped": engine(capped),
                    "probed": engine(capped, probe=True)}
         row = {"sessions": n, "window": window, "n_sets": n_sets, "kv_bytes": sets.kv_bytes,
-               "engine_max_registers": kw.get("max_registers"),
+               "engine_max_registers": engine_kw.get("max_registers"),
                "launches": [{"splits": ln.num_splits, "stages": ln.num_stages, "items": ln.num_items}
                             for ln in sets.plans[0].launches], "checks": {}, "us": {}}
         # Each configuration against fp32 SDPA with the explicit mask on the first 64 sessions of set 0.
