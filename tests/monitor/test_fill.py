@@ -49,6 +49,18 @@ def test_too_few_samples_or_no_growth_gives_no_fit():
     assert fit_fill(np.arange(10.0), np.full(10, 0.3), sessions=4) is None
 
 
+def test_a_plateau_is_judged_against_its_noise():
+    rng = np.random.default_rng(1)
+    t = np.arange(40.0)
+    for seed in range(20):                          # a bounded pool at its plateau, sampled with noise
+        rho = 0.4 + np.random.default_rng(seed).normal(0, 0.01, t.size)
+        assert fit_fill(t, rho, sessions=8) is None
+        assert live_time_to_wall(t, rho) == float("inf")
+    rho = 0.2 + 0.01 * t + rng.normal(0, 0.01, t.size)   # the same noise on a real fill is still a fill
+    fit = fit_fill(t, rho, sessions=8)
+    assert fit is not None and fit["slope"] == pytest.approx(0.01, rel=0.2)
+
+
 def test_plateau_per_session_and_the_ceiling_it_implies():
     t = np.arange(60.0)
     used = np.minimum(t * 12, 96.0)              # 16 sessions settle at 6 blocks each
