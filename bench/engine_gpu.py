@@ -24,16 +24,16 @@ from pathlib import Path
 import torch
 
 def make_spec(name: str):
-    """The decoder spec of a shape in ``bench/experiments/shapes.py`` (the one table of benchmark shapes)."""
+    """The decoder spec of a shape in ``metronome/experiments/shapes.py`` (the one table of benchmark shapes)."""
     from metronome.models.spec import spec_from_hf_config
 
-    from bench.experiments.shapes import shape_config
+    from metronome.experiments.shapes import shape_config
 
     return spec_from_hf_config(shape_config(name))
 
 
 def random_model(spec, device):
-    from bench.random_weights import random_decoder
+    from metronome.experiments.random_weights import random_decoder
     from metronome.models.llama import LlamaFamilyForCausalLM
 
     return random_decoder(LlamaFamilyForCausalLM, spec, device, torch.bfloat16)
@@ -158,7 +158,7 @@ def bench_transformers(spec, n, args, device) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    from bench.experiments.shapes import SHAPES
+    from metronome.experiments.shapes import SHAPES
 
     p.add_argument("--shape", default="qwen2.5-7b", choices=sorted(SHAPES))
     p.add_argument("--sessions", default="64,128,256,384,512")

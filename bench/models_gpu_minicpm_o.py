@@ -59,7 +59,7 @@ def random_decoder(shape: dict, device, dtype):
     from metronome.models.omni.minicpm_o import decoder_spec
 
     spec = decoder_spec(shape["llm"])
-    from bench.random_weights import random_decoder as build
+    from metronome.experiments.random_weights import random_decoder as build
 
     return build(LlamaFamilyForCausalLM, spec, device, dtype)
 

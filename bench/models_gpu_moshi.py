@@ -87,7 +87,7 @@ class NoText:
 
 
 def randomize(module: torch.nn.Module, seed: int) -> None:
-    from bench.random_weights import randomize_
+    from metronome.experiments.random_weights import randomize_
 
     randomize_(module, seed)
 

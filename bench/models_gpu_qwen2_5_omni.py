@@ -72,7 +72,7 @@ def omni_config(shape: str) -> dict:
 
 
 def randomize(module: torch.nn.Module, seed: int) -> None:
-    from bench.random_weights import randomize_
+    from metronome.experiments.random_weights import randomize_
 
     randomize_(module, seed)
 

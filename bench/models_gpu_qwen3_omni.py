@@ -96,7 +96,7 @@ def make_spec(text: dict):
 def random_decoder(spec, device, dtype):
     from metronome.models.moe import MoeForCausalLM
 
-    from bench.random_weights import random_decoder as build
+    from metronome.experiments.random_weights import random_decoder as build
 
     return build(MoeForCausalLM, spec, device, dtype, per_expert=False)
 
@@ -104,7 +104,7 @@ def random_decoder(spec, device, dtype):
 def random_frontend(audio: dict, device, dtype):
     from transformers import Qwen3OmniMoeAudioEncoderConfig
 
-    from bench.random_weights import randomize_
+    from metronome.experiments.random_weights import randomize_
     from metronome.audio.omni.qwen3_omni import AudioFrontEnd, build_audio_encoder, feature_extractor_for
 
     encoder = build_audio_encoder(Qwen3OmniMoeAudioEncoderConfig(**audio), device, dtype)
