@@ -46,8 +46,7 @@ def staging_rows(segments: list[ForwardSegment], block_size: int) -> np.ndarray:
     item row, 1, context length, *block table]``, tables padded with -1 to the longest live row only.
 
     Built in numpy with the table cut to the batch's live blocks: an Unbounded session's graph table is
-    as wide as the model's position limit (2,048 blocks at 32k), and padding every row to it in Python
-    lists cost ~20 ms a round at 128 sessions.
+    as wide as the model's position limit, too wide to pad row by row in Python every round.
     """
     tables = [seg.session.table_row() for seg in segments]
     out = np.full((len(segments), 8 + max(1, max(map(len, tables), default=1))), -1, dtype=np.int64)

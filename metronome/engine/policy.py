@@ -45,6 +45,10 @@ class Unbounded:
         """The whole context up to the model's length limit."""
         return cdiv(max_model_len, self.block_size)
 
+    def first_chunk_blocks(self, max_chunk_tokens: int) -> int:
+        """What admission checks for: room for a first chunk plus one sampled token (it overcommits)."""
+        return cdiv(max_chunk_tokens + 1, self.block_size)
+
     def column(self, logical, window_first):
         return table_column(logical, 0, window_first)
 

@@ -21,7 +21,7 @@ from metronome.config import EngineConfig
 from metronome.engine.policy import retention_for
 from metronome.engine.request import ForwardPlan, ForwardResult, ForwardSegment, RebasePlan
 from metronome.engine.scheduler import InvariantError
-from metronome.engine.session import window_slots  # noqa: F401  (importable from here, as before)
+from metronome.engine.session import window_slots  # noqa: F401  (its former home; benchmarks import it here)
 from metronome.models.llama import LlamaFamilyForCausalLM
 
 log = logging.getLogger(__name__)
@@ -92,9 +92,9 @@ class ModelRunner:
             self._warm_up_kernels()
 
     def _warm_up_kernels(self) -> None:
-        """Compile the Triton kernels a step may launch for the first time mid-run (about a second each on an
-        H200, which inside a tick is a one-off tick of over a second): every attention variant, and the
-        re-rotation of rebasing windows. They touch only the scratch block."""
+        """Compile the Triton kernels a step may launch for the first time mid-run (a compile inside a tick
+        blows its deadline): every attention variant, and the re-rotation of rebasing windows. They touch
+        only the scratch block."""
         k, v = self.kv_caches[0]
         if not isinstance(self.attention, TorchPagedAttention):
             self.attention.warm_up(k, v, block_size=self.block_size,
@@ -112,8 +112,8 @@ class ModelRunner:
     # ------------------------------------------------------------------ forward
     def _metadata(self, segments: list[ForwardSegment]) -> tuple[PagedAttentionMetadata, torch.Tensor]:
         """The forward's attention metadata and positions, computed on the host (numpy) and sent in two
-        pinned copies: device-side construction from host lists made a pageable copy per list (each waits
-        for the GPU's queued work) and ``repeat_interleave`` a device-to-host sync per forward."""
+        pinned copies: built on the device from host lists, each list would be a pageable copy (waiting for
+        the GPU's queued work) and ``repeat_interleave`` a device-to-host sync."""
         bs, n = self.block_size, len(segments)
         query_lens = [len(s) for s in segments]
         starts = [s.session.num_tokens for s in segments]

@@ -59,7 +59,7 @@ class Scheduler:
         first chunk fits (it overcommits on purpose: that is the failure it reproduces).
         """
         if not self.policy.bounded:
-            return self.pool.usable // cdiv(self.max_chunk_tokens + 1, self.policy.block_size)
+            return self.pool.usable // self.retention.first_chunk_blocks(self.max_chunk_tokens)
         return self.pool.usable // self.session_blocks
 
     def admit(self, positions: str | None = None) -> Session:
@@ -79,7 +79,7 @@ class Scheduler:
                     f"({len(self.sessions)} sessions open, capacity {self.capacity})")
             self.pool.reserve(need)
         else:
-            need = cdiv(self.max_chunk_tokens + 1, self.policy.block_size)
+            need = self.retention.first_chunk_blocks(self.max_chunk_tokens)
             if self.pool.free_count < need:
                 raise AdmissionError(f"KV pool full: {self.pool.free_count} free blocks, a new session needs {need}")
         session = Session(session_id=next(self._ids), reservation=need if self.policy.bounded else 0,

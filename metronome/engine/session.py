@@ -121,7 +121,7 @@ class Session:
 def window_slots(spans: list[tuple[Session, int, int]], block_size: int) -> tuple[np.ndarray, np.ndarray]:
     """Flat cache slots of tokens ``[lo, hi)`` of each ``(session, lo, hi)``, back to back (all live), and
     the span each token belongs to: what a rebase re-rotates. Vectorised over blocks, since a tick may
-    rebase hundreds of sessions' windows (host cost: bench/rebase_slots_host.py).
+    rebase hundreds of sessions' windows.
 
     >>> s = Session(session_id=1, reservation=8, sink_count=1, block_size=4, opened_seq=0)
     >>> for b in (10, 11, 12, 13): s.append_block(b)
