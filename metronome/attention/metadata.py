@@ -16,8 +16,10 @@ column. Logical token ``j`` lives in slot ``block * block_size + j % block_size`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch-free at import: the engine's block arithmetic imports this module
+    import torch
 
 
 @dataclass(frozen=True)
@@ -43,12 +45,29 @@ class PagedAttentionMetadata:
         return int(sum(self.query_lens))
 
 
+def first_window_token(sinks: int, window: int, query: int) -> int:
+    """The oldest non-sink key a query at token index ``query`` (or later) attends to.
+
+    The one statement of the mask's window edge; the engine's policy reads it from here.
+    """
+    return max(sinks, query - window)
+
+
+def table_column(logical, sink_blocks: int, window_first):
+    """Column of logical block(s) ``logical`` in a compact table row; ints, numpy arrays or tensors.
+
+    >>> [table_column(b, 1, 3) for b in (0, 3, 4)]   # sink block 0, then window blocks from logical 3
+    [0, 1, 2]
+    """
+    return logical + (logical >= sink_blocks) * (sink_blocks - window_first)
+
+
 def token_slots(meta: PagedAttentionMetadata, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Flat cache slot of logical token ``tokens[i, k]`` of sequence ``rows[i]`` (all must be live)."""
+    import torch
+
     bs = meta.block_size
-    logical = tokens // bs
-    column = torch.where(logical < meta.sink_blocks, logical,
-                         meta.sink_blocks + logical - meta.window_first[rows].unsqueeze(-1))
+    column = table_column(tokens // bs, meta.sink_blocks, meta.window_first[rows].unsqueeze(-1))
     column = column.clamp(0, meta.block_tables.shape[1] - 1)
     physical = torch.gather(meta.block_tables[rows].long(), 1, column)
     return physical * bs + tokens % bs

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from metronome.attention.metadata import PagedAttentionMetadata, token_slots, write_kv
+from metronome.attention.metadata import PagedAttentionMetadata, first_window_token, token_slots, write_kv
 
 # Upper bound on score elements (G * heads * Qmax * Kmax) one SDPA call may materialise.
 MAX_SCORE_ELEMENTS = 1 << 26
@@ -43,7 +43,7 @@ def _live_key_span(meta: PagedAttentionMetadata, b: int) -> tuple[int, int, int]
     if meta.window is None:
         return 0, 0, ctx
     n_sink = min(meta.sinks, ctx)
-    window_start = max(n_sink, first_query - meta.window)
+    window_start = min(ctx, first_window_token(meta.sinks, meta.window, first_query))
     return n_sink, window_start, n_sink + ctx - window_start
 
 

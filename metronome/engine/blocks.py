@@ -13,39 +13,27 @@ Physical block 0 is the *null block*: never handed out, always zero, the target 
 from __future__ import annotations
 
 from metronome.config import KVPolicy
+from metronome.engine.policy import cdiv, retention_for
+
+__all__ = ["NULL_BLOCK", "BlockPool", "blocks_per_session", "cdiv", "sink_block_count"]
 
 NULL_BLOCK = 0
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def sink_block_count(policy: KVPolicy) -> int:
     """Logical blocks 0..n-1 hold the sink tokens and are pinned for the session's life."""
-    return cdiv(policy.sinks, policy.block_size) if policy.bounded else 0
+    return retention_for(policy).sink_blocks
 
 
 def blocks_per_session(policy: KVPolicy, max_chunk_tokens: int, max_model_len: int) -> int:
     """The most blocks one session can ever hold at once.
 
-    The ONLY place that knows this. Pool sizing, admission, the capacity the engine reports and the
-    invariant checked after every step all call it.
-
-    Bounded: during a forward a session holds its sink blocks plus the blocks covering
-    ``[t - window, t + C)``, where ``C <= max_chunk_tokens + 1`` (the chunk plus the token sampled
-    last step, which joins the context at the start of the next one). A run of ``n`` tokens at any
-    alignment touches at most ``cdiv(n - 1, bs) + 1`` blocks. Blocks behind the window are released
-    after every forward, so this never grows with session age.
-
-    Unbounded: the whole context up to the model's length limit.
+    The ONLY reservation formula: pool sizing, admission, the capacity the engine reports and the
+    invariant checked after every step all call it. The arithmetic is the policy's (``max_blocks``):
+    bounded sessions hold their sink blocks plus the blocks around the window and one chunk, never
+    growing with session age; the Unbounded baseline holds the whole context up to the model's limit.
     """
-    bs = policy.block_size
-    full_context = cdiv(max_model_len, bs)
-    if not policy.bounded:
-        return full_context
-    span = policy.window + max_chunk_tokens + 1
-    return min(full_context, sink_block_count(policy) + cdiv(span - 1, bs) + 1)
+    return retention_for(policy).max_blocks(max_chunk_tokens, max_model_len)
 
 
 class BlockPool:

@@ -18,13 +18,14 @@ Example (on CUDA): ``graphs = DecodeGraphs(runner, max_batch=256)`` then, for a 
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from metronome.attention.metadata import PagedAttentionMetadata
-from metronome.engine.scheduler import ForwardSegment
+from metronome.engine.request import ForwardSegment
 from metronome.graph_capture import collector_held_off
 
 log = logging.getLogger(__name__)
@@ -45,8 +46,7 @@ def staging_rows(segments: list[ForwardSegment], block_size: int) -> np.ndarray:
     item row, 1, context length, *block table]``, tables padded with -1 to the longest live row only.
 
     Built in numpy with the table cut to the batch's live blocks: an Unbounded session's graph table is
-    as wide as the model's position limit (2,048 blocks at 32k), and padding every row to it in Python
-    lists cost ~20 ms a round at 128 sessions.
+    as wide as the model's position limit, too wide to pad row by row in Python every round.
     """
     tables = [seg.session.table_row() for seg in segments]
     out = np.full((len(segments), 8 + max(1, max(map(len, tables), default=1))), -1, dtype=np.int64)
@@ -64,7 +64,8 @@ class DecodeGraphs:
         from metronome.attention.triton_paged import (PROGRAMS_PER_SM, TritonLaunch, TritonPlan, choose_splits,
                                                       choose_stages, live_tiles)
 
-        self.runner = runner
+        # A proxy: the runner holds these graphs, and a cycle would keep the KV cache alive past the engine.
+        self.runner = weakref.proxy(runner)
         dev = runner.device
         self.buckets = [b for b in BUCKETS if b <= max_batch] or [1]
         if self.buckets[-1] < max_batch:
@@ -85,18 +86,18 @@ class DecodeGraphs:
         self.staging = [torch.zeros((n, 8 + table_width), dtype=torch.long).pin_memory() for _ in range(4)]
         self.staging_done: list[torch.cuda.Event | None] = [None] * len(self.staging)
         self.round = 0
-        spec, policy = runner.spec, runner.policy
+        spec, retention = runner.spec, runner.retention
         attention = runner.attention
         self.graphs: dict[int, _Graph] = {}
         pool = torch.cuda.graph_pool_handle()
-        full_tiles = live_tiles(max(1, spec.max_position_embeddings - 1), 1, policy.sinks if policy.bounded else 0,
-                                policy.window, attention.options["block_n"])
+        full_tiles = live_tiles(max(1, spec.max_position_embeddings - 1), 1, retention.sinks, retention.window,
+                                attention.options["block_n"])
         g = spec.num_heads // spec.num_kv_heads
         block_m = max(attention.options["decode_block_m"], 1 << (g - 1).bit_length())
         with torch.inference_mode(), collector_held_off(collect_first=True):
             for batch in reversed(self.buckets):
                 meta = PagedAttentionMetadata(
-                    block_size=runner.block_size, sinks=policy.sinks if policy.bounded else 0, window=policy.window,
+                    block_size=runner.block_size, sinks=retention.sinks, window=retention.window,
                     sink_blocks=runner.sink_blocks, query_lens=[1] * batch, context_lens=[1] * batch,
                     query_start=self.query_start[:batch + 1], context_lens_t=self.context_lens[:batch],
                     block_tables=self.block_tables[:batch], window_first=self.window_first[:batch],

@@ -8,12 +8,12 @@
 >>> out, = engine.step([StepInput(sid, token_ids=ids, max_new_tokens=8)])  # doctest: +SKIP
 >>> engine.tokenizer.decode(out.token_ids)                                # doctest: +SKIP
 'The capital of France is Paris.'
+>>> engine.close()       # or ``with Engine(...) as engine:``; frees the KV pool, graphs and model  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
 import logging
-import numbers
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -24,10 +24,10 @@ import torch
 
 from metronome.config import EngineConfig
 from metronome.engine.blocks import BlockPool
-from metronome.engine.request import SamplingParams, StepInput, StepOutput
+from metronome.engine.decode import Work, decode
+from metronome.engine.request import ForwardPlan, ForwardSegment, StepInput, StepOutput
 from metronome.engine.runner import DTYPES, ModelRunner, available_memory_bytes
-from metronome.engine.sampling import sample
-from metronome.engine.scheduler import ForwardSegment, InvariantError, Scheduler
+from metronome.engine.scheduler import InvariantError, Scheduler
 from metronome.engine.session import Session, SessionStatus
 from metronome.errors import ConfigError, MetronomeError
 from metronome.models.llama import LlamaFamilyForCausalLM
@@ -38,6 +38,10 @@ log = logging.getLogger(__name__)
 
 class SessionNotFound(MetronomeError, KeyError):
     """No open session has this id."""
+
+
+class EngineClosed(MetronomeError):
+    """The engine was closed; its KV pool and model are gone."""
 
 
 @dataclass(frozen=True)
@@ -71,54 +75,6 @@ class StepTiming:
     decode_rounds: int
 
 
-@dataclass
-class _Work:
-    """One session's progress through the current step."""
-
-    output: StepOutput
-    session: Session
-    inp: StepInput
-    remaining: int
-    last_token: int | None = None        # sampled and not yet fed
-    first_hidden: torch.Tensor | None = None  # hidden state whose logits give the first new token
-
-
-@dataclass
-class _Sampled:
-    """One pipelined round's sampled ids (on the device) for ``works``, in order. With stop tokens to watch, a
-    copy to pinned host memory starts at once, so reading it a round later waits for that copy only, not
-    for the round launched since (``tolist`` on a CUDA tensor would wait for the whole stream)."""
-
-    works: list[_Work]
-    ids: torch.Tensor
-    host: torch.Tensor | None = None
-    copied: torch.cuda.Event | None = None
-    _tokens: list[int] | None = None   # read once: by the stop check a round later, then at the step's end
-
-    @classmethod
-    def of(cls, works: list[_Work], ids: torch.Tensor, watch: bool) -> _Sampled:
-        if not watch or ids.device.type != "cuda":
-            return cls(works, ids)
-        host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-        host.copy_(ids, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return cls(works, ids, host, event)
-
-    def tokens(self) -> list[int]:
-        if self._tokens is None:
-            if self.copied is not None:
-                self.copied.synchronize()
-            self._tokens = (self.host if self.copied is not None else self.ids).tolist()
-        return self._tokens
-
-    def read(self) -> list[tuple[_Work, int]]:
-        return list(zip(self.works, self.tokens()))
-
-    def token_of(self, work: _Work) -> int:
-        return self.tokens()[next(i for i, w in enumerate(self.works) if w is work)]
-
-
 class Engine:
     def __init__(self, config: EngineConfig, model: LlamaFamilyForCausalLM | None = None,
                  checkpoint: Path | None = None) -> None:
@@ -139,7 +95,8 @@ class Engine:
         num_blocks = config.num_blocks or self._blocks_from_memory(block_bytes)
         self.kv_bytes_per_block = block_bytes
         self.scheduler = Scheduler(policy, BlockPool(num_blocks), config.max_chunk_tokens,
-                                   self.max_model_len, config.max_batch_tokens)
+                                   self.max_model_len, config.max_batch_tokens,
+                                   vocab_size=self.spec.vocab_size, hidden_size=self.spec.hidden_size)
         if policy.positions == "rebased":
             self.scheduler.check_rebased_fits()
         if policy.bounded and self.scheduler.capacity < 1:
@@ -152,6 +109,7 @@ class Engine:
             self.runner.capture_decode_graphs(max_batch, self.scheduler.session_blocks)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.last_timing = StepTiming(0.0, 0.0, 0, 0)
+        self.closed = False
         log.info("engine ready: %s, %d KV blocks of %d tokens, %d blocks per session, capacity %d sessions",
                  self.checkpoint, num_blocks - 1, policy.block_size, self.scheduler.session_blocks,
                  self.scheduler.capacity)
@@ -163,9 +121,36 @@ class Engine:
     @cached_property
     def tokenizer(self):
         """The checkpoint's tokenizer (with its chat template), loaded on first use."""
+        self._check_open()
         if self.checkpoint is None:
             raise MetronomeError("this engine was built from a model object and has no tokenizer")
         return load_tokenizer(self.checkpoint)
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Free the KV pool, the CUDA graphs and the model. Closing twice is harmless; any later use
+        raises ``EngineClosed``."""
+        if self.closed:
+            return
+        self.closed = True
+        self.runner.close()
+        self.model = None
+        self.scheduler.sessions.clear()
+        self.__dict__.pop("tokenizer", None)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+        log.info("engine closed")
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise EngineClosed("this engine is closed (its KV pool and model were freed)")
 
     # ------------------------------------------------------------------ sessions
     def open_session(self, positions: str | None = None) -> int:
@@ -173,6 +158,7 @@ class Engine:
 
         ``positions`` overrides the policy's position mode for this session ("absolute" or "rebased").
         """
+        self._check_open()
         return self.scheduler.admit(positions).session_id
 
     def close_session(self, session_id: int) -> None:
@@ -180,12 +166,14 @@ class Engine:
         self.scheduler.close(self._session(session_id))
 
     def _session(self, session_id: int) -> Session:
+        self._check_open()
         try:
             return self.scheduler.sessions[session_id]
         except KeyError:
             raise SessionNotFound(f"unknown session {session_id}") from None
 
     def stats(self) -> EngineStats:
+        self._check_open()
         pool = self.scheduler.pool
         return EngineStats(
             kv_blocks_used=pool.used, kv_blocks_total=pool.usable, kv_blocks_reserved=pool.reserved,
@@ -199,110 +187,45 @@ class Engine:
                             position_base=s.position_base, positions=s.positions, status=s.status.value,
                             error=s.error)
 
-    # ------------------------------------------------------------------ validation
-    def _validate(self, inp: StepInput, seen) -> str | None:
-        session = self.scheduler.sessions.get(inp.session_id)
-        if session is None:
-            return f"unknown session {inp.session_id}"
-        if inp.session_id in seen:
-            return f"session {inp.session_id} appears more than once in one step"
-        if session.status is SessionStatus.FAILED:
-            return f"session {inp.session_id} has ended: {session.error}"
-        if not isinstance(inp.sampling, SamplingParams):
-            return "sampling must be a SamplingParams"
-        if not isinstance(inp.max_new_tokens, numbers.Integral) or inp.max_new_tokens < 0:
-            return f"max_new_tokens must be an integer >= 0, got {inp.max_new_tokens!r}"
-        if inp.token_ids is not None and inp.embeds is not None:
-            return "give token_ids or embeds, not both"
-        if inp.return_hidden and inp.max_new_tokens:
-            return "return_hidden needs max_new_tokens=0 (the hidden state of the last input position)"
-        n = 0
-        if inp.token_ids is not None:
-            ids = inp.token_ids
-            n = len(ids)
-            vocab = self.spec.vocab_size
-            for t in ids:
-                if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t < vocab:
-                    return f"token id {t!r} is not an integer in [0, {vocab})"
-        if inp.embeds is not None:
-            e = inp.embeds
-            if not isinstance(e, torch.Tensor) or e.dim() != 2 or e.shape[1] != self.spec.hidden_size:
-                shape = tuple(e.shape) if isinstance(e, torch.Tensor) else type(e).__name__
-                return f"embeds must be a tensor of shape [n, {self.spec.hidden_size}], got {shape}"
-            if e.shape[0] == 0:
-                return "embeds must have at least one row (send embeds=None for no new input)"
-            if not torch.isfinite(e).all():
-                return "embeds contain NaN or infinite values"
-            n = int(e.shape[0])
-        if n > self.config.max_chunk_tokens:
-            return f"chunk of {n} tokens exceeds max_chunk_tokens={self.config.max_chunk_tokens}"
-        if inp.return_hidden and n == 0 and session.pending_token is None and not session.stop_written:
-            return "return_hidden needs new input this step (its hidden state is the last input position's)"
-        if (inp.max_new_tokens > 0 and n == 0 and session.pending_token is None
-                and session.last_hidden is None and not session.history):
-            return "nothing to decode from: the session has no context yet; send input first"
-        return None
-
     # ------------------------------------------------------------------ forwards
-    def _forward(self, segments: list[ForwardSegment], works: dict[int, _Work],
-                 input_ids: torch.Tensor | None = None) -> tuple[list[ForwardSegment], torch.Tensor]:
-        """Rebase, allocate, run, commit. Segments of preempted sessions are dropped (and reported)."""
-        moves = [(seg.session, delta) for seg in segments if (delta := self.scheduler.rebase_delta(seg.session))]
-        if moves:
-            self.runner.rebase(moves)
-        kept, preempted = self.scheduler.allocate(segments)
-        for session in preempted:
-            work = works.get(session.session_id)
+    def _forward(self, segments: list[ForwardSegment], works: dict[int, Work],
+                 input_ids: torch.Tensor | None = None) -> tuple[tuple[ForwardSegment, ...], torch.Tensor]:
+        """Plan, run, apply: the scheduler plans the forward, the runner executes it, the scheduler applies
+        the result. Segments of preempted sessions are dropped from the plan (and reported)."""
+        plan: ForwardPlan = self.scheduler.schedule_forward(segments)
+        for session_id in plan.preempted:
+            work = works.get(session_id)
             if work is not None:
                 work.output.preempted = True
                 work.remaining = 0
-        if not kept:
-            return kept, torch.empty(0)
-        if input_ids is not None and len(kept) != len(segments):
+        if plan.empty:
+            if plan.rebase is not None:
+                self.runner.execute(plan)
+            return plan.segments, torch.empty(0)
+        if input_ids is not None and len(plan.segments) != len(segments):
             raise InvariantError("a pipelined decode round lost a segment")
-        hidden = self.runner.forward(kept, input_ids)
-        self.scheduler.commit(kept)
-        # One op for the whole batch (per-row indexing costs microseconds each, every round).
-        if len(hidden) == len(kept):
-            rows = hidden.unbind(0)
-        else:
-            ends = torch.tensor([len(seg) for seg in kept]).cumsum(0).sub_(1).to(hidden.device, non_blocking=True)
-            rows = hidden.index_select(0, ends).unbind(0)
-        for seg, row in zip(kept, rows):
-            seg.session.last_hidden = row
+        result = self.runner.execute(plan, input_ids)
+        self.scheduler.update_from_output(plan, result)
         self._forwards += 1
-        return kept, hidden
+        return plan.segments, result.hidden
 
-    def _segment(self, work: _Work, token_ids: list[int], embeds: torch.Tensor | None = None) -> ForwardSegment | None:
+    def _segment(self, work: Work, token_ids: list[int], embeds: torch.Tensor | None = None) -> ForwardSegment | None:
         """The next segment of a session, or None if it would pass the position limit (the session then ends)."""
-        seg = ForwardSegment(work.session, token_ids, embeds)
-        error = self.scheduler.position_error(work.session, len(seg))
+        seg, error = self.scheduler.segment(work.session, token_ids, embeds)
         if error:
-            self._fail(work, error)
-            return None
-        self.scheduler.record_history(work.session, seg)
+            work.output.error = error
+            work.remaining = 0
+            work.last_token = None
         return seg
 
-    def _fail(self, work: _Work, reason: str) -> None:
-        self.scheduler.fail(work.session, reason)
-        work.output.error = reason
-        work.remaining = 0
-        work.last_token = None
-
-    def _restore(self, work: _Work, new_tokens: int) -> bool:
+    def _restore(self, work: Work, new_tokens: int) -> bool:
         """Unbounded baseline: recompute a preempted session's history if the pool has room now."""
-        session = work.session
-        need = self.scheduler.restore_blocks_needed(session, new_tokens + work.remaining)
-        if self.scheduler.pool.free_count < need:
+        segments = self.scheduler.restore(work.session, new_tokens + work.remaining)
+        if segments is None:
             return False
-        session.status = SessionStatus.ACTIVE
-        limit = self.config.max_batch_tokens
-        for piece in list(session.history):
-            for start in range(0, len(piece), limit):
-                ids = piece.token_ids[start:start + limit] if piece.token_ids is not None else []
-                emb = piece.embeds[start:start + limit] if piece.embeds is not None else None
-                self._forward([ForwardSegment(session, ids, emb)], {})
-        log.info("restored session %d (%d tokens recomputed)", session.session_id, session.num_tokens)
+        for seg in segments:
+            self._forward([seg], {})
+        log.info("restored session %d (%d tokens recomputed)", work.session.session_id, work.session.num_tokens)
         return True
 
     # ------------------------------------------------------------------ step
@@ -312,19 +235,17 @@ class Engine:
 
         Returns one output per input, in order. A session's error is reported on its output only.
         """
+        self._check_open()
         t0 = perf_counter()
         self._forwards = 0
         outputs = [StepOutput(session_id=inp.session_id) for inp in inputs]
-        works: dict[int, _Work] = {}
-        for out, inp in zip(outputs, inputs):
-            error = self._validate(inp, works)
-            if error:
-                out.error = error
-                log.warning("step input for session %s refused: %s", inp.session_id, error)
-                continue
-            works[inp.session_id] = _Work(out, self._session(inp.session_id), inp, inp.max_new_tokens)
+        plan = self.scheduler.schedule_step(inputs)
+        for index, error in plan.errors:
+            outputs[index].error = error
+        works = {item.session.session_id: Work(outputs[item.index], item.session, item.input, item.input.max_new_tokens)
+                 for item in plan.admitted}
 
-        prefill: list[tuple[_Work, ForwardSegment]] = []
+        prefill: list[tuple[Work, ForwardSegment]] = []
         for work in works.values():
             session, inp = work.session, work.inp
             pending = [session.pending_token] if session.pending_token is not None else []
@@ -335,14 +256,14 @@ class Engine:
                 work.output.preempted = True
                 work.remaining = 0
                 self._segment(work, token_ids, inp.embeds)  # kept in history: nothing is lost
-                session.pending_token = None
+                self.scheduler.consume_pending(session)
                 continue
-            session.stop_written = False      # consumed: this step's first hidden state follows the stop token
+            self.scheduler.clear_stop_written(session)
             if not token_ids and inp.embeds is None:
                 work.first_hidden = session.last_hidden
                 continue
             seg = self._segment(work, token_ids, inp.embeds)
-            session.pending_token = None
+            self.scheduler.consume_pending(session)
             if seg is not None:
                 prefill.append((work, seg))
 
@@ -364,139 +285,17 @@ class Engine:
             torch.cuda.synchronize(self.device)
         t1 = perf_counter()
 
-        rounds = self._decode(list(works.values()))
+        rounds = decode(self, list(works.values()))
         for work in works.values():
-            if work.last_token is not None:
-                work.session.pending_token = work.last_token
+            self.scheduler.finish_step(work.session, work.last_token, work.stop_written)
         self.scheduler.check_invariants()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.last_timing = StepTiming((t1 - t0) * 1e3, (perf_counter() - t1) * 1e3, self._forwards, rounds)
         return outputs
 
-    def _pipelinable(self, active: list[_Work]) -> bool:
-        """Greedy rounds of bounded sessions need no host sync per round (stop tokens are read a round late)."""
-        graphs = self.runner.graphs
-        return (self.config.policy.bounded and (graphs is None or len(active) <= graphs.buckets[-1])
-                and all(w.inp.sampling.greedy for w in active))
-
-    def _decode_pipelined(self, active: list[_Work]) -> int:
-        """Decode rounds whose sampled ids stay on the device and feed the next round directly.
-
-        The host does all bookkeeping (positions, blocks, rebasing) each round, since none of it depends
-        on token values. Stop tokens are read one round late, from a round that has already finished
-        (through a pinned host copy, so the host never waits for the round in flight): a session that
-        sampled a stop token in round r has been fed it in round r + 1 before the host knows, and leaves
-        from round r + 2. That write is the one its next step would make first (the stop token joins the
-        context either way), so the session ends the step with the stop token in its cache and nothing
-        pending, where the per-round path leaves it pending; the context is the same. Tokens sampled after
-        a stop are dropped.
-        """
-        ids = self.runner.compute_logits(torch.stack([w.first_hidden for w in active])).argmax(-1)
-        stops = any(w.inp.sampling.stop_token_ids for w in active)
-        sampled: list[_Sampled] = [_Sampled.of(active, ids, stops)]
-        current, rounds = active, 0
-        for w in active:
-            w.remaining -= 1
-        while True:
-            if stops and len(sampled) >= 2:   # the tokens fed in the round just launched: computed already
-                for w, token in sampled[-2].read():
-                    if token in w.inp.sampling.stop_token_ids:
-                        w.remaining = 0
-            live, keep, segments = [], [], []
-            for i, w in enumerate(current):
-                if w.remaining <= 0 or w.session.status is not SessionStatus.ACTIVE:
-                    continue
-                if (w.inp.sampling.stop_token_ids and self.scheduler.position_error(w.session, 1)
-                        and sampled[-1].token_of(w) in w.inp.sampling.stop_token_ids):
-                    # At the position limit the unread token cannot be fed; read it now (rare): a stop ends
-                    # the decode as the per-round path would, anything else fails the session there.
-                    w.remaining = 0
-                    continue
-                # The token stays on the device; [0] only holds its place (bounded: no history is kept).
-                seg = self._segment(w, [0])
-                if seg is not None:
-                    live.append(w)
-                    keep.append(i)
-                    segments.append(seg)
-            if not live:
-                break
-            if len(live) != len(current):
-                ids = ids.index_select(0, torch.tensor(keep).to(ids.device, non_blocking=True))
-            _, hidden = self._forward(segments, {}, input_ids=ids)
-            rounds += 1
-            ids = self.runner.compute_logits(hidden).argmax(-1)
-            sampled.append(_Sampled.of(live, ids, stops))
-            for w in live:
-                w.remaining -= 1
-            current = live
-        per_work: dict[int, list[int]] = {id(w): [] for w in active}
-        for round_ in sampled:  # without stop tokens, the step's one device->host read of the tokens
-            for w, token in round_.read():
-                per_work[id(w)].append(token)
-        for w in active:
-            self._finish_pipelined(w, per_work[id(w)])
-        return rounds
-
-    @staticmethod
-    def _finish_pipelined(w: _Work, tokens: list[int]) -> None:
-        """A session's sampled tokens, in order: every one but the last was fed to the next round."""
-        stop_at = next((i for i, t in enumerate(tokens) if t in w.inp.sampling.stop_token_ids), None)
-        if stop_at is None:
-            w.output.token_ids.extend(tokens)
-            w.last_token = tokens[-1] if tokens else None
-            return
-        w.output.token_ids.extend(tokens[:stop_at + 1])
-        w.output.finished = True
-        w.remaining = 0
-        if stop_at < len(tokens) - 1:
-            if stop_at != len(tokens) - 2:
-                raise InvariantError("a session decoded more than one round past its stop token")
-            w.last_token = None      # the stop token was fed: it is in the cache already
-            w.session.stop_written = True
-        else:
-            w.last_token = tokens[stop_at]
-
-    def _decode(self, works: list[_Work]) -> int:
-        """Sample the first token from each session's last hidden state, then decode in shared rounds."""
-        active = [w for w in works if w.remaining > 0 and w.first_hidden is not None
-                  and w.session.status is SessionStatus.ACTIVE]
-        if active and self._pipelinable(active):
-            return self._decode_pipelined(active)
-        if active:
-            logits = self.runner.compute_logits(torch.stack([w.first_hidden for w in active]))
-            self._emit(active, logits)
-        rounds = 0
-        while True:
-            active = [w for w in works if w.remaining > 0 and w.session.status is SessionStatus.ACTIVE]
-            if not active:
-                return rounds
-            segments, owners = [], {}
-            for w in active:
-                seg = self._segment(w, [w.last_token])
-                if seg is not None:
-                    w.last_token = None
-                    segments.append(seg)
-                    owners[id(seg)] = w
-            if not segments:
-                continue
-            kept, hidden = self._forward(segments, {w.session.session_id: w for w in active})
-            rounds += 1
-            if kept:
-                self._emit([owners[id(seg)] for seg in kept], self.runner.compute_logits(hidden))
-
-    def _emit(self, works: list[_Work], logits: torch.Tensor) -> None:
-        tokens = sample(logits, [w.inp.sampling for w in works], self.generator)
-        for w, token in zip(works, tokens):
-            w.output.token_ids.append(token)
-            w.last_token = token
-            w.remaining -= 1
-            if token in w.inp.sampling.stop_token_ids:
-                w.output.finished = True
-                w.remaining = 0
-
     # ------------------------------------------------------------------ prompt logprobs
-    def _logprob_context(self, work: _Work, pending: list[int]) -> list[float | None]:
+    def _logprob_context(self, work: Work, pending: list[int]) -> list[float | None]:
         """Start the prompt logprobs: the first input token is predicted by what came before it."""
         token_ids = list(work.inp.token_ids)
         if not token_ids:
@@ -507,7 +306,7 @@ class Engine:
         first = torch.log_softmax(logits, -1)[0, token_ids[0]].item()
         return [first] + [None] * (len(token_ids) - 1)
 
-    def _fill_prompt_logprobs(self, work: _Work, rows: torch.Tensor) -> None:
+    def _fill_prompt_logprobs(self, work: Work, rows: torch.Tensor) -> None:
         """``rows`` are the hidden states of [pending?] + input tokens; row i predicts token i + 1."""
         token_ids = list(work.inp.token_ids)
         lead = len(rows) - len(token_ids)  # 1 when a pending token led the segment

@@ -1,13 +1,21 @@
-"""What one step takes and returns per session."""
+"""What a step takes and returns per session, and the typed hand-offs inside a step.
+
+The scheduler turns a step's inputs into a ``StepPlan`` and every forward into a ``ForwardPlan``; the
+runner executes a ``ForwardPlan`` and returns a ``ForwardResult``, which the scheduler applies back.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
+import numpy as np
 import torch
 
 from metronome.errors import ConfigError
+
+if TYPE_CHECKING:
+    from metronome.engine.session import Session
 
 
 @dataclass(frozen=True)
@@ -71,3 +79,67 @@ class StepOutput:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+
+# ---------------------------------------------------------------------- hand-offs inside a step
+@dataclass(frozen=True)
+class ScheduledInput:
+    """An input the scheduler accepted: ``index`` is its place in the step's inputs."""
+
+    index: int
+    session: Session
+    input: StepInput
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """A step's inputs, sorted: those that run (in input order) and those refused, with why."""
+
+    admitted: tuple[ScheduledInput, ...]
+    errors: tuple[tuple[int, str], ...]   # (input index, reason)
+
+
+@dataclass
+class ForwardSegment:
+    """One session's new tokens in a forward: ``token_ids`` then optional ``embeds`` rows.
+
+    The runner reads the session (length, table, position base) and never writes it.
+    """
+
+    session: Session
+    token_ids: list[int]
+    embeds: torch.Tensor | None = None  # [n, hidden]
+
+    def __len__(self) -> int:
+        return len(self.token_ids) + (0 if self.embeds is None else int(self.embeds.shape[0]))
+
+
+@dataclass(frozen=True)
+class RebasePlan:
+    """Keys to re-rotate before the forward: ``slots[i]`` moves by ``deltas[rows[i]]`` positions."""
+
+    slots: np.ndarray            # [K] int64 flat cache slots
+    rows: np.ndarray             # [K] int32 index into deltas
+    deltas: tuple[int, ...]      # one negative shift per moving session
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    """One forward, as the scheduler decided it. Blocks for every segment are allocated already."""
+
+    segments: tuple[ForwardSegment, ...]      # what runs, in order
+    rebase: RebasePlan | None = None          # applied before the forward
+    preempted: tuple[int, ...] = ()           # session ids preempted to make room (Unbounded baseline)
+    release_below: tuple[int, ...] = ()       # per segment: window blocks below this go back after the forward
+
+    @property
+    def empty(self) -> bool:
+        return not self.segments
+
+
+@dataclass(frozen=True)
+class ForwardResult:
+    """What the runner returns: hidden states [T, hidden] and each segment's last row."""
+
+    hidden: torch.Tensor
+    last_rows: tuple[torch.Tensor, ...]

@@ -1,9 +1,9 @@
-"""ModelRunner: owns the device, the KV tensors and the model; turns segments into one forward.
+"""ModelRunner: owns the device, the KV tensors and the model; executes one ``ForwardPlan``.
 
-A *segment* is one session's new tokens for a forward: some token ids followed by optional
-embedding rows (audio encoders later). The runner packs all segments back to back, computes
-positions and slots with vectorised torch ops (no per-token Python), builds the attention metadata
-once and runs the model.
+A plan's segments are sessions' new tokens: some token ids followed by optional embedding rows. The
+runner applies the plan's rebase, packs the segments back to back, computes positions and slots with
+vectorised numpy (no per-token Python), builds the attention metadata once, runs the model and
+returns a ``ForwardResult``. It reads sessions through the plan and never changes them.
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ import torch
 from metronome.attention.metadata import PagedAttentionMetadata
 from metronome.attention.reference import TorchPagedAttention
 from metronome.config import EngineConfig
-from metronome.engine.blocks import sink_block_count
-from metronome.engine.scheduler import ForwardSegment, InvariantError
-from metronome.engine.session import Session
+from metronome.engine.policy import retention_for
+from metronome.engine.request import ForwardPlan, ForwardResult, ForwardSegment, RebasePlan
+from metronome.engine.scheduler import InvariantError
+from metronome.engine.session import window_slots  # noqa: F401  (its former home; benchmarks import it here)
 from metronome.models.llama import LlamaFamilyForCausalLM
 
 log = logging.getLogger(__name__)
@@ -37,45 +38,6 @@ def available_memory_bytes(device: torch.device) -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
-def window_slots(spans: list[tuple[Session, int, int]], block_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Flat cache slots of tokens ``[lo, hi)`` of each ``(session, lo, hi)``, back to back (all live), and
-    the span each token belongs to: what a rebase re-rotates. Vectorised over blocks: per-session tensors
-    took 24 ms of host time for 320 sessions' 1,024-token windows, this 6-8 ms (bench/rebase_slots_host.py).
-
-    >>> s = Session(session_id=1, reservation=8, sink_count=1, block_size=4, opened_seq=0)
-    >>> for b in (10, 11, 12, 13): s.append_block(b)
-    >>> s.num_tokens = 16
-    >>> s.release_window_blocks_below(2)      # logical block 1 leaves the window
-    [11]
-    >>> slots, span = window_slots([(s, 1, 3), (s, 10, 13)], block_size=4)
-    >>> slots.tolist(), span.tolist()         # block 10 holds tokens 0-3; block 12 tokens 8-11, 13 12-15
-    ([41, 42, 50, 51, 52], [0, 0, 1, 1, 1])
-    """
-    blocks, logical, block_lo, block_hi, per_span = [], [], [], [], []
-    for s, lo, hi in spans:
-        b0, b1 = lo // block_size, (hi - 1) // block_size + 1       # logical blocks [b0, b1)
-        row, n_sink = s.table_row(), len(s.sink_blocks)
-        # table_row is sink blocks, then window blocks: logical b sits in column b among the sinks, else
-        # in column n_sink + b - window_first (as Session.physical reads it).
-        w0 = max(b0, n_sink)
-        if b1 > w0 and (w0 < s.window_first or b1 > s.window_first + len(s.window_blocks)):
-            raise ValueError(f"session {s.session_id}: tokens [{lo}, {hi}) are not all in live blocks")
-        found = row[b0:min(b1, n_sink)] + row[n_sink + w0 - s.window_first:n_sink + b1 - s.window_first]
-        blocks += found
-        logical.extend(range(b0, b1))
-        block_lo.append(lo)
-        block_hi.append(hi)
-        per_span.append(b1 - b0)
-    counts = np.asarray(per_span, dtype=np.int64)
-    first_token = np.asarray(logical, dtype=np.int64) * block_size
-    within = np.arange(block_size, dtype=np.int64)
-    tokens = first_token[:, None] + within                            # [blocks, block_size]
-    keep = (tokens >= np.repeat(block_lo, counts)[:, None]) & (tokens < np.repeat(block_hi, counts)[:, None])
-    slots = (np.asarray(blocks, dtype=np.int64)[:, None] * block_size + within)[keep]
-    span = np.repeat(np.arange(len(spans), dtype=np.int32), [hi - lo for _, lo, hi in spans])
-    return slots, span
 
 
 def _pack(arrays: list[np.ndarray], align: int = 16) -> tuple[np.ndarray, list[tuple[int, int]]]:
@@ -104,8 +66,9 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
         self.policy = config.policy
+        self.retention = retention_for(config.policy)
         self.block_size = config.policy.block_size
-        self.sink_blocks = sink_block_count(config.policy)
+        self.sink_blocks = self.retention.sink_blocks
         self.num_blocks = num_blocks
         # One block past the pool is scratch: padded rows of captured decode graphs write their K/V there.
         shape = (num_blocks + 1, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
@@ -129,14 +92,14 @@ class ModelRunner:
             self._warm_up_kernels()
 
     def _warm_up_kernels(self) -> None:
-        """Compile the Triton kernels a step may launch for the first time mid-run (about a second each on an
-        H200, which inside a tick is a one-off tick of over a second): every attention variant, and the
-        re-rotation of rebasing windows. They touch only the scratch block."""
+        """Compile the Triton kernels a step may launch for the first time mid-run (a compile inside a tick
+        blows its deadline): every attention variant, and the re-rotation of rebasing windows. They touch
+        only the scratch block."""
         k, v = self.kv_caches[0]
         if not isinstance(self.attention, TorchPagedAttention):
             self.attention.warm_up(k, v, block_size=self.block_size,
-                                   sinks=self.policy.sinks if self.policy.bounded else 0,
-                                   window=self.policy.window, sink_blocks=self.sink_blocks,
+                                   sinks=self.retention.sinks, window=self.retention.window,
+                                   sink_blocks=self.sink_blocks,
                                    block=self.num_blocks, dtype=self.dtype)
         if self.policy.bounded:  # any bounded session may ask for rebased positions at open_session
             from metronome.models.rope_triton import rerotate_keys_
@@ -149,8 +112,8 @@ class ModelRunner:
     # ------------------------------------------------------------------ forward
     def _metadata(self, segments: list[ForwardSegment]) -> tuple[PagedAttentionMetadata, torch.Tensor]:
         """The forward's attention metadata and positions, computed on the host (numpy) and sent in two
-        pinned copies: device-side construction from host lists made a pageable copy per list (each waits
-        for the GPU's queued work) and ``repeat_interleave`` a device-to-host sync per forward."""
+        pinned copies: built on the device from host lists, each list would be a pageable copy (waiting for
+        the GPU's queued work) and ``repeat_interleave`` a device-to-host sync."""
         bs, n = self.block_size, len(segments)
         query_lens = [len(s) for s in segments]
         starts = [s.session.num_tokens for s in segments]
@@ -167,8 +130,7 @@ class ModelRunner:
         token_index = np.asarray(starts, dtype=np.int64)[seq] + np.arange(len(seq)) - query_start[:-1][seq]
         base = np.fromiter((s.session.position_base for s in segments), dtype=np.int64, count=n)
         window_first = np.fromiter((s.session.window_first for s in segments), dtype=np.int64, count=n)
-        logical = token_index // bs
-        column = np.where(logical < self.sink_blocks, logical, self.sink_blocks + logical - window_first[seq])
+        column = self.retention.column(token_index // bs, window_first[seq])
         if len(column) and ((column < 0) | (column >= row_lens[seq])).any():
             raise InvariantError("a forward's new token has no live block (the engine allocates first)")
         slot_mapping = table[seq, column].astype(np.int64) * bs + token_index % bs
@@ -179,8 +141,8 @@ class ModelRunner:
             on_device[a:a + length] for a, length in spans)
         meta = PagedAttentionMetadata(
             block_size=bs,
-            sinks=self.policy.sinks if self.policy.bounded else 0,
-            window=self.policy.window,
+            sinks=self.retention.sinks,
+            window=self.retention.window,
             sink_blocks=self.sink_blocks,
             query_lens=query_lens,
             context_lens=context_lens,
@@ -214,7 +176,7 @@ class ModelRunner:
     def forward(self, segments: list[ForwardSegment], input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Write every segment's K/V and return final hidden states [T, hidden], segments back to back.
 
-        Each session's block table must already cover its new tokens (the engine allocates first).
+        Each session's block table must already cover its new tokens (the scheduler allocates first).
         ``input_ids`` (decode rounds: one token per segment): this round's tokens as a device tensor, used
         in place of the segments' token ids, so the tokens sampled last round never visit the host.
         """
@@ -234,7 +196,22 @@ class ModelRunner:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden).float()
 
-    # ------------------------------------------------------------------ rebase
+    @torch.inference_mode()
+    def execute(self, plan: ForwardPlan, input_ids: torch.Tensor | None = None) -> ForwardResult:
+        """Apply the plan's rebase, run its segments and return their hidden states and each last row."""
+        if plan.rebase is not None:
+            self.rebase(plan.rebase)
+        if plan.empty:
+            return ForwardResult(torch.empty(0), ())
+        hidden = self.forward(list(plan.segments), input_ids)
+        # One op for the whole batch (per-row indexing costs microseconds each, every round).
+        if len(hidden) == len(plan.segments):
+            rows = hidden.unbind(0)
+        else:
+            ends = torch.tensor([len(seg) for seg in plan.segments]).cumsum(0).sub_(1)
+            rows = hidden.index_select(0, ends.to(hidden.device, non_blocking=True)).unbind(0)
+        return ForwardResult(hidden, tuple(rows))
+
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` on the runner's device without a blocking copy: a CPU tensor goes through pinned
         memory on CUDA (a copy from pageable memory may first wait for the GPU's queued work)."""
@@ -242,37 +219,36 @@ class ModelRunner:
             return tensor.pin_memory().to(self.device, non_blocking=True)
         return tensor.to(self.device, non_blocking=True)
 
+    # ------------------------------------------------------------------ rebase
     @torch.inference_mode()
-    def rebase(self, moves: list[tuple[Session, int]]) -> None:
-        """Move each session's attendable window keys ``delta`` positions back: ``R(-delta)`` in place.
+    def rebase(self, plan: RebasePlan) -> None:
+        """Re-rotate the planned keys in place by ``R(delta)``, all sessions of a forward at once.
 
-        All sessions of a forward at once, one launch per layer for the lot (per session and layer it was
-        ~7 small kernels each, thousands of launches a tick at N = 128): on CUDA one Triton kernel that
-        rotates each key in place; elsewhere a gather, rotation and scatter.
+        One launch per layer for the lot: on CUDA one Triton kernel that rotates each key in place;
+        elsewhere a gather, rotation and scatter.
         """
-        spans, deltas = [], []
-        for session, delta in moves:
-            lo = max(self.policy.sinks, session.num_tokens - (self.policy.window or 0))
-            if lo < session.num_tokens:
-                spans.append((session, lo, session.num_tokens))
-                deltas.append(-delta)
-        if spans:
-            slots, rows = window_slots(spans, self.block_size)
-            slots_dev = self.to_device(torch.from_numpy(slots))
-            rows = self.to_device(torch.from_numpy(rows))
-            deltas_dev = self.to_device(torch.tensor(deltas))
-            cos, sin = self.model.rotary.shift_tables(deltas_dev)  # [sessions, D], one row per moving session
-            if self.device.type == "cuda":
-                from metronome.models.rope_triton import rerotate_keys_
+        slots_dev = self.to_device(torch.from_numpy(plan.slots))
+        rows = self.to_device(torch.from_numpy(plan.rows))
+        deltas_dev = self.to_device(torch.tensor(plan.deltas))
+        cos, sin = self.model.rotary.shift_tables(deltas_dev)  # [sessions, D], one row per moving session
+        if self.device.type == "cuda":
+            from metronome.models.rope_triton import rerotate_keys_
 
-                half = cos.shape[1] // 2
-                cos, sin = cos[:, :half].contiguous(), sin[:, :half].contiguous()
-                for k_cache, _ in self.kv_caches:
-                    rerotate_keys_(k_cache, slots_dev, rows, cos, sin)
-            else:
-                cos, sin = cos[rows.long()], sin[rows.long()]
-                for k_cache, _ in self.kv_caches:
-                    flat = k_cache.view(-1, self.spec.num_kv_heads, self.spec.head_dim)
-                    flat.index_copy_(0, slots_dev, self.model.rotary.apply(flat.index_select(0, slots_dev), cos, sin))
-        for session, delta in moves:
-            session.position_base += delta
+            half = cos.shape[1] // 2
+            cos, sin = cos[:, :half].contiguous(), sin[:, :half].contiguous()
+            for k_cache, _ in self.kv_caches:
+                rerotate_keys_(k_cache, slots_dev, rows, cos, sin)
+        else:
+            cos, sin = cos[rows.long()], sin[rows.long()]
+            for k_cache, _ in self.kv_caches:
+                flat = k_cache.view(-1, self.spec.num_kv_heads, self.spec.head_dim)
+                flat.index_copy_(0, slots_dev, self.model.rotary.apply(flat.index_select(0, slots_dev), cos, sin))
+
+    # ------------------------------------------------------------------ teardown
+    def close(self) -> None:
+        """Drop the graphs, the KV tensors, the attention backend and the model (the caller empties the
+        CUDA cache once nothing else holds them)."""
+        self.graphs = None
+        self.kv_caches = []
+        self.attention = None
+        self.model = None

@@ -23,6 +23,7 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -115,3 +116,42 @@ class Session:
     def table_row(self) -> list[int]:
         """The compact table: sink blocks, then window blocks (what attention metadata carries)."""
         return self.sink_blocks + list(self.window_blocks)
+
+
+def window_slots(spans: list[tuple[Session, int, int]], block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Flat cache slots of tokens ``[lo, hi)`` of each ``(session, lo, hi)``, back to back (all live), and
+    the span each token belongs to: what a rebase re-rotates. Vectorised over blocks, since a tick may
+    rebase hundreds of sessions' windows.
+
+    >>> s = Session(session_id=1, reservation=8, sink_count=1, block_size=4, opened_seq=0)
+    >>> for b in (10, 11, 12, 13): s.append_block(b)
+    >>> s.num_tokens = 16
+    >>> s.release_window_blocks_below(2)      # logical block 1 leaves the window
+    [11]
+    >>> slots, span = window_slots([(s, 1, 3), (s, 10, 13)], block_size=4)
+    >>> slots.tolist(), span.tolist()         # block 10 holds tokens 0-3; block 12 tokens 8-11, 13 12-15
+    ([41, 42, 50, 51, 52], [0, 0, 1, 1, 1])
+    """
+    blocks, logical, block_lo, block_hi, per_span = [], [], [], [], []
+    for s, lo, hi in spans:
+        b0, b1 = lo // block_size, (hi - 1) // block_size + 1       # logical blocks [b0, b1)
+        row, n_sink = s.table_row(), len(s.sink_blocks)
+        # table_row is sink blocks, then window blocks: logical b sits in column b among the sinks, else
+        # in column n_sink + b - window_first (as Session.physical reads it).
+        w0 = max(b0, n_sink)
+        if b1 > w0 and (w0 < s.window_first or b1 > s.window_first + len(s.window_blocks)):
+            raise ValueError(f"session {s.session_id}: tokens [{lo}, {hi}) are not all in live blocks")
+        found = row[b0:min(b1, n_sink)] + row[n_sink + w0 - s.window_first:n_sink + b1 - s.window_first]
+        blocks += found
+        logical.extend(range(b0, b1))
+        block_lo.append(lo)
+        block_hi.append(hi)
+        per_span.append(b1 - b0)
+    counts = np.asarray(per_span, dtype=np.int64)
+    first_token = np.asarray(logical, dtype=np.int64) * block_size
+    within = np.arange(block_size, dtype=np.int64)
+    tokens = first_token[:, None] + within                            # [blocks, block_size]
+    keep = (tokens >= np.repeat(block_lo, counts)[:, None]) & (tokens < np.repeat(block_hi, counts)[:, None])
+    slots = (np.asarray(blocks, dtype=np.int64)[:, None] * block_size + within)[keep]
+    span = np.repeat(np.arange(len(spans), dtype=np.int32), [hi - lo for _, lo, hi in spans])
+    return slots, span

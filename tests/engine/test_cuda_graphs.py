@@ -6,7 +6,7 @@ import pytest
 
 from metronome import Engine, EngineConfig, KVPolicy, StepInput
 from metronome.engine.cuda_graphs import staging_rows
-from metronome.engine.scheduler import ForwardSegment
+from metronome.engine.request import ForwardSegment
 
 
 @pytest.mark.parametrize("window", [None, 8])
@@ -22,7 +22,8 @@ def test_staging_rows_carry_each_sessions_slot_position_and_live_table(checkpoin
         engine.step([StepInput(sid, token_ids=[rng.randrange(128) for _ in range(length)])])
     sessions = [engine.scheduler.sessions[s] for s in sids]
     segments = [ForwardSegment(s, [11 + i]) for i, s in enumerate(sessions)]
-    kept, _ = engine.scheduler.allocate(segments)
+    plan = engine.scheduler.schedule_forward(segments)
+    kept = plan.segments
     assert len(kept) == 3
     rows = staging_rows(segments, 4)
     tables = [s.table_row() for s in sessions]

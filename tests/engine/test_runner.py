@@ -69,6 +69,7 @@ def test_metadata_refuses_a_new_token_without_a_live_block():
 
     import torch
 
+    from metronome.engine.policy import SinkWindow
     from metronome.engine.runner import ModelRunner
     from metronome.engine.scheduler import InvariantError
 
@@ -80,7 +81,7 @@ def test_metadata_refuses_a_new_token_without_a_live_block():
         def __len__(self):
             return 3
 
-    runner = SimpleNamespace(block_size=4, sink_blocks=0, policy=SimpleNamespace(sinks=0, window=64, bounded=True),
+    runner = SimpleNamespace(block_size=4, sink_blocks=0, retention=SinkWindow(sinks=0, window=64, block_size=4),
                              to_device=lambda t: t)
     s.num_tokens = 5                                   # tokens 5-7: inside the second block
     meta, positions = ModelRunner._metadata(runner, [Segment()])
