@@ -1,7 +1,7 @@
 """Turn bookkeeping shared by the adapters that frame a session as chat turns (energy, cascade, omni).
 
 They stop an assistant answer at the model's own stop token (or at ``max_response_tokens``) and close
-the assistant turn on the next tick; these helpers are the pieces of that they have in common.
+the assistant turn on the next tick; these functions are the pieces of that they have in common.
 
 >>> class Chat: assistant_suffix = [2, 198]            # SmolLM2: <|im_end|> "\\n"
 >>> answer_close(Chat(), [504, 2])                      # the model emitted <|im_end|> itself

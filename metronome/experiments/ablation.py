@@ -1,4 +1,4 @@
-"""Experiment 5: window and sink ablation — tick latency and KV memory for several W and S.
+"""The ablation experiment: window and sink ablation — tick latency and KV memory for several W and S.
 
 Every (S, W) of the preset's grid runs N free-running sessions on a fresh server through the real
 gateway (``points.run_points``). Latency is measured in the steady state, once every session's window
@@ -61,7 +61,7 @@ GPU = AblationPreset(name="gpu", model="random:qwen2.5-7b", device="cuda", dtype
                      tokens_per_tick=25, sessions=128, runs=3, duration_s=300.0, steady_from_s=240.0, arrival_rate=8.0,
                      windows=(256, 1024, 4096), sinks=(0, 4, 16, 64), num_blocks=40000, block_size=16,
                      max_chunk_tokens=64, max_position_embeddings=32768, sample_s=1.0)
-# One device session's share (~7 min): W ∈ {256, 1024} × S ∈ {0, 16}, one 90-s run each; W = 1024 is full
+# About 7 minutes of an H200: W ∈ {256, 1024} × S ∈ {0, 16}, one 90-s run each; W = 1024 is full
 # ~42 s after a session arrives, so every window is full from ~58 s and frames from 70 s count as steady.
 GPU_SHORT = replace(GPU, name="gpu-short", runs=1, duration_s=90.0, steady_from_s=70.0, windows=(256, 1024),
                     sinks=(0, 16))

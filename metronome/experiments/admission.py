@@ -1,4 +1,4 @@
-"""Experiment 3, the admission ramp: offer far more sessions than fit, with the AIMD controller on.
+"""The admission experiment, a ramp: offer far more sessions than fit, with the AIMD controller on.
 
 Each arm is one fresh server (worker + gateway, ``server.py``) whose controller runs free: a small
 ``initial_cap``, ``min_cap = 1``, no static cap, target ``0.3·B`` and a KV pool whose memory capacity
@@ -86,7 +86,7 @@ GPU = AdmissionPreset(name="gpu", model="random:qwen2.5-7b", device="cuda", dtyp
                       tokens_per_tick=25, offered=512, arrival_rate=8.0, duration_s=180.0, num_blocks=40000,
                       block_size=16, sinks=16, window=1024, max_chunk_tokens=64, max_position_embeddings=32768,
                       scrape_s=0.5, sample_s=1.0, hold_s=60.0)   # churn: 8/s x 60 s = 480 offered concurrency
-# One device session: 150-s runs (arrivals end at 64 s; a window fills 42 s after its session arrives).
+# About 15 minutes of an H200: 150-s runs (arrivals end at 64 s; a window fills 42 s after its session arrives).
 GPU_SHORT = replace(GPU, name="gpu-short", duration_s=150.0)
 
 PRESETS = {"cpu": CPU, "gpu": GPU, "gpu-short": GPU_SHORT}

@@ -1,6 +1,6 @@
 """Run a list of load points, each on a FRESH server process (worker + gateway) with the load generator.
 
-Experiments 4 (recycling) and 5 (ablation) are plans of labelled points: ``Point(label, spec, load)``
+The recycling and ablation experiments are plans of labelled points: ``Point(label, spec, load)``
 where ``spec`` is ``server.py``'s JSON and ``load`` the ``LoadRun`` keywords. ``run_points`` runs them
 in order, shows a tqdm bar with the live p50 and KV fill, and rewrites ``raw.json`` after every point
 so an interrupted run keeps what it measured.

@@ -65,7 +65,7 @@ GPU = Preset(name="gpu", model="random:qwen2.5-7b", device="cuda", dtype="bfloat
              tokens_per_tick=25, sessions=(96, 128), runs=20, duration_s=300.0, arrival_rate=8.0, num_blocks=21600,
              block_size=16, sinks=16, window=1024, max_chunk_tokens=64, max_position_embeddings=32768, sample_s=1.0)
 
-# What one 30-minute device session holds: N = 128, R = 3 one-minute runs. W = 256 so that the bounded
+# What 30 minutes of an H200 hold: N = 128, R = 3 one-minute runs. W = 256 so that the bounded
 # arm's reservation (22 blocks) sits well below what the unbounded arm grows to within a minute; 5,400
 # blocks are filled by 128 Unbounded sessions (25 tokens/s each, arrived by 16 s) at ~35 s.
 GPU_SHORT = replace(GPU, name="gpu-short", sessions=(128,), runs=3, duration_s=60.0, num_blocks=5400, window=256)

@@ -1,4 +1,4 @@
-"""Experiment 6: quality with the packaged SmolLM2 (``smollm2-135m``, the engine's default model).
+"""The quality experiment: with the packaged SmolLM2 (``smollm2-135m``, the engine's default model).
 
 (a) **Perplexity** over a long public-domain text (the Nettle manual, ``speech.manual_paragraphs``),
 fed through the engine in ``chunk_tokens`` pieces with ``prompt_logprobs``, for: dense (Unbounded),

@@ -1,4 +1,4 @@
-"""Experiment 6's analysis and report: rolling perplexity per policy, probe accuracy by session age, plots and
+"""The quality experiment's analysis and report: rolling perplexity per policy, probe accuracy by session age, plots and
 markdown (pure functions of ``raw.json``; ``metronome bench quality --from raw.json`` re-runs them)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Experiment 4: application-level recycling vs the in-engine SinkWindow — latency against session age.
+"""The recycling experiment: application-level recycling vs the in-engine SinkWindow — latency against session age.
 
 Without a bounded KV policy in the engine, an application keeps a long session alive by *recycling*:
 every ``period_s`` (the paper: 30 s at B = 2 s; scaled by the preset) it ends the session's context and
@@ -21,12 +21,8 @@ p50/p99 per bin per arm; latency of the ticks in which a recycle happened vs the
 
 from __future__ import annotations
 
-import json
-import time
-from collections import deque
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from time import perf_counter
 
 import numpy as np
 
@@ -34,110 +30,6 @@ from metronome.experiments.cliff import frames
 from metronome.experiments.report import pyplot, write_outputs
 
 
-# ------------------------------------------------------------------------------------ the baseline
-@dataclass
-class _Context:
-    engine_id: int
-    opened: float                   # clock() when this context started
-    tail: deque                     # the last tail_tokens tokens the session consumed
-    recycles: int = 0
-
-
-class RecyclingEngine:
-    """An ``Engine`` look-alike that recycles each session's context every ``period_s`` of wall time.
-
-    Session ids it hands out are its own (stable across recycles); everything else (``config``,
-    ``tokenizer``, ``model``, ``stats`` ...) is the wrapped engine's. ``events`` lists every recycle:
-    when (``clock()``), which session, the context length ended, the tail re-prefilled and the time the
-    re-prefill took; with ``events_path`` each is also appended to that file as a JSON line (the
-    experiment runs the worker in another process).
-    """
-
-    def __init__(self, engine, period_s: float, tail_tokens: int, events_path: str | None = None,
-                 clock=time.monotonic) -> None:
-        if period_s <= 0 or tail_tokens < 0:
-            raise ValueError("period_s must be > 0 and tail_tokens >= 0")
-        self._engine = engine
-        self.period_s, self.tail_tokens = float(period_s), int(tail_tokens)
-        self.clock = clock
-        self.events: list[dict] = []
-        self._events_path = events_path
-        self._contexts: dict[int, _Context] = {}
-        self._next_id = 0
-        self._last_timing = None
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
-    @property
-    def last_timing(self):
-        return self._last_timing if self._last_timing is not None else self._engine.last_timing
-
-    def open_session(self, positions: str | None = None) -> int:
-        eid = self._engine.open_session(positions)
-        sid, self._next_id = self._next_id, self._next_id + 1
-        self._contexts[sid] = _Context(eid, self.clock(), deque(maxlen=self.tail_tokens or 1))
-        return sid
-
-    def close_session(self, session_id: int) -> None:
-        ctx = self._contexts.pop(session_id)
-        self._engine.close_session(ctx.engine_id)
-
-    def session_stats(self, session_id: int):
-        return self._engine.session_stats(self._contexts[session_id].engine_id)
-
-    def _recycle(self, due: list[tuple[int, _Context]]) -> float:
-        """End the due contexts, open fresh ones and prefill their tails (batched); returns ms spent."""
-        t0 = perf_counter()
-        chunk = self._engine.config.max_chunk_tokens
-        ended = {}
-        for sid, ctx in due:
-            ended[sid] = self._engine.session_stats(ctx.engine_id).num_tokens
-            self._engine.close_session(ctx.engine_id)
-            ctx.engine_id = self._engine.open_session()
-        from metronome import StepInput
-
-        tails = {sid: list(ctx.tail) if self.tail_tokens else [] for sid, ctx in due}
-        for k in range(0, max((len(t) for t in tails.values()), default=0), chunk):
-            batch = [StepInput(ctx.engine_id, token_ids=tails[sid][k:k + chunk]) for sid, ctx in due
-                     if tails[sid][k:k + chunk]]
-            if batch:
-                for out in self._engine.step(batch):
-                    if out.error:
-                        raise RuntimeError(f"re-prefill failed: {out.error}")
-        ms = (perf_counter() - t0) * 1e3
-        now = self.clock()
-        for sid, ctx in due:
-            ctx.opened, ctx.recycles = now, ctx.recycles + 1
-            event = {"t": now, "session": sid, "ended_tokens": ended[sid], "tail_tokens": len(tails[sid]),
-                     "batch": len(due), "ms": round(ms, 3)}
-            self.events.append(event)
-            if self._events_path:
-                with open(self._events_path, "a") as f:
-                    f.write(json.dumps(event) + "\n")
-        return ms
-
-    def step(self, inputs):
-        now = self.clock()
-        due = [(inp.session_id, self._contexts[inp.session_id]) for inp in inputs
-               if inp.session_id in self._contexts and now - self._contexts[inp.session_id].opened >= self.period_s]
-        recycle_ms = self._recycle(due) if due else 0.0
-        mapped = [replace(inp, session_id=self._contexts[inp.session_id].engine_id)
-                  if inp.session_id in self._contexts else replace(inp, session_id=-1 - inp.session_id)
-                  for inp in inputs]
-        outputs = self._engine.step(mapped)
-        for inp, out in zip(inputs, outputs):
-            out.session_id = inp.session_id
-            ctx = self._contexts.get(inp.session_id)
-            if ctx is not None and not out.error and self.tail_tokens:
-                ctx.tail.extend(int(t) for t in (inp.token_ids or ()))
-                ctx.tail.extend(int(t) for t in out.token_ids)
-        t = self._engine.last_timing
-        self._last_timing = replace(t, prefill_ms=t.prefill_ms + recycle_ms) if recycle_ms else t
-        return outputs
-
-
-# ------------------------------------------------------------------------------------ presets
 @dataclass(frozen=True)
 class RecyclingPreset:
     name: str
@@ -182,7 +74,7 @@ GPU = RecyclingPreset(name="gpu", model="random:qwen2.5-7b", device="cuda", dtyp
                       num_blocks=32768, block_size=16, sinks=16, window=1024, max_chunk_tokens=64,
                       max_position_embeddings=32768, recycle_s=30.0, tail_tokens=1024, age_bin_s=10.0,
                       sample_s=1.0)
-# One device session's share (~4 min): N = 64, one 100-s run per arm (three recycles per session).
+# About 4 minutes of an H200: N = 64, one 100-s run per arm (three recycles per session).
 GPU_SHORT = replace(GPU, name="gpu-short", sessions=(64,), runs=1, duration_s=100.0)
 
 PRESETS = {"cpu": CPU, "gpu": GPU, "gpu-short": GPU_SHORT}

@@ -47,8 +47,8 @@ async def start_worker(spec: dict):
         engine = await loop.run_in_executor(None, random_engine, engine_cfg, spec["model"])
     else:
         engine = await loop.run_in_executor(None, Engine, engine_cfg)
-    if spec.get("recycle"):   # experiment 4: application-level recycling over the same engine
-        from metronome.experiments.recycling import RecyclingEngine
+    if spec.get("recycle"):   # the recycling experiment: application-level recycling over the same engine
+        from metronome.experiments.recycling_engine import RecyclingEngine
 
         engine = RecyclingEngine(engine, **spec["recycle"])
     return await serve_worker(config, engine=engine)

@@ -1,12 +1,12 @@
 """Real speech for the experiments, synthesised offline with ``espeak-ng`` (nothing is downloaded).
 
 Two kinds of material, as the paper's load: short **questions with known answers** (the probe of
-experiment 6 scores whether the reply contains the expected word) and **long read-aloud text**.
+the quality experiment scores whether the reply contains the expected word) and **long read-aloud text**.
 The read-aloud text is the Nettle cryptography library's manual (Niels Möller et al.), which says of
 itself "This manual is placed in the public domain"; its prose paragraphs were extracted from
 ``/usr/share/doc/nettle-dev/nettle.html`` (Debian package ``nettle-dev``) into ``data/nettle_manual.txt``
 (``extract_manual`` rebuilds it), so machines without that package (the GPU box) read the same words.
-Experiment 6's perplexity runs over the same text.
+The quality experiment's perplexity runs over the same text.
 
 ``speech_stream`` lays read-aloud paragraphs and questions end to end with short pauses, seeded, as
 float32 16 kHz; ``loadgen`` streams it (looped) in 20 ms chunks. espeak-ng is deterministic, so a

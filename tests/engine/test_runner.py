@@ -1,4 +1,4 @@
-"""ModelRunner helpers: the rebase's slot list (``window_slots``) against ``Session.physical`` token by token."""
+"""ModelRunner functions: the rebase's slot list (``window_slots``) against ``Session.physical`` token by token."""
 
 from __future__ import annotations
 

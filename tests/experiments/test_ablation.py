@@ -1,4 +1,4 @@
-"""Experiment 5 (window and sink ablation): steady-state analysis on synthetic points, and one short real point."""
+"""Window and sink ablation: steady-state analysis on synthetic points, and one short real point."""
 
 import asyncio
 from dataclasses import replace

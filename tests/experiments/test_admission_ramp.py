@@ -1,4 +1,4 @@
-"""Experiment 3 (admission ramp): the analysis on a synthetic trace, and a short real run through the gateway."""
+"""The admission ramp: the analysis on a synthetic trace, and a short real run through the gateway."""
 
 import asyncio
 import json

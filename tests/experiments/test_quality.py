@@ -1,4 +1,4 @@
-"""Experiment 6 (quality): perplexity through the engine against transformers on a tiny model, the probe's
+"""Quality: perplexity through the engine against transformers on a tiny model, the probe's
 schedule and scoring on synthetic ticks, and a short probe run (tiny model, stub ASR)."""
 
 import math

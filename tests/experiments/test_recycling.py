@@ -1,4 +1,4 @@
-"""Experiment 4 (recycling vs SinkWindow): the application-level baseline over a real engine, the
+"""Recycling vs SinkWindow: the application-level baseline over a real engine, the
 age/recycle analysis on synthetic frames, and a few seconds through the real gateway."""
 
 import asyncio
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from metronome.experiments.loadgen import LoadRun
-from metronome.experiments.recycling import (CPU, RecyclingEngine, age_profile, analyse, analyse_point, recycle_frames,
-                                         write_report)
+from metronome.experiments.recycling import CPU, age_profile, analyse, analyse_point, recycle_frames, write_report
+from metronome.experiments.recycling_engine import RecyclingEngine
 from metronome.experiments.server import start
 from metronome import Engine, EngineConfig, KVPolicy, StepInput
 

@@ -1,4 +1,4 @@
-"""Speech for the load generator (espeak-ng, offline) and the public-domain text; the CLI for experiments 4-6."""
+"""Speech for the load generator (espeak-ng, offline) and the public-domain text; the CLI for recycling, ablation and quality."""
 
 import argparse
 import gzip
@@ -60,7 +60,7 @@ def _parser():
     return p
 
 
-def test_metronome_bench_reanalyses_experiments_4_to_6(tmp_path):
+def test_metronome_bench_reanalyses_recycling_ablation_quality(tmp_path):
     from tests.experiments.test_ablation import _point
     from tests.experiments.test_recycling import _synthetic_point
 
