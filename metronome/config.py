@@ -13,6 +13,10 @@ from typing import Literal
 
 from metronome.errors import ConfigError
 
+# The paper's frame period B: the default of every adapter whose model does not fix its own
+# (audio/registry.py holds each adapter's B; a gateway given none adopts its workers').
+DEFAULT_BUDGET_MS = 2000.0
+
 PositionMode = Literal["absolute", "rebased"]
 
 
@@ -114,7 +118,7 @@ class AimdConfig:
     ``slow_start`` (1 turns this off), bounded by what the measured latency projects to fit.
     """
 
-    budget_ms: float = 2000.0
+    budget_ms: float = DEFAULT_BUDGET_MS   # the gateway sets its own B here
     target_fraction: float = 0.3
     backoff: float = 0.9
     step: int = 1
