@@ -13,6 +13,10 @@ from typing import Literal
 
 from metronome.errors import ConfigError
 
+# The paper's frame period B: the default of every adapter whose model does not fix its own
+# (audio/registry.py holds each adapter's B; a gateway given none adopts its workers').
+DEFAULT_BUDGET_MS = 2000.0
+
 PositionMode = Literal["absolute", "rebased"]
 
 
@@ -104,7 +108,7 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class AimdConfig:
-    """Admission controller settings (see ``serving/admission.py``).
+    """Admission controller settings (see ``serving/gateway/admission.py``).
 
     The controller reads each tick's latency and moves the session cap: multiplicative decrease by
     ``backoff`` when the robust latency statistic over the last ``window`` ticks exceeds
@@ -114,7 +118,7 @@ class AimdConfig:
     ``slow_start`` (1 turns this off), bounded by what the measured latency projects to fit.
     """
 
-    budget_ms: float = 2000.0
+    budget_ms: float = DEFAULT_BUDGET_MS   # the gateway sets its own B here
     target_fraction: float = 0.3
     backoff: float = 0.9
     step: int = 1
@@ -156,12 +160,15 @@ class GatewayConfig:
     Input goes to the worker as it arrives, every ``stream_interval_ms``, so that at the tick only the
     remainder crosses the wire (``StreamStep``); at ``stream_interval_ms >= budget_ms`` each tick's input
     goes in one message at the tick.
+
+    ``budget_ms=None``: adopt the frame budget B the workers report (their adapter's); a given B must
+    equal every worker's, and a worker that reports another is not used.
     """
 
     workers: tuple[str, ...] = ("127.0.0.1:50051",)
     host: str = "127.0.0.1"
     port: int = 8000
-    budget_ms: float = 2000.0
+    budget_ms: float | None = None
     tokens_per_tick: int = 25
     max_sessions: int | None = None       # static cap, combined with the controller's
     api_key: str | None = None
@@ -181,8 +188,8 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if not self.workers:
             raise ConfigError("the gateway needs at least one worker address")
-        if self.budget_ms <= 0 or self.tokens_per_tick < 0:
-            raise ConfigError("budget_ms must be > 0 and tokens_per_tick >= 0")
+        if (self.budget_ms is not None and self.budget_ms <= 0) or self.tokens_per_tick < 0:
+            raise ConfigError("budget_ms must be > 0 (or None: the workers') and tokens_per_tick >= 0")
         if self.max_sessions is not None and self.max_sessions < 0:
             raise ConfigError(f"max_sessions must be >= 0, got {self.max_sessions}")
         if self.max_message_bytes < 1024 or self.send_queue_events < 8 or self.max_messages_per_s <= 0:
@@ -196,5 +203,5 @@ class GatewayConfig:
             raise ConfigError(f"controller must be 'aimd' or 'paper', got {self.controller!r}")
         if not self.stream_interval_ms > 0:
             raise ConfigError(f"stream_interval_ms must be > 0, got {self.stream_interval_ms}")
-        if self.aimd.budget_ms != self.budget_ms:
+        if self.budget_ms is not None and self.aimd.budget_ms != self.budget_ms:
             object.__setattr__(self, "aimd", replace(self.aimd, budget_ms=self.budget_ms))

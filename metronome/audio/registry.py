@@ -1,7 +1,11 @@
-"""The interaction adapters a worker can run, by name (kept free of heavy imports for the CLI).
+"""The interaction adapters a worker can run, by name, and the frame budget B each is built for.
 
-``resolve_adapter`` picks the adapter and frame budget a checkpoint needs when the user asks for
-``auto``: an omni model's own audio path at the paper's budget, else the speech cascade.
+The omni models' adapters come from their records (``models/omni/registry.py``); the two model-agnostic
+adapters are listed here. Nothing heavy is imported until an adapter is built (the cascade loads
+Whisper, the omni adapters their audio encoders), so the CLI can read this table at start-up.
+
+``resolve_adapter`` picks the adapter and B a checkpoint needs when the user asks for ``auto``: an omni
+model's own audio path at its B, else the speech cascade.
 
 >>> resolve_adapter("smollm2-135m", "auto", None)
 ('cascade', 2000.0)
@@ -12,29 +16,51 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
-# name -> "module:callable"; the callable takes an AdapterContext and returns the adapter. Imported
-# only when chosen (the cascade loads Whisper, the omni adapters their audio encoders).
-ADAPTERS = {
-    "cascade": "metronome.audio.cascade:CascadeAdapter.from_context",
-    "energy": "metronome.audio.energy_tokens:EnergyTokenAdapter.from_context",
-    "qwen2_5_omni": "metronome.audio.omni.qwen2_5_omni:build_adapter",
-    "qwen3_omni": "metronome.audio.omni.qwen3_omni:build_adapter",
-    "minicpm_o": "metronome.audio.omni.minicpm_o:build_adapter",
-    "moshi": "metronome.audio.omni.moshi:build_adapter",
-}
+from metronome.config import DEFAULT_BUDGET_MS
+from metronome.models.omni.registry import OMNI_MODELS, omni_model, resolve
 
-# config.json model_type -> the adapter of that model's own audio path.
-MODEL_TYPE_ADAPTERS = {
-    "qwen2_5_omni": "qwen2_5_omni", "qwen2_5_omni_thinker": "qwen2_5_omni",
-    "qwen3_omni_moe": "qwen3_omni", "qwen3_omni_moe_thinker": "qwen3_omni",
-    "minicpmo": "minicpm_o",
-    "moshi": "moshi",
-}
 
-# The frame budget B each adapter is built for (the paper's per-model periods); others: 2 s.
-DEFAULT_BUDGET_MS = {"moshi": 80.0, "minicpm_o": 1000.0}
+@dataclass(frozen=True)
+class AdapterRecord:
+    name: str
+    factory: str        # "module:attr": called with an AdapterContext, returns the adapter
+    budget_ms: float    # the default frame budget B
+
+
+_RECORDS = (
+    AdapterRecord("cascade", "metronome.audio.cascade:CascadeAdapter.from_context", DEFAULT_BUDGET_MS),
+    AdapterRecord("energy", "metronome.audio.energy_tokens:EnergyTokenAdapter.from_context", DEFAULT_BUDGET_MS),
+    *(AdapterRecord(m.name, m.adapter, m.budget_ms) for m in OMNI_MODELS),
+)
+RECORDS = {r.name: r for r in _RECORDS}
+
+# Views of the records: name -> factory reference; config.json model_type -> the adapter of that
+# model's own audio path.
+ADAPTERS = {name: r.factory for name, r in RECORDS.items()}
+MODEL_TYPE_ADAPTERS = {t: m.name for m in OMNI_MODELS for t in m.model_types}
+
+
+def adapter_record(name: str) -> AdapterRecord:
+    if name not in RECORDS:
+        raise ValueError(f"adapter must be one of {tuple(RECORDS)}, got {name!r}")
+    return RECORDS[name]
+
+
+def default_budget_ms(adapter: str) -> float:
+    """The frame budget B ``adapter`` is built for (ValueError for an unknown adapter).
+
+    >>> default_budget_ms("moshi"), default_budget_ms("cascade")
+    (80.0, 2000.0)
+    """
+    return adapter_record(adapter).budget_ms
+
+
+def adapter_factory(adapter: str):
+    """The callable that builds ``adapter`` from an AdapterContext (imports its module)."""
+    return resolve(adapter_record(adapter).factory)
 
 
 def resolve_adapter(model: str, adapter: str, budget_ms: float | None) -> tuple[str, float]:
@@ -48,7 +74,8 @@ def resolve_adapter(model: str, adapter: str, budget_ms: float | None) -> tuple[
                 model_type = json.loads(config.read_text()).get("model_type")
             except (OSError, ValueError):
                 model_type = None   # the loader reports an unreadable config with its own clear error
-            adapter = MODEL_TYPE_ADAPTERS.get(model_type, "cascade")
-    if adapter not in ADAPTERS:
-        raise ValueError(f"adapter must be 'auto' or one of {tuple(ADAPTERS)}, got {adapter!r}")
-    return adapter, float(budget_ms) if budget_ms is not None else DEFAULT_BUDGET_MS.get(adapter, 2000.0)
+            if (omni := omni_model(model_type)) is not None:
+                adapter = omni.name
+    if adapter not in RECORDS:
+        raise ValueError(f"adapter must be 'auto' or one of {tuple(RECORDS)}, got {adapter!r}")
+    return adapter, float(budget_ms) if budget_ms is not None else RECORDS[adapter].budget_ms

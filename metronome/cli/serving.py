@@ -3,8 +3,8 @@
     metronome serve                              # worker(s) + gateway: talk to the embedded speech assistant
     metronome serve --adapter energy             # the deterministic loudness-token stand-in instead
     metronome serve --model ~/ckpt/Qwen2.5-Omni-7B --device cuda --dtype bfloat16
-                                                 # an omni checkpoint: its own audio path, B = 2 s
-                                                 # (Moshi: 80 ms, MiniCPM-o: 1 s), picked from config.json
+                                                 # an omni checkpoint: its own audio path at its own
+                                                 # frame budget B, picked from config.json
     metronome worker --port 50051                # one gRPC worker
     metronome gateway --workers 127.0.0.1:50051  # the WebSocket gateway in front of workers
 """
@@ -52,7 +52,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 def _budget_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-ms", type=float, default=None,
-                   help="frame budget B per tick (default: the adapter's: 2000, Moshi 80, MiniCPM-o 1000)")
+                   help="frame budget B per tick (default: the adapter's own; a gateway adopts its workers')")
 
 
 def _gateway_args(p: argparse.ArgumentParser) -> None:
@@ -95,13 +95,13 @@ def _gateway_config(args: argparse.Namespace, workers: tuple[str, ...], model_na
     return GatewayConfig(workers=workers, host=args.host, port=args.port, budget_ms=args.budget_ms,
                          tokens_per_tick=args.tokens_per_tick, max_sessions=args.max_sessions,
                          api_key=args.api_key or None, model_name=model_name,
-                         aimd=AimdConfig(budget_ms=args.budget_ms, target_fraction=args.target,
-                                         initial_cap=args.initial_cap))
+                         aimd=AimdConfig(target_fraction=args.target, initial_cap=args.initial_cap))
 
 
 def _resolve(args: argparse.Namespace) -> None:
-    """Fill in ``args.adapter`` ('auto') and ``args.budget_ms`` (None) from the checkpoint."""
-    args.adapter, args.budget_ms = resolve_adapter(args.model, args.adapter, args.budget_ms)
+    """Fill in ``args.adapter`` ('auto') from the checkpoint; ``args.budget_ms`` stays None unless given
+    (the worker takes its adapter's B, the gateway the workers')."""
+    args.adapter, _ = resolve_adapter(args.model, args.adapter, args.budget_ms)
 
 
 def run_worker_cmd(args: argparse.Namespace) -> int:
@@ -120,9 +120,6 @@ def run_worker_cmd(args: argparse.Namespace) -> int:
 
 def run_gateway_cmd(args: argparse.Namespace) -> int:
     from metronome.serving.gateway import run_gateway
-
-    if args.budget_ms is None:
-        args.budget_ms = 2000.0   # the gateway cannot see the model: B must match the workers'
 
     workers = tuple(w.strip() for w in args.workers.split(",") if w.strip())
     config = _gateway_config(args, workers, args.model_name)
@@ -161,8 +158,10 @@ def run_serve(args: argparse.Namespace) -> int:
         address = f"127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "metronome.cli.main", "--log-level", args.log_level, "worker",
                "--model", args.model, "--device", args.device, "--dtype", args.dtype, "--sinks", str(args.sinks),
-               "--window", str(args.window), "--block-size", str(args.block_size), "--budget-ms", str(args.budget_ms),
+               "--window", str(args.window), "--block-size", str(args.block_size),
                "--host", "127.0.0.1", "--port", str(port), "--threads", str(threads), "--adapter", args.adapter]
+        if args.budget_ms is not None:
+            cmd += ["--budget-ms", str(args.budget_ms)]
         if args.num_blocks:
             cmd += ["--num-blocks", str(args.num_blocks)]
         procs.append(subprocess.Popen(cmd))

@@ -1,14 +1,11 @@
 """Keep Python's cyclic garbage collector out of the tick.
 
 A serving process imports torch, triton, grpc and transformers and builds an engine before its first
-tick: a CPU worker with the packaged model and 64 sessions holds ~358,000 objects the collector tracks,
-and a full collection walks all of them (159 ms on a 2-core VM: ``bench/gc_pause_host.py``). The
-interpreter runs one on its own whenever the objects that survive ticks have grown the old generation by a
-quarter, and the tick waits for it. On an H200 at 320 sessions each full collection took 185-458 ms
-and made its tick the slowest of its run; with the start-up heap frozen they took 1-2 ms
-(``CollectorPauses`` in ``bench/engine_stops_gpu.py``; docs/benchmarks/gpu.md §2g).
+tick: hundreds of thousands of objects the collector tracks, and a full collection walks all of them.
+The interpreter runs one on its own whenever the objects that survive ticks have grown the old
+generation by a quarter, and the tick waits for it (hundreds of ms; docs/benchmarks/gpu.md).
 Start-up objects live as long as the process, so they are moved to the collector's permanent generation,
-which it never walks; collections then see only what ticks make (65 objects in the same benchmark).
+which it never walks; collections then see only what ticks make.
 
 In a serving process's entry point, once the server is up (``run_worker``, ``run_gateway``)::
 

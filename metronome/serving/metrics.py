@@ -15,7 +15,9 @@ def latency_buckets(budget_ms: float) -> list[float]:
 
 
 class GatewayMetrics:
-    def __init__(self, budget_ms: float) -> None:
+    """``budget_ms=None``: a gateway that adopts its workers' B; the tick histograms wait for it."""
+
+    def __init__(self, budget_ms: float | None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.sessions_live = Gauge("metronome_sessions_live", "Sessions open", ["worker"], registry=r)
@@ -26,10 +28,10 @@ class GatewayMetrics:
                                    registry=r)
         self.memory_capacity = Gauge("metronome_memory_capacity_sessions", "Sessions the worker's KV pool holds",
                                      ["worker"], registry=r)
-        self.tick_latency = Histogram("metronome_tick_latency_seconds", "Step round trip per tick", ["worker"],
-                                      buckets=latency_buckets(budget_ms), registry=r)
-        self.tick_drift = Histogram("metronome_tick_drift_seconds", "Tick start minus its scheduled time",
-                                    ["worker"], buckets=latency_buckets(budget_ms), registry=r)
+        self.tick_latency: Histogram | None = None   # bucketed by B: made once B is known (``set_budget``)
+        self.tick_drift: Histogram | None = None
+        if budget_ms is not None:
+            self.set_budget(budget_ms)
         self.deadline_misses = Counter("metronome_deadline_misses", "Ticks that overran the budget", ["worker"],
                                        registry=r)
         self.ticks = Counter("metronome_ticks", "Ticks sent to a worker", ["worker"], registry=r)
@@ -42,6 +44,16 @@ class GatewayMetrics:
         self.time_to_wall = Gauge("metronome_kv_time_to_wall_seconds",
                                   "Seconds until the KV pool runs dry at the recent fill rate (+Inf: not filling)",
                                   ["worker"], registry=r)
+
+    def set_budget(self, budget_ms: float) -> None:
+        """Make the tick histograms, bucketed by B (once: a gateway's B never changes)."""
+        if self.tick_latency is not None:
+            return
+        r = self.registry
+        self.tick_latency = Histogram("metronome_tick_latency_seconds", "Step round trip per tick", ["worker"],
+                                      buckets=latency_buckets(budget_ms), registry=r)
+        self.tick_drift = Histogram("metronome_tick_drift_seconds", "Tick start minus its scheduled time",
+                                    ["worker"], buckets=latency_buckets(budget_ms), registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

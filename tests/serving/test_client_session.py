@@ -1,6 +1,6 @@
 """Per-client state at the gateway: bounded buffers and the slow-reader policy."""
 
-from metronome.serving.client_session import ClientSession, TokenBucket
+from metronome.serving.gateway.client_session import ClientSession, TokenBucket
 
 
 class FakeConnection:
@@ -68,7 +68,7 @@ def test_token_bucket_allows_bursts_then_limits():
 
 
 def test_the_wire_encoded_step_request_equals_the_protobuf_one():
-    from metronome.serving.client_session import step_request_wire
+    from metronome.serving.gateway.client_session import step_request_wire
     from metronome.serving.proto import worker_pb2 as pb
 
     # The encoder writes these fields by number: a change to the proto must show up here.
@@ -102,7 +102,7 @@ def test_the_wire_encoded_step_request_equals_the_protobuf_one():
 
 
 def test_streamed_pieces_carry_input_without_controls_and_still_count_against_the_tick_bounds():
-    from metronome.serving.client_session import step_request_wire
+    from metronome.serving.gateway.client_session import step_request_wire
     from metronome.serving.proto import worker_pb2 as pb
 
     s = make(buffered_s=0.01)                         # 160 samples: 320 bytes of audio per tick

@@ -23,15 +23,16 @@ from aiohttp import web
 from picows import WSMsgType
 
 from metronome.config import AimdConfig, GatewayConfig
-from metronome.serving import protocol, ws_aiohttp, ws_picows
-from metronome.serving.client_session import ClientSession, step_request_wire
+from metronome.serving import protocol
+from metronome.serving.gateway import ws_aiohttp, ws_picows
+from metronome.serving.gateway.client_session import ClientSession, step_request_wire
 from metronome.serving.gateway import Gateway, serve_gateway
 from metronome.serving.metrics import GatewayMetrics
 from metronome.serving.proto import worker_pb2 as pb
 from metronome.serving.proto import worker_pb2_grpc as pb_grpc
-from metronome.serving.workers import WorkerHandle, WorkerPool
-from metronome.serving.ws_aiohttp import AiohttpConnection
-from metronome.serving.ws_picows import PicowsConnection
+from metronome.serving.gateway.pool import WorkerHandle, WorkerPool
+from metronome.serving.gateway.ws_aiohttp import AiohttpConnection
+from metronome.serving.gateway.ws_picows import PicowsConnection
 from tests.serving.test_gateway import BUDGET_MS, chunks, of_type, recv_until, running_gateway, start_worker, tone
 
 MAX_MESSAGE = 4096  # the per-message limit in these tests; 4x this closes the socket

@@ -152,7 +152,7 @@ async def test_a_session_back_at_48k_after_16k_starts_a_fresh_resampler(stub, wo
 
     def at_adapter_rate(samples: np.ndarray, rate: int) -> np.ndarray:
         inp = pb.SessionInput(sid="r", audio_pcm16=pcm(samples), sample_rate=rate)
-        return service._tick_audio(inp, 4, pb.SessionOutput(sid="r")).pcm
+        return service.core.tick_audio(inp, 4, pb.SessionOutput(sid="r")).pcm
 
     at_adapter_rate(chunks[0], 48000)
     at_adapter_rate(speech_like(0.5, seed=9), 16000)
@@ -226,7 +226,7 @@ async def test_a_streamed_tick_is_bounded_and_checked_piece_by_piece(engine, cha
 async def test_a_clear_mid_tick_drops_what_the_gateway_already_streamed(stub):
     """The gateway's own pieces (``ClientSession``) through StreamStep: after ``input_audio_buffer.clear`` the
     worker hears only the audio that came after it, as with the whole tick in one Step."""
-    from metronome.serving.client_session import ClientSession, step_request_wire
+    from metronome.serving.gateway.client_session import ClientSession, step_request_wire
 
     class Quiet:
         def send(self, data):

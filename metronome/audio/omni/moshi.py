@@ -220,7 +220,7 @@ class MoshiAdapter(InteractionAdapter):
 
 def build_adapter(context: AdapterContext) -> MoshiAdapter:
     """The adapter over the engine's Moshi checkpoint (its heads and Mimi are read from ``context.checkpoint``)."""
-    from metronome.models.loader import read_config
+    from metronome.models.weights import read_config
     from metronome.models.omni.moshi import hf_config
 
     if context.checkpoint is None:

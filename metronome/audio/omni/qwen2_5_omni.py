@@ -95,7 +95,7 @@ def build_audio_encoder(config, device: torch.device | str, dtype: torch.dtype, 
 def load_audio_encoder(checkpoint: Path, config: dict, device: torch.device | str, dtype: torch.dtype,
                        packed: bool = True) -> nn.Module:
     """The checkpoint's audio tower on ``device`` in ``dtype``; every one of its weights must be found."""
-    from metronome.models.loader import fill_weights
+    from metronome.models.weights import fill_weights
 
     encoder = build_audio_encoder(audio_config(config), device, dtype, packed)
     fill_weights(encoder, Path(checkpoint), audio_tower_weight_name)
@@ -202,7 +202,7 @@ class Qwen25OmniAdapter(ThinkerAdapter):
 
 def build_adapter(context: AdapterContext) -> Qwen25OmniAdapter:
     """The adapter over the engine's checkpoint: its audio tower, feature extractor and audio token ids."""
-    from metronome.models.loader import read_config
+    from metronome.models.weights import read_config
 
     if context.checkpoint is None:
         raise ConfigError("the qwen2_5_omni adapter loads its audio encoder from the checkpoint directory; "

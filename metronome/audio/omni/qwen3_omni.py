@@ -114,7 +114,7 @@ class AudioFrontEnd(thinker.TowerFrontEnd):
 
     @classmethod
     def from_checkpoint(cls, checkpoint: Path, config: dict, device, dtype, batched: bool = True) -> "AudioFrontEnd":
-        from metronome.models.loader import fill_weights
+        from metronome.models.weights import fill_weights
 
         encoder = build_audio_encoder(audio_config(config), device, dtype, batched)
         fill_weights(encoder, Path(checkpoint), audio_tower_weight_name)
@@ -200,7 +200,7 @@ class Qwen3OmniAdapter(ThinkerAdapter):
 
 def build_adapter(context: AdapterContext) -> Qwen3OmniAdapter:
     """The adapter over the engine's checkpoint: its audio tower, feature extractor and audio token ids."""
-    from metronome.models.loader import read_config
+    from metronome.models.weights import read_config
 
     if context.checkpoint is None:
         raise ConfigError("the qwen3_omni adapter loads its audio encoder from the checkpoint directory; "

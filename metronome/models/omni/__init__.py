@@ -1,1 +1,1 @@
-"""Decoders of the interaction (omni) models, loaded from their checkpoints by ``models.loader``."""
+"""Decoders of the interaction (omni) models; ``registry.py`` holds one record per model."""

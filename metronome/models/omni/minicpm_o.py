@@ -76,7 +76,7 @@ def rename(stored: str) -> str | None:
 def load_decoder(checkpoint: Path, config: dict, dtype: torch.dtype,
                  device: str | torch.device) -> LlamaFamilyForCausalLM:
     """The LLM of a MiniCPM-o checkpoint directory, ready for the engine."""
-    from metronome.models.loader import load_llama_family  # the loader imports this module lazily
+    from metronome.models.weights import load_llama_family
 
     if config.get("model_type") != "minicpmo":
         raise ModelLoadError(f"{checkpoint}: model_type {config.get('model_type')!r} is not 'minicpmo'")

@@ -197,7 +197,7 @@ def finish_decoder(net: MoshiTemporalForCausalLM, device: str | torch.device) ->
 def load_decoder(checkpoint: Path, config: dict, dtype: torch.dtype,
                  device: str | torch.device) -> MoshiTemporalForCausalLM:
     """The temporal transformer of a transformers-format Moshi checkpoint directory, ready for the engine."""
-    from metronome.models.loader import fill_weights  # the loader imports this module lazily
+    from metronome.models.weights import fill_weights
 
     net = build_decoder(decoder_spec(hf_config(config)), dtype, device)
     fill_weights(net, Path(checkpoint), rename)

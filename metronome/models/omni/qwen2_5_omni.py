@@ -28,12 +28,11 @@ import torch
 
 from metronome.errors import ModelLoadError
 from metronome.models.llama import LlamaFamilyForCausalLM
-from metronome.models.loader import load_llama_family
+from metronome.models.weights import load_llama_family
 from metronome.models.omni.qwen_thinker import ThinkerLayout
 from metronome.models.spec import DecoderSpec
 
 LAYOUT = ThinkerLayout("qwen2_5_omni", "Qwen2.5-Omni", speech_parts=("talker.", "token2wav."))
-MODEL_TYPES = LAYOUT.model_types
 thinker_config = LAYOUT.thinker_config
 rename = LAYOUT.decoder_name   # stored tensor name -> decoder parameter name (None: not the decoder)
 

@@ -13,8 +13,7 @@ Checkpoints, as transformers saves them (names checked with ``save_pretrained`` 
 * ``Qwen3OmniMoeForConditionalGeneration`` (model_type ``qwen3_omni_moe``): ``thinker.model.*``,
   ``thinker.lm_head.*``, ``thinker.audio_tower.*``, ``thinker.visual.*``, ``talker.*``, ``code2wav.*``;
   the architecture is in ``config.json``'s ``thinker_config.text_config``.
-* A thinker-only checkpoint (model_type ``qwen3_omni_moe_thinker``) is the same without ``thinker.``
-  (``models/loader.py``'s ``OMNI_FAMILIES`` would need that model_type to dispatch it here).
+* A thinker-only checkpoint (model_type ``qwen3_omni_moe_thinker``) is the same without ``thinker.``.
 
 Experts are stored one module per expert (``mlp.experts.{e}.gate_proj.weight`` ...; the published
 checkpoint and transformers' ``save_pretrained`` both do) or stacked (``mlp.experts.gate_up_proj``,
@@ -30,12 +29,11 @@ import torch
 from safetensors import safe_open
 
 from metronome.errors import ModelLoadError
-from metronome.models.loader import _weight_files, load_decoder_weights
+from metronome.models.weights import load_decoder_weights, weight_files
 from metronome.models.moe import MoeForCausalLM, MoeSpec
 from metronome.models.omni.qwen_thinker import ThinkerLayout
 
 LAYOUT = ThinkerLayout("qwen3_omni_moe", "Qwen3-Omni", speech_parts=("talker.", "code2wav."))
-MODEL_TYPES = LAYOUT.model_types
 thinker_config = LAYOUT.thinker_config
 rename = LAYOUT.decoder_name   # stored tensor name -> decoder parameter name (None: not the decoder)
 
@@ -88,7 +86,7 @@ def text_spec(config: dict) -> MoeSpec:
 
 def stores_fused_experts(checkpoint: Path) -> bool:
     """Whether the checkpoint holds stacked expert tensors (else one module per expert)."""
-    for file in _weight_files(checkpoint):
+    for file in weight_files(checkpoint):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             if any(key.endswith(_FUSED_EXPERTS) for key in f.keys()):
                 return True

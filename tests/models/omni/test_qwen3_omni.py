@@ -262,7 +262,7 @@ def test_rename_skips_everything_but_the_decoder():
 
 
 def test_gpu_benchmark_smoke(tmp_path):
-    """bench/models_gpu_qwen3_omni.py --smoke: the benchmark's code path on a tiny shape, as the device runs it."""
+    """bench/models_gpu_qwen3_omni.py --smoke: the benchmark's code path on a tiny shape."""
     import os
     import subprocess
     import sys

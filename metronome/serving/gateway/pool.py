@@ -1,116 +1,49 @@
-"""The gateway's view of its workers: connection, health, admission controller, and the ticker.
+"""The gateway's workers: health, placement of new sessions, and one ticker per worker.
 
-One ``WorkerHandle`` per worker address. Its ticker fires every budget B: one ``StreamStep`` RPC per
-tick with every live session's input since the last tick, then the outputs are fanned out and the
-tick's latency feeds the worker's AIMD controller. A tick that overruns B makes the next fire at once
-and counts as a deadline miss.
+One ``WorkerHandle`` (``handle.py``) per worker address. Its ticker fires every frame budget B: one
+``StreamStep`` RPC per tick with every live session's input since the last tick, then the outputs are
+fanned out and the tick's latency feeds the worker's AIMD controller. A tick that overruns B makes the
+next fire at once and counts as a deadline miss.
+
+The pool owns B (``budget_ms``): the one the gateway was given, or else the first that a worker reports
+in Health. A worker whose B differs is not used (its ticks would be paced and judged by the wrong
+period); the error is logged once, and the worker is used once it reports the pool's B.
 
 The tick's input goes to the worker as it arrives: every ``stream_interval_ms`` the sessions' new
 audio and text are written to the next tick's stream, and at the tick only the remainder and the
-controls are. So the tick's latency carries a fraction of its audio over the wire instead of all of it
-(at 270 sessions and B = 2 s, 17 MB in one message took ~58 ms of a 600-ms tick on the H200 host).
-The next tick's stream fills while the worker still computes this one.
+controls are, so the tick's latency carries a fraction of its audio over the wire instead of all of it
+(docs/benchmarks/gateway.md). The next tick's stream fills while the worker still computes this one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import replace
 
 import grpc
 
 from metronome.config import GatewayConfig
 from metronome.monitor.fill import live_time_to_wall
-from metronome.serving.admission import AimdController, PaperAimdController
-from metronome.serving.client_session import ClientSession, step_request_wire
+from metronome.serving.gateway.admission import AimdController, PaperAimdController
+from metronome.serving.gateway.client_session import ClientSession, step_request_wire
+from metronome.serving.gateway.handle import FailureSink, OutputSink, TickReport, WorkerHandle
 from metronome.serving.metrics import GatewayMetrics
 from metronome.serving.proto import worker_pb2 as pb
 from metronome.serving.proto import worker_pb2_grpc as pb_grpc
 from metronome.serving.protocol import error_event
 
+__all__ = ["HEALTH_INTERVAL_S", "TickReport", "WorkerHandle", "WorkerPool"]
+
 log = logging.getLogger(__name__)
 
 HEALTH_INTERVAL_S = 1.0
-FILL_SAMPLES = 120  # ticks of KV usage behind the live time-to-wall estimate
 
 
 def _send_each(sessions: list[ClientSession], event: dict) -> None:
     for session in sessions:
         if not session.closed:
             session.send(event)
-
-
-@dataclass
-class TickReport:
-    tick: int
-    latency_ms: float
-    drift_ms: float
-    deadline_met: bool
-    batch: int
-    engine_ms: float = 0.0     # the worker's engine time (prefill + decode) within latency_ms
-    frontend_ms: float = 0.0   # the worker's audio front end within latency_ms
-    worker_ms: float = 0.0     # the whole Step in the worker; latency_ms - worker_ms is transport and gateway
-
-
-@dataclass
-class WorkerHandle:
-    address: str
-    channel: grpc.aio.Channel
-    stub: pb_grpc.WorkerStub
-    # StreamStep (and Step, for a worker without it) with requests already in wire format (``step_request_wire``):
-    # at 1,000 sessions a tick carries 32 MB of audio; building it as messages costs ~74 ms of the loop, not ~41.
-    step_wire: Callable = field(init=False, repr=False)
-    stream_step_wire: Callable = field(init=False, repr=False)
-    controller: AimdController | PaperAimdController | None = None  # made once memory capacity is known
-    sessions: dict[str, ClientSession] = field(default_factory=dict)
-    pending: int = 0                 # admitted at the gateway, OpenSession in flight
-    healthy: bool = False
-    health: pb.HealthResponse | None = None
-    ticks: int = 0
-    last_tick: TickReport | None = None
-    kv_fill: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=FILL_SAMPLES))
-
-    # The next tick's StreamStep, open from the first input streamed to it until the tick's last message.
-    stream: grpc.aio.StreamUnaryCall | None = None
-    streamed_bytes: int = 0          # input written to ``stream`` so far
-    stream_broken: bool = False      # a write to ``stream`` failed: nothing more goes on it
-    streams: bool = True             # False: the worker has no StreamStep (an older one), so one Step a tick
-    tick_task: asyncio.Task | None = None   # the last tick, until its response is handled
-
-    def __post_init__(self) -> None:
-        self.step_wire = self.channel.unary_unary(
-            "/metronome.worker.v1.Worker/Step", request_serializer=None,
-            response_deserializer=pb.StepResponse.FromString)
-        self.stream_step_wire = self.channel.stream_unary(
-            "/metronome.worker.v1.Worker/StreamStep", request_serializer=None,
-            response_deserializer=pb.StepResponse.FromString)
-
-    def take_stream(self) -> grpc.aio.StreamUnaryCall | None:
-        """The open stream, now owned by the caller; the next input opens a new one."""
-        call, self.stream, self.streamed_bytes, self.stream_broken = self.stream, None, 0, False
-        return call
-
-    @property
-    def live(self) -> int:
-        return len(self.sessions) + self.pending
-
-    @property
-    def memory_capacity(self) -> int:
-        return self.health.capacity_sessions if self.health else 0
-
-    @property
-    def cap(self) -> int:
-        return self.controller.cap if self.controller else 0
-
-    def headroom(self) -> int:
-        return min(self.cap, self.memory_capacity) - self.live
-
-
-OutputSink = Callable[[WorkerHandle, ClientSession, pb.SessionOutput, TickReport], None]
-FailureSink = Callable[[WorkerHandle, ClientSession, str], None]
 
 
 class WorkerPool:
@@ -126,6 +59,11 @@ class WorkerPool:
         self._tasks: list[asyncio.Task] = []
         self._closes: set[asyncio.Task] = set()  # CloseSession for sessions a failure ended
         self._stopping = False
+        self.budget_ms: float | None = config.budget_ms   # None until a worker reports its B
+        self._budget_known = asyncio.Event()
+        if self.budget_ms is not None:
+            self._budget_known.set()
+            metrics.set_budget(self.budget_ms)
 
     async def start(self) -> None:
         for address in self.config.workers:
@@ -199,14 +137,17 @@ class WorkerPool:
             handle.healthy = False
             self.metrics.worker_up.labels(handle.address).set(0)
             return
+        if not self._accept_budget(handle, health):
+            return
         if not handle.healthy:
-            log.info("worker %s is up: %s, capacity %d sessions", handle.address, health.model,
-                     health.capacity_sessions)
+            log.info("worker %s is up: %s, capacity %d sessions, B = %g ms", handle.address, health.model,
+                     health.capacity_sessions, health.budget_ms)
         handle.health = health
         handle.healthy = health.ready
         if handle.controller is None:
             controller = PaperAimdController if self.config.controller == "paper" else AimdController
-            handle.controller = controller(self.config.aimd, memory_cap=health.capacity_sessions,
+            handle.controller = controller(replace(self.config.aimd, budget_ms=self.budget_ms),
+                                           memory_cap=health.capacity_sessions,
                                            static_cap=self.config.max_sessions, name=handle.address)
         else:
             handle.controller.set_memory_cap(health.capacity_sessions)
@@ -216,6 +157,29 @@ class WorkerPool:
         m.kv_blocks_used.labels(handle.address).set(health.kv_blocks_used)
         m.kv_blocks_total.labels(handle.address).set(health.kv_blocks_total)
         m.admission_cap.labels(handle.address).set(handle.cap)
+
+    def _accept_budget(self, handle: WorkerHandle, health: pb.HealthResponse) -> bool:
+        """Adopt the worker's B if the pool has none yet; False (the worker is not used) if it differs."""
+        if self.budget_ms is None and health.budget_ms > 0:
+            self.budget_ms = health.budget_ms
+            self.metrics.set_budget(self.budget_ms)
+            self._budget_known.set()
+            log.info("frame budget B = %g ms, as worker %s reports", self.budget_ms, handle.address)
+        if self.budget_ms is not None and health.budget_ms == self.budget_ms:
+            handle.refused = ""
+            return True
+        if self.budget_ms is None:
+            why = "reports no frame budget B; start the gateway with an explicit budget"
+        else:
+            why = f"runs at B = {health.budget_ms:g} ms but this gateway ticks at B = {self.budget_ms:g} ms"
+        if handle.refused != why:
+            log.error("worker %s is not used: it %s", handle.address, why)
+            handle.refused = why
+        if handle.healthy:
+            self._fail_sessions(handle, "worker_unavailable", close=True)
+        handle.healthy = False
+        self.metrics.worker_up.labels(handle.address).set(0)
+        return False
 
     async def _health_loop(self, handle: WorkerHandle) -> None:
         while True:
@@ -243,7 +207,8 @@ class WorkerPool:
     # ------------------------------------------------------------------ ticker
     async def _tick_loop(self, handle: WorkerHandle) -> None:
         loop = asyncio.get_running_loop()
-        budget = self.config.budget_ms / 1000.0
+        await self._budget_known.wait()
+        budget = self.budget_ms / 1000.0
         interval = self.config.stream_interval_ms / 1000.0
         next_at = loop.time()
         while True:
@@ -297,7 +262,7 @@ class WorkerPool:
         if handle.stream is None:
             # A backstop: the tick's own timeout starts with its last message (``_tick``), which can follow the
             # first by B plus a late previous tick.
-            timeout = self.config.budget_ms / 1000.0 + 2 * self.config.step_timeout_s
+            timeout = self.budget_ms / 1000.0 + 2 * self.config.step_timeout_s
             handle.stream = handle.stream_step_wire(timeout=timeout)
         try:
             await handle.stream.write(step_request_wire(entries, 0, 0))
@@ -392,8 +357,8 @@ class WorkerPool:
 
     def _tick_refused(self, handle: WorkerHandle, sessions: list[ClientSession], code: grpc.StatusCode) -> None:
         if code == grpc.StatusCode.UNIMPLEMENTED and handle.streams:
-            # A worker from before StreamStep: from now on one Step a tick, with the whole input at the tick.
-            log.warning("worker %s has no StreamStep (an older version?): one Step a tick until the gateway restarts",
+            # A worker without StreamStep: from now on one Step a tick, with the whole input at the tick.
+            log.warning("worker %s has no StreamStep: one Step a tick until the gateway restarts",
                         handle.address)
             handle.streams = False
             code = grpc.StatusCode.INVALID_ARGUMENT   # this tick's input is lost; the sessions live on
@@ -457,7 +422,7 @@ class WorkerPool:
             self._tick_refused(handle, sessions, exc.code())
             return None
         latency_ms = (loop.time() - started) * 1e3
-        report = TickReport(handle.ticks, latency_ms, drift * 1e3, latency_ms <= self.config.budget_ms, len(sessions),
+        report = TickReport(handle.ticks, latency_ms, drift * 1e3, latency_ms <= self.budget_ms, len(sessions),
                             response.gpu_ms, response.frontend_ms, response.worker_ms)
         handle.last_tick = report
         m, name = self.metrics, handle.address

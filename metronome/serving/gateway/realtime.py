@@ -11,7 +11,8 @@ input gets an ``error`` event and is logged; only abuse (oversized frames far ov
 sustained flood, a client that stops reading) closes the socket.
 
 This module speaks the protocol; the sockets are a transport's (``ws_transport.py``): picows by default
-(``serve_gateway``, ``run_gateway``), aiohttp through ``Gateway.app``. Client events are handled
+(``server.py``: ``serve_gateway``, ``run_gateway``), aiohttp through ``Gateway.app``. The workers, their
+tickers and the frame budget B are the pool's (``pool.py``). Client events are handled
 synchronously inside the transport's frame callback; only OpenSession at connect and a session re-open
 on ``session.update`` await, and while they do the client's later events wait, in order.
 """
@@ -19,27 +20,26 @@ on ``session.update`` await, and while they do the client's later events wait, i
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
 import secrets
 import uuid
 from collections.abc import Coroutine, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from metronome.config import GatewayConfig
-from metronome.serving.client_session import ClientSession
-from metronome.serving.gc_pauses import freeze_startup_heap
+from metronome.serving.gateway.client_session import ClientSession
+from metronome.serving.gateway.handle import TickReport, WorkerHandle
+from metronome.serving.gateway.pool import WorkerPool
+from metronome.serving.gateway.responses import finish_response, tick_events
 from metronome.serving.metrics import CONTENT_TYPE, GatewayMetrics
 from metronome.serving.proto import worker_pb2 as pb
 from metronome.serving.protocol import (
     SUPPORTED_SAMPLE_RATES, ConversationItemCreate, InputAudioBufferAppend, InputAudioBufferClear,
     InputAudioBufferCommit, ProtocolError, ResponseCancel, ResponseCreate, SessionUpdate, decode_client_event,
     encode, error_event)
-from metronome.serving.workers import TickReport, WorkerHandle, WorkerPool
-from metronome.serving.ws_transport import Connection, HttpReply
+from metronome.serving.gateway.ws_transport import Connection, HttpReply
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class Gateway:
     @property
     def app(self):
         """The gateway as an aiohttp application (starts and stops the worker pool with it)."""
-        from metronome.serving.ws_aiohttp import aiohttp_app
+        from metronome.serving.gateway.ws_aiohttp import aiohttp_app
 
         web_app = aiohttp_app(self, max_frame_bytes=self.max_frame_bytes,
                               send_queue_events=self.config.send_queue_events,
@@ -311,7 +311,7 @@ class Gateway:
         elif isinstance(event, ResponseCancel):
             session.cancel = True
             if session.response_id:
-                session.send(self._finish_response(session, "cancelled"))
+                session.send(finish_response(session, "cancelled"))
 
     def _update_session(self, conn: Connection, session: ClientSession, event: SessionUpdate) -> None:
         cfg = event.session
@@ -373,118 +373,15 @@ class Gateway:
         return {"id": session.sid, "object": "realtime.session", "model": self.config.model_name,
                 "input_audio_format": "pcm16", "input_audio_sample_rate": session.sample_rate,
                 "instructions": session.instructions, "mode": session.mode or "default",
-                "budget_ms": self.config.budget_ms, "tokens_per_tick": self.config.tokens_per_tick}
+                "budget_ms": self.pool.budget_ms, "tokens_per_tick": self.config.tokens_per_tick}
 
     # ------------------------------------------------------------------ tick fan-out
     def _deliver(self, handle: WorkerHandle, session: ClientSession, out: pb.SessionOutput,
                  report: TickReport) -> None:
         """One session's share of a tick: its events, then ``metronome.tick``, written together."""
-        events: list[dict[str, Any]] = []
-        if out.error:
-            events.append(self._error(session, "session_failed", out.error))
-        if out.transcript:
-            # Adapters report whole utterances (the cascade transcribes VAD-delimited utterances), so each
-            # transcript is final: a delta with all of it, then `completed`. A user turn that arrives while
-            # a response streams ends that response (barge-in; the adapter closed the answer already).
-            item_id = f"item_{uuid.uuid4().hex[:16]}"
-            events.append({"type": "conversation.item.input_audio_transcription.delta", "item_id": item_id,
-                           "content_index": 0, "delta": out.transcript})
-            events.append({"type": "conversation.item.input_audio_transcription.completed", "item_id": item_id,
-                           "content_index": 0, "transcript": out.transcript})
-            if session.response_id:
-                events.append(self._finish_response(session, "completed" if session.mode == "free_running"
-                                                    else "cancelled"))
-        if out.text or out.tokens:
-            if session.response_id is None:
-                events.append(self._start_response(session))
-            events.append({"type": "response.output_text.delta", "response_id": session.response_id,
-                           "item_id": f"item_{session.response_id}", "output_index": 0, "content_index": 0,
-                           "delta": out.text})
-        if out.audio_pcm16:
-            if session.response_id is None:
-                events.append(self._start_response(session))
-            events.append({"type": "response.output_audio.delta", "response_id": session.response_id,
-                           "item_id": f"item_{session.response_id}", "output_index": 0, "content_index": 0,
-                           "delta": base64.b64encode(out.audio_pcm16).decode("ascii"),
-                           "sample_rate": out.audio_sample_rate})
-        if out.finished and session.response_id:
-            events.append(self._finish_response(session, "completed"))
-        events.append({"type": "metronome.tick", "tick": report.tick, "latency_ms": round(report.latency_ms, 3),
-                       "budget_ms": self.config.budget_ms, "deadline_met": report.deadline_met,
-                       "batch": report.batch, "drift_ms": round(report.drift_ms, 3), "preempted": out.preempted,
-                       "engine_ms": round(report.engine_ms, 3), "frontend_ms": round(report.frontend_ms, 3),
-                       "worker_ms": round(report.worker_ms, 3),
-                       "input_dbfs": round(out.input_dbfs, 1), "input_clipping": round(out.input_clipping, 4)})
-        session.send_all(events)
-
-    @staticmethod
-    def _start_response(session: ClientSession) -> dict[str, Any]:
-        rid = session.start_response()
-        return {"type": "response.created", "response": {"id": rid, "object": "realtime.response",
-                                                         "status": "in_progress"}}
-
-    @staticmethod
-    def _finish_response(session: ClientSession, status: str) -> dict[str, Any]:
-        event = {"type": "response.done", "response": {"id": session.response_id, "object": "realtime.response",
-                                                       "status": status}}
-        session.response_id = None
-        return event
+        error = self._error(session, "session_failed", out.error) if out.error else None
+        session.send_all(tick_events(session, out, report, self.pool.budget_ms, error))
 
     def _worker_failed(self, handle: WorkerHandle, session: ClientSession, code: str) -> None:
         self._client_error(session, code, f"worker {handle.address} failed; this session has ended")
         session.close(code)
-
-
-@dataclass
-class GatewayServer:
-    """A started gateway: ``url`` is where Realtime clients connect."""
-
-    gateway: Gateway
-    server: asyncio.Server
-    host: str
-    port: int
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    @property
-    def url(self) -> str:
-        return f"ws://{self.address}{REALTIME_PATH}"
-
-    async def stop(self) -> None:
-        self.server.close()
-        await self.gateway.stop()
-
-
-async def serve_gateway(config: GatewayConfig) -> GatewayServer:
-    """Start the gateway (picows) on the running loop and return at once (``port=0``: an ephemeral port)."""
-    from metronome.serving.ws_picows import start_server
-
-    gateway = Gateway(config)
-    await gateway.start()
-    server = await start_server(gateway, config.host, config.port, max_frame_bytes=gateway.max_frame_bytes,
-                                send_queue_events=config.send_queue_events, send_queue_bytes=config.send_queue_bytes)
-    port = server.sockets[0].getsockname()[1]
-    return GatewayServer(gateway, server, config.host, port)
-
-
-def run_gateway(config: GatewayConfig) -> None:
-    """Serve until SIGINT or SIGTERM, on uvloop."""
-    import signal
-
-    import uvloop
-
-    async def main() -> None:
-        server = await serve_gateway(config)
-        freeze_startup_heap()
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        try:
-            await stop.wait()
-        finally:
-            await server.stop()
-
-    uvloop.run(main())

@@ -1,12 +1,12 @@
 """What the gateway and its WebSocket transports agree on: the app's callbacks and a connection's state.
 
-The gateway (``gateway.py``) speaks the Realtime protocol; a transport moves frames. Two transports
+The gateway (``realtime.py``) speaks the Realtime protocol; a transport moves frames. Two transports
 implement the same contract:
 
 * ``ws_picows`` (the default, production): picows, a Cython WebSocket server. Each frame reaches the
   gateway in a synchronous callback (no task wake-up per message) and sends are synchronous writes.
-* ``ws_aiohttp``: the aiohttp server the gateway used first, kept for ``Gateway.app`` (embedding in
-  an aiohttp application) and as the benchmark's baseline.
+* ``ws_aiohttp``: aiohttp, for ``Gateway.app`` (embedding in an aiohttp application) and as the
+  gateway benchmark's baseline.
 
 A transport calls, on the event loop::
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from metronome.serving.client_session import ClientSession
+    from metronome.serving.gateway.client_session import ClientSession
 
 JSON = "application/json; charset=utf-8"
 

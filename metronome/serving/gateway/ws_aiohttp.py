@@ -16,7 +16,7 @@ import logging
 
 from aiohttp import WSMsgType, web
 
-from metronome.serving.ws_transport import App
+from metronome.serving.gateway.ws_transport import App
 
 log = logging.getLogger(__name__)
 

@@ -211,7 +211,7 @@ class ClientSession:
 
         For ``step_request_wire``: the audio chunks go into the request as they are, so a whole Step is
         one ``b"".join`` instead of a message per session, a copy into the request and a serialisation
-        (at 1,000 sessions, 32 MB per tick: about half the build + send time).
+        (about half the build + send time of a large tick; docs/benchmarks/gateway.md).
         """
         parts = self._take_wire(controls=True)
         self.forget_streamed()

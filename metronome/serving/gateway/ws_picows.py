@@ -1,8 +1,8 @@
 """The gateway's WebSocket transport on picows (a Cython WebSocket server): one callback per frame.
 
-Why: on aiohttp every client message woke an asyncio task (``async for msg in ws``) and went through
-aiohttp's Python receive path; at 50k messages/s that was the gateway's whole core. Here picows parses
-frames in C and calls ``on_ws_frame`` synchronously; the gateway handles the event inside that call
+Why: on aiohttp every client message wakes an asyncio task (``async for msg in ws``) and goes through
+aiohttp's Python receive path, which at tens of thousands of messages a second is the gateway's whole
+core (docs/benchmarks/gateway.md). Here picows parses frames in C and calls ``on_ws_frame`` synchronously; the gateway handles the event inside that call
 and sends are direct transport writes, so a message costs no task switch at all.
 
 The same port answers the small GET endpoints: the listener factory asks the app first, and a non-101
@@ -41,7 +41,7 @@ from collections.abc import Mapping
 from picows import (WSCloseCode, WSListener, WSMsgType, WSUpgradeRequest, WSUpgradeResponse,
                     WSUpgradeResponseWithListener, ws_create_server)
 
-from metronome.serving.ws_transport import App, HttpReply
+from metronome.serving.gateway.ws_transport import App, HttpReply
 
 log = logging.getLogger(__name__)
 
@@ -253,8 +253,8 @@ async def start_server(app: App, host: str, port: int, *, max_frame_bytes: int, 
             return PicowsConnection(app, max_frame_bytes, send_queue_events, send_queue_bytes, live)
         return _response(reply)
 
-    # The loop's own TCP transport (uvloop's, in C), not aiofastnet's: measured alike at 400 sessions
-    # (14.0 vs 14.6 CPU-us per message, within noise), and one transport fewer to reason about.
+    # The loop's own TCP transport (uvloop's, in C), not aiofastnet's: no faster in the gateway
+    # benchmark, and one transport fewer to reason about.
     server = await ws_create_server(route, host, port, max_frame_size=max_frame_bytes, enable_auto_pong=True,
                                     websocket_handshake_timeout=10.0, use_aiofastnet=False)
     loop = asyncio.get_running_loop()

@@ -1,0 +1,16 @@
+"""The gateway: Realtime WebSocket sessions in front of the workers.
+
+    realtime.py        Gateway: HTTP endpoints, the WebSocket life cycle, client events
+    responses.py       a tick's output for one session as server events
+    client_session.py  one client's buffered input and its way out
+    pool.py            WorkerPool: health, frame budget B, placement, one ticker per worker
+    handle.py          WorkerHandle: one worker as the pool sees it
+    admission.py       the AIMD controllers that set each worker's session cap
+    ws_transport.py    the transport interface; ws_picows.py (default) and ws_aiohttp.py implement it
+    server.py          serve_gateway, run_gateway
+"""
+
+from metronome.serving.gateway.realtime import FLOOD_STRIKES, REALTIME_PATH, Gateway
+from metronome.serving.gateway.server import GatewayServer, run_gateway, serve_gateway
+
+__all__ = ["FLOOD_STRIKES", "REALTIME_PATH", "Gateway", "GatewayServer", "run_gateway", "serve_gateway"]

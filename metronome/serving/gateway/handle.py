@@ -1,0 +1,88 @@
+"""The gateway's view of one worker: its connection, health, admission controller and the tick in flight."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from metronome.serving.gateway.admission import AimdController, PaperAimdController
+from metronome.serving.gateway.client_session import ClientSession
+from metronome.serving.proto import worker_pb2 as pb
+from metronome.serving.proto import worker_pb2_grpc as pb_grpc
+
+FILL_SAMPLES = 120  # ticks of KV usage behind the live time-to-wall estimate
+
+
+@dataclass
+class TickReport:
+    tick: int
+    latency_ms: float
+    drift_ms: float
+    deadline_met: bool
+    batch: int
+    engine_ms: float = 0.0     # the worker's engine time (prefill + decode) within latency_ms
+    frontend_ms: float = 0.0   # the worker's audio front end within latency_ms
+    worker_ms: float = 0.0     # the whole Step in the worker; latency_ms - worker_ms is transport and gateway
+
+
+@dataclass
+class WorkerHandle:
+    address: str
+    channel: grpc.aio.Channel
+    stub: pb_grpc.WorkerStub
+    # StreamStep (and Step, for a worker without it) with requests already in wire format (``step_request_wire``):
+    # a tick can carry tens of MB of audio, and building it as messages would copy all of it once more.
+    step_wire: Callable = field(init=False, repr=False)
+    stream_step_wire: Callable = field(init=False, repr=False)
+    controller: AimdController | PaperAimdController | None = None  # made once memory capacity is known
+    sessions: dict[str, ClientSession] = field(default_factory=dict)
+    pending: int = 0                 # admitted at the gateway, OpenSession in flight
+    healthy: bool = False
+    refused: str = ""                # why the pool does not use this worker (its B differs); "" when it does
+    health: pb.HealthResponse | None = None
+    ticks: int = 0
+    last_tick: TickReport | None = None
+    kv_fill: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=FILL_SAMPLES))
+
+    # The next tick's StreamStep, open from the first input streamed to it until the tick's last message.
+    stream: grpc.aio.StreamUnaryCall | None = None
+    streamed_bytes: int = 0          # input written to ``stream`` so far
+    stream_broken: bool = False      # a write to ``stream`` failed: nothing more goes on it
+    streams: bool = True             # False: the worker has no StreamStep (an older one), so one Step a tick
+    tick_task: asyncio.Task | None = None   # the last tick, until its response is handled
+
+    def __post_init__(self) -> None:
+        self.step_wire = self.channel.unary_unary(
+            "/metronome.worker.v1.Worker/Step", request_serializer=None,
+            response_deserializer=pb.StepResponse.FromString)
+        self.stream_step_wire = self.channel.stream_unary(
+            "/metronome.worker.v1.Worker/StreamStep", request_serializer=None,
+            response_deserializer=pb.StepResponse.FromString)
+
+    def take_stream(self) -> grpc.aio.StreamUnaryCall | None:
+        """The open stream, now owned by the caller; the next input opens a new one."""
+        call, self.stream, self.streamed_bytes, self.stream_broken = self.stream, None, 0, False
+        return call
+
+    @property
+    def live(self) -> int:
+        return len(self.sessions) + self.pending
+
+    @property
+    def memory_capacity(self) -> int:
+        return self.health.capacity_sessions if self.health else 0
+
+    @property
+    def cap(self) -> int:
+        return self.controller.cap if self.controller else 0
+
+    def headroom(self) -> int:
+        return min(self.cap, self.memory_capacity) - self.live
+
+
+OutputSink = Callable[[WorkerHandle, ClientSession, pb.SessionOutput, TickReport], None]
+FailureSink = Callable[[WorkerHandle, ClientSession, str], None]

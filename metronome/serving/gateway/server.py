@@ -1,0 +1,65 @@
+"""Running the gateway: on picows, until a signal (``run_gateway``) or as a handle (``serve_gateway``)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from metronome.config import GatewayConfig
+from metronome.serving.gateway.realtime import REALTIME_PATH, Gateway
+from metronome.serving.gc_pauses import freeze_startup_heap
+
+
+@dataclass
+class GatewayServer:
+    """A started gateway: ``url`` is where Realtime clients connect."""
+
+    gateway: Gateway
+    server: asyncio.Server
+    host: str
+    port: int
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"ws://{self.address}{REALTIME_PATH}"
+
+    async def stop(self) -> None:
+        self.server.close()
+        await self.gateway.stop()
+
+
+async def serve_gateway(config: GatewayConfig) -> GatewayServer:
+    """Start the gateway (picows) on the running loop and return at once (``port=0``: an ephemeral port)."""
+    from metronome.serving.gateway.ws_picows import start_server
+
+    gateway = Gateway(config)
+    await gateway.start()
+    server = await start_server(gateway, config.host, config.port, max_frame_bytes=gateway.max_frame_bytes,
+                                send_queue_events=config.send_queue_events, send_queue_bytes=config.send_queue_bytes)
+    port = server.sockets[0].getsockname()[1]
+    return GatewayServer(gateway, server, config.host, port)
+
+
+def run_gateway(config: GatewayConfig) -> None:
+    """Serve until SIGINT or SIGTERM, on uvloop."""
+    import signal
+
+    import uvloop
+
+    async def main() -> None:
+        server = await serve_gateway(config)
+        freeze_startup_heap()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await stop.wait()
+        finally:
+            await server.stop()
+
+    uvloop.run(main())

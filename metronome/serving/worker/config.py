@@ -1,0 +1,74 @@
+"""What a worker is started with, and the adapter it builds from that."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from metronome import Engine, EngineConfig, KVPolicy
+from metronome.audio.adapter import AdapterContext, InteractionAdapter
+from metronome.audio.registry import RECORDS, adapter_factory, default_budget_ms
+from metronome.engine.runner import DTYPES
+from metronome.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything a worker needs: the engine's config, the adapter, the frame budget and the address.
+
+    ``budget_ms=None`` takes the adapter's own B (its record in ``audio/registry.py``); the worker
+    reports it in Health, and gateways adopt it or refuse a worker whose B differs from theirs.
+    ``port=0`` binds an ephemeral port (``WorkerServer.port`` says which). ``max_input_tokens``
+    bounds one session's input per tick (see "Chunking" in ``tick.py``); ``None`` picks
+    ``max(1024, max_chunk_tokens)``.
+    ``max_message_bytes`` bounds a Step request, and a StreamStep's input before its last message: 2 s of
+    48 kHz PCM16 is 192 KB per session.
+    """
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    budget_ms: float | None = None
+    adapter: str = "cascade"
+    max_input_tokens: int | None = None
+    host: str = "127.0.0.1"
+    port: int = 50051
+    max_message_bytes: int = 64 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if self.adapter not in RECORDS:
+            raise ConfigError(f"adapter must be one of {tuple(RECORDS)}, got {self.adapter!r}")
+        if self.budget_ms is None:
+            object.__setattr__(self, "budget_ms", default_budget_ms(self.adapter))
+        if self.budget_ms <= 0:
+            raise ConfigError(f"budget_ms must be > 0, got {self.budget_ms}")
+        chunk = self.engine.max_chunk_tokens
+        if self.max_input_tokens is None:
+            object.__setattr__(self, "max_input_tokens", max(1024, chunk))
+        if self.max_input_tokens < chunk:
+            raise ConfigError(f"max_input_tokens ({self.max_input_tokens}) must be >= max_chunk_tokens ({chunk})")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in [0, 65535] (0: ephemeral), got {self.port}")
+        if self.max_message_bytes < 1024 * 1024:
+            raise ConfigError(f"max_message_bytes must be >= 1 MiB, got {self.max_message_bytes}")
+
+
+def adapter_context(config: WorkerConfig, engine: Engine) -> AdapterContext:
+    return AdapterContext(
+        tokenizer=engine.tokenizer, checkpoint=engine.checkpoint, embed=engine.model.embed,
+        device=engine.device, dtype=DTYPES[engine.config.dtype],
+        max_input_tokens=config.max_input_tokens, budget_ms=config.budget_ms,
+        compute_logits=engine.model.compute_logits)
+
+
+def make_adapter(config: WorkerConfig, engine: Engine) -> InteractionAdapter:
+    """The adapter ``config.adapter`` names, built over the engine's tokenizer and embeddings."""
+    if config.adapter not in RECORDS:
+        raise ConfigError(f"adapter must be one of {tuple(RECORDS)}, got {config.adapter!r}")
+    return adapter_factory(config.adapter)(adapter_context(config, engine))
+
+
+def policy_name(policy: KVPolicy) -> str:
+    """The policy as Health reports it.
+
+    >>> policy_name(KVPolicy(sinks=16, window=1024)), policy_name(KVPolicy(window=None))
+    ('sink_window(S=16,W=1024)', 'unbounded')
+    """
+    return f"sink_window(S={policy.sinks},W={policy.window})" if policy.bounded else "unbounded"

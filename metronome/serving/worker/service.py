@@ -1,0 +1,172 @@
+"""The gRPC ``Worker`` service of ``proto/worker.proto`` over one ``TickCore``, and the server that runs it.
+
+Threading: the engine and the adapter are synchronous and not thread-safe, so EVERY call into the tick
+core (OpenSession, CloseSession, Step, a StreamStep once its last message is in) runs on one dedicated
+thread, a ``ThreadPoolExecutor(max_workers=1)`` awaited through ``loop.run_in_executor``. The asyncio
+loop only moves bytes and never blocks; two Step RPCs that arrive together run one after the other.
+Health answers at once from the core's snapshot, so it does not wait behind a running step.
+
+StreamStep (what the gateway uses) is a tick whose input is sent as it arrives: the event loop files each
+message's bytes by session (``StreamedTick``) while the engine thread still runs the previous tick, so
+the tick's critical path keeps only the last message's transfer and the join. Only an unexpected
+exception fails an RPC (``INTERNAL``); the worker stays up.
+
+>>> handle = await serve_worker(WorkerConfig(EngineConfig(model=ckpt, num_blocks=256), port=0))   # doctest: +SKIP
+>>> channel = grpc.aio.insecure_channel(handle.address)                            # doctest: +SKIP
+>>> stub = worker_pb2_grpc.WorkerStub(channel)                                     # doctest: +SKIP
+>>> (await stub.OpenSession(worker_pb2.OpenSessionRequest(sid="a", mode="free_running"))).ok  # doctest: +SKIP
+True
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+
+from metronome import Engine
+from metronome.audio.adapter import InteractionAdapter
+from metronome.serving.gc_pauses import freeze_startup_heap
+from metronome.serving.proto import worker_pb2_grpc
+from metronome.serving.worker.config import WorkerConfig, make_adapter, policy_name
+from metronome.serving.worker.tick import StreamedTick, TickCore
+
+log = logging.getLogger(__name__)
+
+
+class WorkerService(worker_pb2_grpc.WorkerServicer):
+    """The RPC handlers: every call into the tick core goes through ``executor`` (one thread)."""
+
+    def __init__(self, engine: Engine, adapter: InteractionAdapter, config: WorkerConfig,
+                 executor: ThreadPoolExecutor) -> None:
+        self.core = TickCore(engine, adapter, config)
+        self.config = config
+        self._executor = executor
+
+    @property
+    def engine(self) -> Engine:
+        return self.core.engine
+
+    @property
+    def adapter(self) -> InteractionAdapter:
+        return self.core.adapter
+
+    async def OpenSession(self, request, context):
+        return await self._on_engine_thread(context, "OpenSession", self.core.open, request)
+
+    async def CloseSession(self, request, context):
+        return await self._on_engine_thread(context, "CloseSession", self.core.close, request.sid)
+
+    async def Step(self, request, context):
+        return await self._on_engine_thread(context, "Step", self.core.step, request)
+
+    async def StreamStep(self, request_iterator, context):
+        """One tick whose input arrives over the frame period; the last message is the Step request proper."""
+        streamed = StreamedTick()
+        last = None
+        async for message in request_iterator:
+            if last is not None and streamed.add(last) > self.config.max_message_bytes:
+                log.warning("a streamed tick passed %d bytes; its input is dropped", self.config.max_message_bytes)
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"the tick's streamed input exceeds {self.config.max_message_bytes} bytes")
+            last = message
+        if last is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a StreamStep needs at least its last message")
+        return await self._on_engine_thread(context, "StreamStep", self.core.step, last, streamed)
+
+    async def Health(self, request, context):
+        return self.core.health
+
+    async def _on_engine_thread(self, context, what: str, fn, *args):
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._executor, fn, *args)
+        except Exception as exc:  # noqa: BLE001 - any bug must become a clean RPC error, not a dead worker
+            log.exception("%s failed", what)
+            await context.abort(grpc.StatusCode.INTERNAL, f"{what} failed: {type(exc).__name__}: {exc}")
+
+    def close_all(self) -> None:
+        """Close every session (shutdown). Engine thread only."""
+        self.core.close_all()
+
+
+@dataclass
+class WorkerServer:
+    """A started worker: the gRPC server, the port it is bound to, and the service (for introspection)."""
+
+    server: grpc.aio.Server
+    port: int
+    host: str
+    service: WorkerService
+    executor: ThreadPoolExecutor
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop serving, close every session (their KV returns to the pool), release the engine thread."""
+        await self.server.stop(grace)
+        await asyncio.get_running_loop().run_in_executor(self.executor, self.service.close_all)
+        self.executor.shutdown(wait=False)
+
+    async def wait_for_termination(self) -> None:
+        await self.server.wait_for_termination()
+
+
+async def serve_worker(config: WorkerConfig, *, engine: Engine | None = None,
+                       adapter: InteractionAdapter | None = None) -> WorkerServer:
+    """Build the engine and adapter (on the engine thread) unless given, bind, start; returns at once.
+
+    A given ``engine`` brings its own EngineConfig (the engine fields of ``config`` are then unused).
+    """
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metronome-engine")
+    loop = asyncio.get_running_loop()
+    try:
+        if engine is None:
+            engine = await loop.run_in_executor(executor, Engine, config.engine)
+        if adapter is None:
+            adapter = await loop.run_in_executor(executor, make_adapter, config, engine)
+        service = WorkerService(engine, adapter, config, executor)
+        size = config.max_message_bytes
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", size),
+                                          ("grpc.max_send_message_length", size)])
+        worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
+        port = server.add_insecure_port(f"{config.host}:{config.port}")
+        if port == 0:
+            raise OSError(f"cannot bind {config.host}:{config.port}")
+        await server.start()
+    except BaseException:
+        executor.shutdown(wait=False)
+        raise
+    stats = engine.stats()
+    log.info("worker on %s:%d: %s, %s, capacity %d sessions, budget %g ms, adapter %s",
+             config.host, port, engine.config.model, policy_name(engine.config.policy), stats.capacity,
+             config.budget_ms, adapter.name)
+    return WorkerServer(server, port, config.host, service, executor)
+
+
+def run_worker(config: WorkerConfig) -> None:
+    """Serve until SIGINT/SIGTERM (the CLI's entry point); sessions are closed on the way out."""
+
+    async def main() -> None:
+        handle = await serve_worker(config)
+        freeze_startup_heap()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, stop.set)
+            except (NotImplementedError, RuntimeError):  # not the main thread / not supported here
+                pass
+        waiter = asyncio.ensure_future(handle.wait_for_termination())
+        stopper = asyncio.ensure_future(stop.wait())
+        await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
+        stopper.cancel()
+        await handle.stop(grace=1.0)
+
+    asyncio.run(main())

@@ -1,0 +1,319 @@
+"""The worker's tick core: one engine and one adapter driven by the worker contract's messages, no transport.
+
+``TickCore`` owns the worker's session state (sid → engine session, one streaming resampler per
+session) and does a tick's work: ``open``/``close`` a session, ``step`` a ``StepRequest`` into a
+``StepResponse``, and, for a StreamStep, ``StreamedTick.add`` files each earlier message's input by
+session. It is synchronous and not thread-safe, like the engine; ``service.py`` puts it behind gRPC on
+one engine thread. Messages are the ``proto/worker.proto`` types (plain protobuf, no gRPC).
+
+One step, per session: sid → engine session id; PCM16 decoded and resampled to the adapter's rate
+(streaming, so chunk edges do not click or drift); then for the whole batch ``adapter.prepare``
+(audio → tokens; timed with decoding/resampling as ``frontend_ms``), ``engine.step``
+(``prefill_ms``/``decode_ms`` from ``engine.last_timing``; ``gpu_ms`` is their sum) and
+``adapter.on_output`` (tokens → text delta). A problem with one session's input (unknown sid, odd PCM
+byte count, sample rate outside 8-48 kHz, input refused by the adapter or the engine) is reported on
+that session's ``SessionOutput.error`` and logged; its input for the tick is dropped and the other
+sessions proceed. An unexpected exception propagates (the service turns it into an RPC error).
+
+Chunking: a session's input normally fits one engine forward (``max_chunk_tokens``, checked at start
+against what the adapter feeds per tick of audio). Bursts (the first tick's system prompt, a long typed
+message) up to ``max_input_tokens`` are prefilled in ``max_chunk_tokens`` pieces by extra engine steps
+within the same tick, right-aligned so every session's decode still runs in the one final step; beyond
+``max_input_tokens`` the tick is refused for that session.
+
+>>> core = TickCore(engine, adapter, WorkerConfig(adapter="energy"))                   # doctest: +SKIP
+>>> core.open(pb.OpenSessionRequest(sid="a", mode="free_running")).ok                  # doctest: +SKIP
+True
+>>> core.step(pb.StepRequest(sessions=[pb.SessionInput(sid="a", text="hi")], tokens_per_tick=4)).outputs[0].tokens  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from time import perf_counter
+
+import numpy as np
+import torch
+
+from metronome import AdmissionError, Engine, SamplingParams, StepInput, StepOutput
+from metronome.audio.adapter import InteractionAdapter, PreparedInput, TickAudio
+from metronome.audio.pcm import SILENCE_DBFS, Resampler, check_sample_rate, decode_pcm16, levels
+from metronome.errors import ConfigError
+from metronome.serving.proto import worker_pb2 as pb
+from metronome.serving.worker.config import WorkerConfig, policy_name
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StreamedInput:
+    """One session's input from a StreamStep's messages before the last (joined in front of its last input)."""
+
+    sample_rate: int = 0
+    audio: list[bytes] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    new_turn: bool = False
+    cancel: bool = False
+    error: str = ""
+
+    def add(self, inp: pb.SessionInput) -> int:
+        """Take one SessionInput; returns the bytes it added. Audio before a change of sample rate is dropped."""
+        audio = inp.audio_pcm16   # read once: each read of a protobuf bytes field copies it
+        if inp.clear_audio:
+            self.audio.clear()
+            self.error = ""
+        if audio:
+            if inp.sample_rate != self.sample_rate:
+                self.audio.clear()
+                self.sample_rate = inp.sample_rate
+            if len(audio) % 2 and not self.error:   # joined, an odd piece would shift every later sample
+                self.error = f"a streamed PCM16 piece has an odd number of bytes ({len(audio)})"
+            self.audio.append(audio)
+        if inp.text:
+            self.text.append(inp.text)
+        self.new_turn |= inp.new_turn
+        self.cancel |= inp.cancel
+        return len(audio) + len(inp.text)
+
+
+@dataclass
+class StreamedTick:
+    """A StreamStep's input before its last message, filed by session (bytes only: no decoding here)."""
+
+    sessions: dict[str, StreamedInput] = field(default_factory=dict)
+    size: int = 0
+
+    def add(self, message: pb.StepRequest) -> int:
+        """File one earlier message; returns the tick's streamed bytes so far."""
+        for inp in message.sessions:
+            self.size += self.sessions.setdefault(inp.sid, StreamedInput()).add(inp)
+        return self.size
+
+
+@dataclass
+class _Job:
+    """One session's engine work this tick: its input split into pieces of at most max_chunk_tokens."""
+
+    index: int                  # position in the request (and the response)
+    session_id: int             # engine session id
+    prepared: PreparedInput
+    pieces: list[tuple[list[int] | None, torch.Tensor | None]]  # (token_ids, embeds) per engine step
+    output: StepOutput | None = None
+    preempted: bool = False
+
+
+def _split(prepared: PreparedInput, chunk: int) -> list[tuple[list[int] | None, torch.Tensor | None]]:
+    if prepared.token_ids is not None and len(prepared.token_ids) > chunk:
+        ids = list(prepared.token_ids)
+        return [(ids[i:i + chunk], None) for i in range(0, len(ids), chunk)]
+    if prepared.embeds is not None and prepared.embeds.shape[0] > chunk:
+        e = prepared.embeds
+        return [(None, e[i:i + chunk]) for i in range(0, e.shape[0], chunk)]
+    return [(prepared.token_ids, prepared.embeds)]
+
+
+class TickCore:
+    """The worker's sessions and its tick over one engine and one adapter (one thread at a time)."""
+
+    def __init__(self, engine: Engine, adapter: InteractionAdapter, config: WorkerConfig) -> None:
+        chunk = engine.config.max_chunk_tokens
+        need = adapter.input_tokens_per_tick(config.budget_ms)
+        if need > chunk:
+            raise ConfigError(
+                f"the {adapter.name} adapter feeds up to {need} tokens per {config.budget_ms:g} ms tick but the "
+                f"engine's max_chunk_tokens is {chunk}; raise max_chunk_tokens to at least {need}")
+        check_sample_rate(adapter.sample_rate)
+        self.engine = engine
+        self.adapter = adapter
+        self.config = config
+        self._sessions: dict[str, int] = {}          # sid -> engine session id
+        self._resamplers: dict[str, Resampler] = {}  # sid -> its stream's resampler
+        self.health = self._snapshot()               # refreshed after every call that changes it
+
+    @property
+    def sessions(self) -> int:
+        return len(self._sessions)
+
+    def _snapshot(self) -> pb.HealthResponse:
+        stats = self.engine.stats()
+        return pb.HealthResponse(
+            ready=True, model=str(self.engine.config.model), budget_ms=self.config.budget_ms,
+            capacity_sessions=stats.capacity, kv_blocks_used=stats.kv_blocks_used,
+            kv_blocks_total=stats.kv_blocks_total, sessions=len(self._sessions),
+            input_sample_rate=self.adapter.sample_rate, kv_policy=policy_name(self.engine.config.policy))
+
+    # ------------------------------------------------------------------ sessions
+    def open(self, request: pb.OpenSessionRequest) -> pb.OpenSessionResponse:
+        sid = request.sid
+        if not sid:
+            return pb.OpenSessionResponse(ok=False, error="sid must not be empty")
+        if sid in self._sessions:
+            return pb.OpenSessionResponse(ok=False, error=f"session {sid!r} is already open")
+        try:
+            self.adapter.open_session(sid, request.mode, request.instructions)
+        except ValueError as exc:
+            return pb.OpenSessionResponse(ok=False, error=str(exc))
+        try:
+            self._sessions[sid] = self.engine.open_session()
+        except AdmissionError as exc:
+            self.adapter.close_session(sid)
+            log.info("session %s refused: %s", sid, exc)
+            return pb.OpenSessionResponse(ok=False, error=str(exc))
+        self.health = self._snapshot()
+        log.debug("session %s open (engine session %d)", sid, self._sessions[sid])
+        return pb.OpenSessionResponse(ok=True)
+
+    def close(self, sid: str) -> pb.CloseSessionResponse:
+        eid = self._sessions.pop(sid, None)
+        self._resamplers.pop(sid, None)
+        self.adapter.close_session(sid)
+        if eid is not None:
+            self.engine.close_session(eid)
+            self.health = self._snapshot()
+        return pb.CloseSessionResponse(closed=eid is not None)
+
+    def close_all(self) -> None:
+        """Close every session (shutdown)."""
+        for sid in list(self._sessions):
+            self.close(sid)
+
+    # ------------------------------------------------------------------ the tick
+    def tick_audio(self, inp: pb.SessionInput, default_tokens: int, out: pb.SessionOutput,
+                   earlier: StreamedInput | None = None) -> TickAudio:
+        """One session's SessionInput (after its ``earlier`` streamed input) → TickAudio at the adapter's rate;
+        ValueError for bad input.
+
+        Level checks (RMS, clipping) of the audio as sent go on the session's output for the client."""
+        if inp.sid not in self._sessions:
+            raise ValueError(f"unknown session {inp.sid!r}")
+        pcm = np.zeros(0, np.float32)
+        out.input_dbfs = SILENCE_DBFS
+        audio = inp.audio_pcm16   # read once: each read of a protobuf bytes field copies it
+        text, new_turn, cancel = inp.text, inp.new_turn, inp.cancel
+        if earlier is not None:
+            if earlier.error and not inp.clear_audio:
+                raise ValueError(earlier.error)
+            if earlier.audio and earlier.sample_rate == inp.sample_rate and not inp.clear_audio:
+                audio = b"".join([*earlier.audio, audio])
+            text = "".join(earlier.text) + text
+            new_turn, cancel = new_turn or earlier.new_turn, cancel or earlier.cancel
+        if audio:
+            check_sample_rate(inp.sample_rate)
+            pcm = decode_pcm16(audio)
+            lv = levels(pcm, inp.sample_rate)
+            out.input_dbfs, out.input_clipping = lv.rms_dbfs, lv.clipping
+            resampler = self._resamplers.get(inp.sid)
+            if resampler is None or resampler.in_rate != inp.sample_rate:
+                resampler = self._resamplers[inp.sid] = Resampler(inp.sample_rate, self.adapter.sample_rate)
+            pcm = resampler.process(pcm)
+        return TickAudio(session_id=inp.sid, pcm=pcm, new_turn=new_turn, text=text, cancel=cancel,
+                         max_tokens=inp.max_tokens or default_tokens)
+
+    def step(self, request: pb.StepRequest, streamed: StreamedTick | None = None) -> pb.StepResponse:
+        """One tick: ``request`` (a StreamStep's last message, after the ``streamed`` earlier ones) → outputs."""
+        t0 = perf_counter()
+        earlier = streamed.sessions if streamed is not None else {}
+        outputs = [pb.SessionOutput(sid=inp.sid) for inp in request.sessions]
+        ticks: list[TickAudio] = []
+        indices: list[int] = []
+        seen: set[str] = set()
+        for i, inp in enumerate(request.sessions):
+            try:
+                if inp.sid in seen:
+                    raise ValueError(f"session {inp.sid!r} appears more than once in one step")
+                seen.add(inp.sid)
+                ticks.append(self.tick_audio(inp, request.tokens_per_tick, outputs[i], earlier.get(inp.sid)))
+                indices.append(i)
+            except ValueError as exc:
+                self._session_error(request.tick, outputs[i], str(exc))
+        prepared = self.adapter.prepare(ticks) if ticks else []
+        if len(prepared) != len(ticks):
+            raise RuntimeError(f"the adapter returned {len(prepared)} inputs for {len(ticks)} sessions")
+        frontend_ms = (perf_counter() - t0) * 1e3
+
+        jobs = []
+        chunk = self.engine.config.max_chunk_tokens
+        for i, prep in zip(indices, prepared):
+            outputs[i].transcript = prep.transcript
+            if prep.error:
+                self._session_error(request.tick, outputs[i], prep.error)
+            elif prep.num_tokens > self.config.max_input_tokens:
+                self._session_error(request.tick, outputs[i], f"input of {prep.num_tokens} tokens exceeds "
+                                    f"max_input_tokens={self.config.max_input_tokens}")
+            else:
+                jobs.append(_Job(i, self._sessions[request.sessions[i].sid], prep, _split(prep, chunk)))
+        prefill_ms, decode_ms = self._run_engine(jobs)
+        heads_failed = self._run_heads(request.tick, outputs, jobs)
+
+        for job in jobs:
+            out, result = outputs[job.index], job.output
+            if result.error:
+                self._session_error(request.tick, out, result.error)
+                continue
+            if out.sid in heads_failed:
+                self._session_error(request.tick, out, heads_failed[out.sid])
+                continue
+            out.tokens.extend(result.token_ids)
+            capped = job.prepared.ends_response and len(result.token_ids) >= job.prepared.max_new_tokens
+            out.finished = result.finished or capped
+            out.preempted = job.preempted or result.preempted
+            out.text = self.adapter.on_output(out.sid, list(result.token_ids), out.finished)
+            audio = self.adapter.take_audio(out.sid)
+            if audio:
+                out.audio_pcm16, out.audio_sample_rate = audio, self.adapter.output_sample_rate
+        stats = self.engine.stats()
+        self.health = self._snapshot()
+        return pb.StepResponse(outputs=outputs, gpu_ms=prefill_ms + decode_ms, in_flight=len(self._sessions),
+                               frontend_ms=frontend_ms, prefill_ms=prefill_ms, decode_ms=decode_ms,
+                               kv_blocks_used=stats.kv_blocks_used, kv_blocks_total=stats.kv_blocks_total,
+                               worker_ms=(perf_counter() - t0) * 1e3)
+
+    def _run_engine(self, jobs: list[_Job]) -> tuple[float, float]:
+        """Feed every job's pieces, right-aligned so all decodes share the final engine step.
+
+        Returns (prefill_ms, decode_ms) summed over the engine steps; sets each job's ``output``.
+        """
+        rounds = max((len(job.pieces) for job in jobs), default=0)
+        prefill_ms = decode_ms = 0.0
+        for r in range(rounds):
+            last = r == rounds - 1
+            batch = [job for job in jobs if job.output is None and r >= rounds - len(job.pieces)]
+            if not batch:
+                continue
+            inputs = []
+            for job in batch:
+                ids, embeds = job.pieces[r - (rounds - len(job.pieces))]
+                inputs.append(StepInput(job.session_id, token_ids=ids, embeds=embeds,
+                                        max_new_tokens=job.prepared.max_new_tokens if last else 0,
+                                        sampling=SamplingParams(stop_token_ids=job.prepared.stop_token_ids),
+                                        return_hidden=job.prepared.return_hidden and last))
+            results = self.engine.step(inputs)
+            timing = self.engine.last_timing
+            prefill_ms += timing.prefill_ms
+            decode_ms += timing.decode_ms
+            for job, result in zip(batch, results):
+                job.preempted |= result.preempted
+                if result.error or last:
+                    job.output = result
+        return prefill_ms, decode_ms
+
+    def _run_heads(self, tick: int, outputs: list[pb.SessionOutput], jobs: list[_Job]) -> dict[str, str]:
+        """The adapter's own output heads over the hidden states sessions asked for; returns sid -> error
+        for the sessions whose heads failed (only they are affected)."""
+        hidden = [(outputs[job.index].sid, job.output.hidden) for job in jobs
+                  if job.prepared.return_hidden and not job.output.error and job.output.hidden is not None]
+        if not hidden:
+            return {}
+        try:
+            self.adapter.on_hidden(hidden)
+        except Exception as exc:  # noqa: BLE001  (the adapter's own heads: report on those sessions only)
+            log.exception("tick %d: the %s adapter's heads failed", tick, self.adapter.name)
+            reason = f"the model's output heads failed this tick: {type(exc).__name__}: {exc}"
+            return {sid: reason for sid, _ in hidden}
+        return {}
+
+    @staticmethod
+    def _session_error(tick: int, out: pb.SessionOutput, message: str) -> None:
+        out.error = message
+        log.warning("tick %d, session %s: %s", tick, out.sid, message)

@@ -1,0 +1,128 @@
+"""The worker's tick core without gRPC: sessions, one tick's outputs, streamed input filed and joined."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from metronome import Engine, EngineConfig, KVPolicy
+from metronome.audio.pcm import encode_pcm16
+from metronome.errors import ConfigError
+from metronome.serving.proto import worker_pb2 as pb
+from metronome.serving.worker import StreamedTick, TickCore, WorkerConfig, make_adapter
+
+POLICY = KVPolicy(sinks=4, window=64, block_size=16)
+
+
+def speech_like(seconds: float, rate: int = 16000, seed: int = 0) -> bytes:
+    rng = np.random.default_rng(seed)
+    n = int(seconds * rate)
+    envelope = np.repeat(10 ** rng.uniform(-3.5, 0, size=n // 400 + 1), 400)[:n]
+    return encode_pcm16((rng.standard_normal(n) * envelope * 0.5).clip(-1, 1).astype(np.float32))
+
+
+@pytest.fixture(scope="module")
+def config(chat_checkpoint) -> WorkerConfig:
+    engine = EngineConfig(model=chat_checkpoint, policy=POLICY, num_blocks=41, max_chunk_tokens=64,
+                          max_batch_tokens=512)
+    return WorkerConfig(engine, adapter="energy", max_input_tokens=256, port=0)
+
+
+@pytest.fixture(scope="module")
+def engine(config) -> Engine:
+    return Engine(config.engine)
+
+
+@pytest.fixture
+def core(engine, config):
+    core = TickCore(engine, make_adapter(config, engine), config)
+    yield core
+    core.close_all()
+    assert engine.stats().sessions == 0
+
+
+def open_all(core: TickCore, *sids: str) -> None:
+    for sid in sids:
+        reply = core.open(pb.OpenSessionRequest(sid=sid, mode="free_running"))
+        assert reply.ok, reply.error
+
+
+def by_sid(response: pb.StepResponse) -> dict[str, pb.SessionOutput]:
+    return {out.sid: out for out in response.outputs}
+
+
+def test_the_budget_defaults_to_the_adapters_and_health_reports_it(core, config):
+    assert config.budget_ms == 2000.0                                    # the energy adapter's record
+    assert WorkerConfig(adapter="moshi").budget_ms == 80.0
+    assert WorkerConfig(adapter="energy", budget_ms=250.0).budget_ms == 250.0
+    with pytest.raises(ConfigError, match="budget_ms"):
+        WorkerConfig(adapter="energy", budget_ms=0.0)
+    assert core.health.budget_ms == 2000.0 and core.health.ready and core.health.sessions == 0
+
+
+def test_sessions_open_and_close_and_health_follows(core):
+    open_all(core, "a", "b")
+    assert core.health.sessions == 2 and core.health.kv_blocks_used == 0
+    assert not core.open(pb.OpenSessionRequest(sid="a")).ok                       # already open
+    assert "must not be empty" in core.open(pb.OpenSessionRequest(sid="")).error
+    assert "karaoke" in core.open(pb.OpenSessionRequest(sid="z", mode="karaoke")).error
+    assert core.close("a").closed and not core.close("a").closed                  # idempotent
+    assert core.health.sessions == 1 and core.sessions == 1
+
+
+def test_a_step_serves_every_good_session_and_reports_bad_input_on_its_own_output(core):
+    open_all(core, "a", "b", "quiet")
+    audio = speech_like(1.0)
+    response = core.step(pb.StepRequest(tick=1, tokens_per_tick=3, sessions=[
+        pb.SessionInput(sid="a", audio_pcm16=audio, sample_rate=16000),
+        pb.SessionInput(sid="ghost", audio_pcm16=audio, sample_rate=16000),
+        pb.SessionInput(sid="b", audio_pcm16=audio, sample_rate=16000, max_tokens=5),
+        pb.SessionInput(sid="quiet", audio_pcm16=b"\x00" * 3, sample_rate=16000),
+        pb.SessionInput(sid="a", sample_rate=16000)]))
+    assert [o.sid for o in response.outputs] == ["a", "ghost", "b", "quiet", "a"]
+    a, ghost, b, quiet, again = response.outputs
+    assert not a.error and len(a.tokens) == 3 and a.text is not None
+    assert not b.error and len(b.tokens) == 5 and b.tokens[:3] == a.tokens    # same input, greedy
+    assert "unknown session" in ghost.error and not ghost.tokens
+    assert quiet.error and not quiet.tokens                                    # odd PCM byte count
+    assert "more than once" in again.error
+    assert response.in_flight == 3 and response.kv_blocks_used > 0
+    assert response.gpu_ms == pytest.approx(response.prefill_ms + response.decode_ms)
+    assert core.health.kv_blocks_used == response.kv_blocks_used
+
+
+def test_streamed_input_is_joined_in_front_of_the_last_message(core):
+    open_all(core, "whole", "streamed", "odd", "unnamed")
+    audio = speech_like(1.2, seed=3)
+    pieces = [audio[i:i + 12800] for i in range(0, len(audio), 12800)]
+    whole = by_sid(core.step(pb.StepRequest(tick=1, tokens_per_tick=4, sessions=[
+        pb.SessionInput(sid="whole", audio_pcm16=audio, sample_rate=16000)])))["whole"]
+
+    streamed = StreamedTick()
+    for piece in pieces[:-1]:
+        size = streamed.add(pb.StepRequest(sessions=[
+            pb.SessionInput(sid="streamed", audio_pcm16=piece, sample_rate=16000),
+            pb.SessionInput(sid="unnamed", audio_pcm16=piece, sample_rate=16000)]))
+    streamed.add(pb.StepRequest(sessions=[pb.SessionInput(sid="odd", audio_pcm16=b"\x01", sample_rate=16000)]))
+    assert size == 2 * sum(len(p) for p in pieces[:-1]) and streamed.size == size + 1
+    last = pb.StepRequest(tick=1, tokens_per_tick=4, sessions=[
+        pb.SessionInput(sid="streamed", audio_pcm16=pieces[-1], sample_rate=16000),
+        pb.SessionInput(sid="odd", audio_pcm16=b"\x02\x00", sample_rate=16000)])
+    out = by_sid(core.step(last, streamed))
+    assert set(out) == {"streamed", "odd"}                   # input for a session not named is dropped
+    assert not out["streamed"].error and out["streamed"].tokens == whole.tokens
+    assert out["streamed"].input_dbfs == pytest.approx(whole.input_dbfs)
+    assert "odd number of bytes" in out["odd"].error
+
+
+def test_a_burst_beyond_one_chunk_is_prefilled_in_pieces_within_the_tick(core):
+    open_all(core, "burst", "small")
+    response = core.step(pb.StepRequest(tick=1, tokens_per_tick=2, sessions=[
+        pb.SessionInput(sid="burst", text="word " * 120),
+        pb.SessionInput(sid="small", text="hi")]))
+    out = by_sid(response)
+    assert not out["burst"].error and len(out["burst"].tokens) == 2
+    assert not out["small"].error and len(out["small"].tokens) == 2
+    over = by_sid(core.step(pb.StepRequest(tick=2, tokens_per_tick=2, sessions=[
+        pb.SessionInput(sid="small", text="word " * 400)])))["small"]
+    assert "at most 256" in over.error and not over.tokens        # beyond max_input_tokens: refused
