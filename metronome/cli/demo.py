@@ -45,7 +45,8 @@ def add_parser(sub) -> None:
     p.add_argument("--free-run-ticks", type=int, default=30, help="ticks of free-running decode after the answers")
     p.add_argument("--speech", action="store_true",
                    help="talk to the speech assistant: stream the bundled spoken questions through a served session")
-    p.add_argument("--budget-ms", type=float, default=2000.0, help="--speech: frame budget B per tick")
+    p.add_argument("--budget-ms", type=float, default=None,
+                   help="--speech: frame budget B per tick (default: the speech adapter's own)")
     p.add_argument("--speed", type=float, default=1.0, help="--speech: audio pacing (1 = real time, 0 = no pacing)")
     p.set_defaults(run=run)
 
@@ -147,9 +148,10 @@ async def run_speech(args: argparse.Namespace) -> int:
     worker = await serve_worker(WorkerConfig(engine, budget_ms=args.budget_ms, adapter="cascade", port=0))
     gateway = await serve_gateway(GatewayConfig(workers=(worker.address,), port=0, budget_ms=args.budget_ms,
                                                 tokens_per_tick=args.tokens_per_tick,
-                                                aimd=AimdConfig(budget_ms=args.budget_ms, initial_cap=4, min_cap=1)))
+                                                aimd=AimdConfig(initial_cap=4, min_cap=1)))
     url = gateway.url
-    print(f"ready in {time.perf_counter() - t0:.1f}s; one session at {url}, B = {args.budget_ms:g} ms\n", flush=True)
+    budget_ms = worker.service.core.config.budget_ms
+    print(f"ready in {time.perf_counter() - t0:.1f}s; one session at {url}, B = {budget_ms:g} ms\n", flush=True)
     ticks: list[dict] = []
     try:
         async with aiohttp.ClientSession() as http, http.ws_connect(url) as ws:
@@ -196,7 +198,7 @@ async def run_speech(args: argparse.Namespace) -> int:
         lat = sorted(t["latency_ms"] for t in ticks)
         missed = sum(not t["deadline_met"] for t in ticks)
         print(f"\n{len(ticks)} ticks: median {lat[len(lat) // 2]:.0f} ms, max {lat[-1]:.0f} ms of B = "
-              f"{args.budget_ms:g} ms ({missed} deadline misses; ticks that ran Whisper are the slow ones)")
+              f"{budget_ms:g} ms ({missed} deadline misses; ticks that ran Whisper are the slow ones)")
     return 0
 
 

@@ -156,7 +156,7 @@ def run_serve(args: argparse.Namespace) -> int:
     for i in range(args.workers):
         port = args.worker_port + i
         address = f"127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "metronome.cli.main", "--log-level", args.log_level, "worker",
+        cmd = [sys.executable, "-m", "metronome", "--log-level", args.log_level, "worker",
                "--model", args.model, "--device", args.device, "--dtype", args.dtype, "--sinks", str(args.sinks),
                "--window", str(args.window), "--block-size", str(args.block_size),
                "--host", "127.0.0.1", "--port", str(port), "--threads", str(threads), "--adapter", args.adapter]
