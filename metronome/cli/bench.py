@@ -20,6 +20,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from metronome.cli.help import HelpFormatter
+
 EXPERIMENTS = ("cliff", "fill-model", "admission", "recycling", "ablation", "quality")
 PRESET_NAMES = ("cpu", "gpu", "gpu-short")
 # Experiments whose module holds its own PRESETS and run function, and where their write_report lives.
@@ -27,10 +29,6 @@ OWN_MODULE = {"recycling": "metronome.experiments.recycling", "ablation": "metro
               "quality": "metronome.experiments.quality"}
 REPORT_MODULE = {"recycling": "metronome.experiments.recycling", "ablation": "metronome.experiments.ablation",
                  "quality": "metronome.experiments.quality_report"}
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    pass
 
 
 def csv_ints(text: str) -> tuple[int, ...]:

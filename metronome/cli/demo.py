@@ -22,6 +22,7 @@ import wave
 from importlib import resources
 
 from metronome import Engine, EngineConfig, KVPolicy, SamplingParams, StepInput
+from metronome.cli.help import HelpFormatter
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -35,18 +36,18 @@ QUESTIONS = [
 
 def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="concurrent sessions on the embedded default model (CPU)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--model", default="smollm2-135m", help="packaged model name or HF checkpoint directory")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--sessions", type=int, default=4, help="concurrent sessions (default 4)")
+    p.add_argument("--device", default="cpu", help="torch device")
+    p.add_argument("--sessions", type=int, default=4, help="concurrent sessions")
     p.add_argument("--tokens-per-tick", type=int, default=8, help="decode tokens per session per tick")
-    p.add_argument("--sinks", type=int, default=16)
+    p.add_argument("--sinks", type=int, default=16, help="pinned attention-sink tokens S")
     p.add_argument("--window", type=int, default=128, help="KV window in tokens (small, so the plateau shows)")
     p.add_argument("--free-run-ticks", type=int, default=30, help="ticks of free-running decode after the answers")
     p.add_argument("--speech", action="store_true",
                    help="talk to the speech assistant: stream the bundled spoken questions through a served session")
     p.add_argument("--budget-ms", type=float, default=None,
-                   help="--speech: frame budget B per tick (default: the speech adapter's own)")
+                   help="--speech: frame budget B per tick (None: the speech adapter's own)")
     p.add_argument("--speed", type=float, default=1.0, help="--speech: audio pacing (1 = real time, 0 = no pacing)")
     p.set_defaults(run=run)
 

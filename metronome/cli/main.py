@@ -13,13 +13,16 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from importlib.metadata import version
 
 from metronome.cli import bench, client, demo, serving
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="metronome", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--log-level", default="WARNING", help="Python logging level (default WARNING)")
+    parser = argparse.ArgumentParser(prog="metronome", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version('metronome')}")
+    parser.add_argument("--log-level", default="WARNING", help="Python logging level")
     sub = parser.add_subparsers(dest="command", required=True)
     demo.add_parser(sub)
     serving.add_parsers(sub)

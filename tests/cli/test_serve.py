@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -56,15 +57,17 @@ def test_serve_then_client(chat_checkpoint, tmp_path):
         write_wav(wav)
         client = subprocess.run(
             [sys.executable, "-m", "metronome.cli.main", "client", str(wav), "--url",
-             f"ws://127.0.0.1:{port}/v1/realtime", "--api-key", "k", "--no-pace", "--tail-s", "2", "--ticks"],
-            capture_output=True, text=True, timeout=120)
+             f"ws://127.0.0.1:{port}/v1/realtime", "--no-pace", "--timeout-s", "2", "--ticks"],
+            capture_output=True, text=True, timeout=120, env={**os.environ, "METRONOME_API_KEY": "k"})
         assert client.returncode == 0, client.stderr
         assert "[tick" in client.stderr  # metronome.tick events arrived
         assert client.stdout.strip(), "no text came back"
         refused = subprocess.run(
             [sys.executable, "-m", "metronome.cli.main", "client", str(wav), "--url",
-             f"ws://127.0.0.1:{port}/v1/realtime", "--no-pace"], capture_output=True, text=True, timeout=60)
-        assert refused.returncode != 0  # no API key
+             f"ws://127.0.0.1:{port}/v1/realtime", "--no-pace"], capture_output=True, text=True, timeout=60,
+            env={k: v for k, v in os.environ.items() if k != "METRONOME_API_KEY"})
+        assert refused.returncode == 2, refused.stderr      # no API key: refused, one line, no traceback
+        assert "Traceback" not in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
     finally:
         serve.terminate()
         serve.wait(timeout=30)
