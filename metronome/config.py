@@ -115,7 +115,9 @@ class AimdConfig:
     ``target_fraction * budget_ms`` (or a deadline was missed), additive increase by ``step`` when
     latency is under target and live sessions are within ``grow_headroom`` of the cap. Until its first
     decrease the robust controller starts fast: a verdict under target may multiply the cap by up to
-    ``slow_start`` (1 turns this off), bounded by what the measured latency projects to fit.
+    ``slow_start`` (1 turns this off), bounded by what the measured latency projects to fit. With
+    ``load_evidence`` the robust controller decreases only once latency has been seen to grow with the
+    number of sessions: a fixed per-tick cost (one session's own speech recognition) is not overload.
     """
 
     budget_ms: float = DEFAULT_BUDGET_MS   # the gateway sets its own B here
@@ -127,6 +129,7 @@ class AimdConfig:
     min_cap: int = 1
     grow_headroom: int = 2
     slow_start: float = 2.0
+    load_evidence: bool = True
 
     def __post_init__(self) -> None:
         if self.budget_ms <= 0:

@@ -18,12 +18,12 @@ from metronome.serving.gateway.admission import AimdController, AimdDecision, Pa
 
 # Target 600 ms, window 5, backoff 0.9, step 1, headroom 2, initial 4; additive growth only (the slow
 # start has its own tests below).
-CFG = AimdConfig(budget_ms=2000.0, slow_start=1.0)
+CFG = AimdConfig(load_evidence=False, budget_ms=2000.0, slow_start=1.0)
 LOW, HIGH = 100.0, 900.0
 
 
 def additive(**kwargs) -> AimdConfig:
-    return AimdConfig(slow_start=1.0, **kwargs)
+    return AimdConfig(load_evidence=False, slow_start=1.0, **kwargs)
 
 
 def feed(c, latencies, live, missed=False):
@@ -265,7 +265,7 @@ def test_noisy_worker_robust_controller_stays_near_target_and_beats_the_paper_ru
 
 # -- slow start -------------------------------------------------------------------------------------
 
-SLOW = AimdConfig(budget_ms=2000.0)  # the defaults: slow_start 2
+SLOW = AimdConfig(load_evidence=False, budget_ms=2000.0)  # the defaults: slow_start 2
 
 
 @pytest.mark.parametrize("a_ms, b_ms", [(A_MS, B_MS), (0.0, 600.0 / N_STAR)])  # with and without a fixed cost
@@ -286,7 +286,7 @@ def test_slow_start_reaches_the_target_crossing_fast_without_overshooting_it(a_m
 
 
 def test_slow_start_jumps_only_on_samples_taken_at_the_caps_load():
-    c = AimdController(AimdConfig(initial_cap=40), memory_cap=1000)
+    c = AimdController(AimdConfig(load_evidence=False, initial_cap=40), memory_cap=1000)
     d = [c.observe(300.0, False, live) for live in (10, 25, 40)][-1]
     assert d.action == "hold" and "app-limited" in d.reason  # 10 and 25 sessions say little about 40
     d = [c.observe(300.0, False, live) for live in (38, 40)][-1]
@@ -295,7 +295,7 @@ def test_slow_start_jumps_only_on_samples_taken_at_the_caps_load():
 
 
 def test_slow_start_jump_is_bounded_by_doubling_and_by_the_projected_fit():
-    c = AimdController(AimdConfig(initial_cap=40), memory_cap=1000)
+    c = AimdController(AimdConfig(load_evidence=False, initial_cap=40), memory_cap=1000)
     d = [c.observe(100.0, False, 40) for _ in range(3)][-1]
     assert d.cap == 80 and "slow start" in d.reason  # min(2 * 40, 0.9 * 240)
     d = [c.observe(200.0, False, 80) for _ in range(3)][-1]
@@ -310,7 +310,7 @@ def test_slow_start_jump_is_bounded_by_doubling_and_by_the_projected_fit():
 
 
 def test_slow_start_projects_from_the_worst_recent_sample():
-    c = AimdController(AimdConfig(initial_cap=40), memory_cap=1000)
+    c = AimdController(AimdConfig(load_evidence=False, initial_cap=40), memory_cap=1000)
     d = [c.observe(ms, False, 40) for ms in (100.0, 300.0, 100.0)][-1]
     assert d.cap == 72  # min(80, floor(0.9 * 40 * 600 / 300)): the median (100 ms) would have allowed 80
 
@@ -318,19 +318,19 @@ def test_slow_start_projects_from_the_worst_recent_sample():
 @pytest.mark.parametrize("initial, step, growth", [(1, 1, 2.0), (4, 4, 2.0), (2, 1, 1.5)])
 def test_slow_start_grows_from_small_caps_by_at_least_a_step(initial, step, growth):
     """Where doubling is no bigger than a step (cap 1, or step 4 at cap 4) slow start still goes on."""
-    c = AimdController(AimdConfig(initial_cap=initial, step=step, slow_start=growth), memory_cap=1000)
+    c = AimdController(AimdConfig(load_evidence=False, initial_cap=initial, step=step, slow_start=growth), memory_cap=1000)
     caps = [c.observe(10.0, False, live=c.cap).cap for _ in range(24)]
     assert caps[-1] >= 8 * initial and all(d.reason.startswith(("slow start", "collecting")) for d in c.history)
 
 
 def test_a_deadline_miss_ends_slow_start_even_when_the_cap_cannot_go_lower():
-    c = AimdController(AimdConfig(initial_cap=10, min_cap=10, window=1), memory_cap=1000)
+    c = AimdController(AimdConfig(load_evidence=False, initial_cap=10, min_cap=10, window=1), memory_cap=1000)
     assert c.observe(2100.0, True, live=10).cap == 10  # floor(0.9 * 10) = 9 < min_cap: the cap holds
     assert [c.observe(LOW, False, live=c.cap).cap for _ in range(3)] == [11, 12, 13]  # additive, no doubling
 
 
 def test_slow_start_ends_at_the_memory_cap():
-    c = AimdController(AimdConfig(initial_cap=None), memory_cap=30)
+    c = AimdController(AimdConfig(load_evidence=False, initial_cap=None), memory_cap=30)
     assert c.cap == 30  # None: start at the ceiling (the paper's prototype)
     d = [c.observe(LOW, False, live=30) for _ in range(3)][-1]
     assert "at memory cap 30" in d.reason
@@ -339,10 +339,10 @@ def test_slow_start_ends_at_the_memory_cap():
 
 
 def test_slow_start_waits_for_demand_and_ends_at_the_first_decrease():
-    idle = AimdController(AimdConfig(initial_cap=20), memory_cap=1000)
+    idle = AimdController(AimdConfig(load_evidence=False, initial_cap=20), memory_cap=1000)
     feed(idle, [LOW] * 10, live=5)
     assert idle.cap == 20 and "app-limited" in idle.history[-1].reason
-    c = AimdController(AimdConfig(initial_cap=20), memory_cap=1000)
+    c = AimdController(AimdConfig(load_evidence=False, initial_cap=20), memory_cap=1000)
     assert feed(c, [HIGH] * 3, live=20)[-1].action == "decrease"  # floor(0.9 * 20) = 18
     assert c.cap == 18
     d = [c.observe(LOW, False, live=c.cap) for _ in range(8)]
@@ -351,7 +351,7 @@ def test_slow_start_waits_for_demand_and_ends_at_the_first_decrease():
 
 def test_slow_start_below_one_is_refused():
     with pytest.raises(ConfigError):
-        AimdConfig(slow_start=0.5)
+        AimdConfig(load_evidence=False, slow_start=0.5)
 
 
 # -- invariants ----------------------------------------------------------------------------------------
@@ -367,7 +367,7 @@ steps = st.tuples(st.floats(0, 5000, allow_nan=False), st.booleans(), st.integer
        trace=st.lists(steps, max_size=60), paper=st.booleans(), slow_start=st.sampled_from([1.0, 1.5, 2.0]))
 def test_cap_stays_in_bounds_and_decisions_are_deterministic(window, initial, min_cap, memory_cap, static_cap,
                                                              headroom, step, backoff, trace, paper, slow_start):
-    cfg = AimdConfig(window=window, initial_cap=max(initial, min_cap), min_cap=min_cap,
+    cfg = AimdConfig(load_evidence=False, window=window, initial_cap=max(initial, min_cap), min_cap=min_cap,
                      grow_headroom=headroom, step=step, backoff=backoff, slow_start=slow_start)
     cls = PaperAimdController if paper else AimdController
 
@@ -394,3 +394,37 @@ def test_cap_stays_in_bounds_and_decisions_are_deterministic(window, initial, mi
         return out
 
     assert run() == run()
+
+
+# -- rule 8: overload is latency that grows with load ----------------------------------------------------------
+
+
+def test_one_sessions_slow_front_end_does_not_refuse_a_second_user():
+    # One client asks five questions; the ticks that run its speech recognition overrun the target (and at a
+    # short B, the deadline): none of that is load, so the cap stays above the one live session.
+    c = AimdController(AimdConfig(budget_ms=2000.0), memory_cap=94)
+    for question in range(5):
+        for ms, missed in ((250.0, False), (800.0, False), (2100.0, True), (300.0, False), (250.0, False)):
+            c.observe(ms, missed, live=1)
+    assert c.cap > 1 and c.admits(live=1)
+    assert all(d.action != "decrease" for d in c.history)
+
+
+def test_latency_that_grows_with_load_still_brings_the_cap_down():
+    c = AimdController(AimdConfig(budget_ms=2000.0, slow_start=1.0, initial_cap=12), memory_cap=100)
+    for live in range(1, 13):                       # latency 60 ms per session: the target is crossed at 11
+        for _ in range(5):
+            c.observe(60.0 * live, False, live)
+    assert c.cap < 12 and any(d.action == "decrease" for d in c.history)
+    assert c.observe(2500.0, True, live=12).action in ("decrease", "hold")   # a miss at a grown load acts
+
+
+def test_a_miss_with_no_smaller_load_seen_holds_and_says_why():
+    c = AimdController(AimdConfig(budget_ms=500.0, initial_cap=4), memory_cap=10)
+    d = c.observe(800.0, True, live=1)
+    assert d.action == "hold" and c.cap == 4 and "fixed per-tick cost" in d.reason
+
+
+def test_the_papers_rule_keeps_its_behaviour():
+    c = PaperAimdController(AimdConfig(budget_ms=2000.0, initial_cap=4), memory_cap=94)
+    assert c.observe(800.0, False, live=1).action == "decrease" and c.cap == 1

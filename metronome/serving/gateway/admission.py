@@ -21,7 +21,7 @@ lower; else if ``live >= cap - 2`` then ``cap += 1``. :class:`AimdController` fi
    by at most one rank, so it cannot cut the cap on its own:
 
    >>> from metronome.config import AimdConfig
-   >>> cfg = AimdConfig(budget_ms=2000, initial_cap=10, slow_start=1)  # target 600 ms, window 5
+   >>> cfg = AimdConfig(budget_ms=2000, initial_cap=10, slow_start=1, load_evidence=False)  # target 600 ms
    >>> c = AimdController(cfg, memory_cap=100)
    >>> [c.observe(ms, False, live=10).action for ms in (100, 100, 100, 100, 1500)]
    ['hold', 'hold', 'hold', 'hold', 'increase']
@@ -65,7 +65,7 @@ lower; else if ``live >= cap - 2`` then ``cap += 1``. :class:`AimdController` fi
    ``live >= cap - grow_headroom``: low latency at a load far below the cap says nothing about the
    cap, and an idle worker must not grow its cap without bound.
 
-   >>> c = AimdController(AimdConfig(initial_cap=10, window=1, slow_start=1), memory_cap=100)
+   >>> c = AimdController(AimdConfig(initial_cap=10, window=1, slow_start=1, load_evidence=False), memory_cap=100)
    >>> c.observe(50, False, live=3).reason
    'app-limited: live 3 < cap 10 - headroom 2'
 
@@ -104,6 +104,22 @@ lower; else if ``live >= cap - 2`` then ``cap += 1``. :class:`AimdController` fi
    'slow start ends: worst of last 3 ticks 534.0 ms projects 0.9*fit = 122 <= cap 121 + 1'
    >>> caps.index(137)  # additive growth alone: 133 ticks
    37
+
+8. **Overload is latency that grows with load.** A tick can be slow for reasons no admission decision
+   changes: one session's own speech recognition, a fixed per-tick cost. Cutting the cap for it refuses a
+   second user of an idle server. So with ``load_evidence`` (the default) a verdict over target, or a
+   deadline miss, lowers the cap only if latency at the current load is above what a smaller load showed
+   (by ``LOAD_GROWTH_MARGIN``): the controller keeps a per-load profile (a moving average of tick latency
+   at each live count). Without that evidence it holds, and the next session it admits supplies it: if
+   latency then grows, the cap comes down. Examples 1-7 switch it off to show each rule alone.
+
+   >>> c = AimdController(AimdConfig(budget_ms=2000, initial_cap=4, window=1), memory_cap=100)
+   >>> [c.observe(800, False, live=1).action for _ in range(3)]    # one session, a slow front end
+   ['hold', 'hold', 'hold']
+   >>> c.cap, c.history[-1].reason
+   (4, 'p50 of last 1 ticks 800.0 ms > target 600.0 ms, but no smaller load was faster: a fixed per-tick cost at 1 sessions, cap held')
+   >>> [c.observe(ms, False, live=n).action for ms, n in ((800, 2), (1300, 3))]   # latency grows with load
+   ['hold', 'decrease']
 """
 
 from __future__ import annotations
@@ -119,6 +135,10 @@ from metronome.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
+# How much slower than a smaller load the current load must be to count as latency that grows with load.
+LOAD_GROWTH_MARGIN = 0.1
+# Weight of the newest tick in the per-load latency profile (a moving average per live count).
+PROFILE_WEIGHT = 0.2
 # Fresh samples a slow-start verdict needs: the fewest whose median one outlier cannot move on its own.
 SLOW_START_SAMPLES = 3
 HISTORY_LEN = 10_000  # decisions kept in ``history``: ~5.5 h of 2-s ticks, ~13 min of 80-ms ticks
@@ -264,25 +284,46 @@ class AimdController(_CapController):
         self._lives: deque[int] = deque(maxlen=config.window)  # live sessions at each of those samples
         self._since = "since start"  # only for the wording of "collecting samples" reasons
         self._slow_start = config.slow_start > 1.0
+        # live count → moving average of tick latency at that load (rule 8); bounded by the memory cap.
+        self._profile: dict[int, float] = {}
 
     def _decide(self, latency_ms: float, missed: bool, live: int) -> tuple[float, int, str]:
         cfg = self.config
         self._samples.append(latency_ms)
         self._lives.append(live)
         statistic = float(statistics.median(self._samples))
+        slower_than_smaller = self._grown_with_load(live, latency_ms if missed else statistic)
+        self._record_profile(live, latency_ms)
         if missed:
             self._slow_start = False  # a miss ends it even when the cap cannot go lower (see _shrink)
             why = f"deadline missed ({latency_ms:.1f} ms, budget {cfg.budget_ms:.1f} ms)"
-            return self._shrink(live, statistic, why)
+            return self._overload(live, statistic, why, slower_than_smaller)
         needed = min(cfg.window, SLOW_START_SAMPLES) if self._slow_start else cfg.window
         if len(self._samples) < needed:
             return statistic, self.cap, f"collecting samples: {len(self._samples)} of {needed} {self._since}"
         what = f"p50 of last {len(self._samples)} ticks"
         if statistic > cfg.target_ms:
-            return self._shrink(live, statistic, f"{what} {statistic:.1f} ms > target {cfg.target_ms:.1f} ms")
+            why = f"{what} {statistic:.1f} ms > target {cfg.target_ms:.1f} ms"
+            return self._overload(live, statistic, why, slower_than_smaller)
         if self._slow_start:
             return self._slow_start_step(live, statistic, what)
         return self._grow(live, statistic, what)
+
+    def _overload(self, live: int, statistic: float, why: str, grown: bool) -> tuple[float, int, str]:
+        if self.config.load_evidence and not grown:
+            return statistic, self.cap, (f"{why}, but no smaller load was faster: a fixed per-tick cost at "
+                                         f"{live} sessions, cap held")
+        return self._shrink(live, statistic, why)
+
+    def _grown_with_load(self, live: int, latency_ms: float) -> bool:
+        """Was some smaller load (at least one session) faster than ``latency_ms`` by the margin?"""
+        smaller = [ms for n, ms in self._profile.items() if 1 <= n < live]
+        return bool(smaller) and latency_ms > (1.0 + LOAD_GROWTH_MARGIN) * min(smaller)
+
+    def _record_profile(self, live: int, latency_ms: float) -> None:
+        if live >= 1:
+            old = self._profile.get(live, latency_ms)
+            self._profile[live] = old + PROFILE_WEIGHT * (latency_ms - old)
 
     def _slow_start_step(self, live: int, statistic: float, what: str) -> tuple[float, int, str]:
         """A verdict under target during slow start: jump to min(slow_start * cap, floor(backoff * fit)),
