@@ -244,7 +244,7 @@ def decode_waves(reports: dict[str, Report], sessions: list[int], *, kv_heads: i
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=type(
         "Formatter", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter), {}))
-    p.add_argument("--model", default="qwen2.5-7b", choices=sorted(MODELS))
+    p.add_argument("--model", default="qwen2.5-7b", choices=sorted(MODELS), help="attention shape")
     p.add_argument("--variants", default=",".join(v.name for v in VARIANTS),
                    help=f"comma list of {[v.name for v in VARIANTS]}")
     p.add_argument("--sessions", default="16,64,128,256,512", help="decode sizes for the waves table")

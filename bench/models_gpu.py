@@ -788,7 +788,7 @@ def parse(argv=None) -> argparse.Namespace:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=type(
         "Formatter", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter), {}))
-    p.add_argument("--model", required=True, choices=sorted(MODELS))
+    p.add_argument("--model", required=True, choices=sorted(MODELS), help="the model to run (required)")
     p.add_argument("--shape", default=argparse.SUPPRESS,
                    help="the model's real shape or 'smoke'; default: the real one (" +
                         ", ".join(next(iter(m.shapes)) for m in MODELS.values()) + ")")

@@ -107,7 +107,7 @@ async def serve(host: str, port: int, budget_ms: float, stats: str | None) -> No
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=type(
         "Formatter", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter), {}))
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="address to serve on")
     p.add_argument("--port", type=int, default=0, help="0: an ephemeral port (printed as 'PORT <n>')")
     p.add_argument("--budget-ms", type=float, default=1000.0, help="reported in Health only")
     p.add_argument("--stats", default=None, help="append one JSON line per Step to this file")

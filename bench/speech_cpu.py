@@ -122,13 +122,13 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=type(
         "Formatter", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter), {}))
     p.add_argument("sessions", nargs="*", type=int, default=[1, 2, 4, 8], help="session counts N")
-    p.add_argument("--scenario", choices=sorted(SCENARIOS), default="worst")
-    p.add_argument("--out", default=None, help="raw JSON; default results/speech_cpu_<scenario>.json")
+    p.add_argument("--scenario", choices=sorted(SCENARIOS), default="worst", help="when the sessions ask")
+    p.add_argument("--out", default=argparse.SUPPRESS, help="raw JSON; default results/speech_cpu_<scenario>.json")
     args = p.parse_args(argv)
     from metronome import Engine, EngineConfig, KVPolicy
     from metronome.audio.cascade import CascadeAdapter
 
-    out = Path(args.out or f"results/speech_cpu_{args.scenario}.json")
+    out = Path(getattr(args, "out", f"results/speech_cpu_{args.scenario}.json"))
     speech = questions()
     results = {"benchmark": "speech_cpu", "scenario": args.scenario, "budget_ms": B_S * 1e3, "tokens": TOKENS,
                "torch_threads": torch.get_num_threads(), "cpus_usable": len(os.sched_getaffinity(0)),

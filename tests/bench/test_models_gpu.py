@@ -52,12 +52,24 @@ def test_the_real_shape_is_the_published_7b_thinker():
     ("minicpm_o", "sweep", "", ("encoder_ms", "prefill_ms", "decode_ms")),
     ("moshi", "rows", "", ("encoder_ms", "mimi_encode_ms", "prefill_ms", "depth_ms", "mimi_decode_ms")),
 ])
-def test_every_model_runs_its_smoke_shape_and_writes_its_rows(tmp_path, model, rows_key, prefix, split):
+def test_every_model_runs_its_smoke_shape_and_writes_its_rows(tmp_path, capsys, model, rows_key, prefix, split):
     out = tmp_path / "raw.json"
     main(["--model", model, "--smoke", "--sessions", "1,2", "--out", str(out)])
+    assert "capacity (tick <=" in capsys.readouterr().out
     written = json.loads(out.read_text())
     assert written["model"] == model and written["shape"] == "smoke"
     assert [r["N"] for r in written[rows_key]] == [1, 2]
+    assert written["capacity_at_0.3B"] in (0, 1, 2)
     for r in written[rows_key]:
-        assert r[f"{prefix}tick_ms"] > 0 and all(r[f"{prefix}{key}"] > 0 for key in split)
+        assert r[f"{prefix}tick_ms"] >= r[f"{prefix}prefill_ms"] > 0 and all(r[f"{prefix}{k}"] > 0 for k in split)
         assert len(r["ticks"]) == 1
+    if model == "qwen3_omni":
+        assert all(r["prefill_rows"] == 28 for r in written[rows_key])   # <|audio_start|> + 26 rows (2 s) + end
+        assert {"torch_ms", "loop_ms"} <= set(written["moe_layer"][0])
+        assert written["compare"] and {"loop", "torch"} <= set(written["compare"][0])
+    if model == "minicpm_o":
+        assert written["budget_ms"] == 1000.0
+        assert all(r["prefill_tokens_per_session"] == 12 for r in written[rows_key])   # 10 pooled rows + markers
+    if model == "moshi":
+        # every session spoke one 80-ms frame of PCM16 at 24 kHz each measured tick
+        assert all(t["audio_bytes"] == 2 * 1920 for r in written[rows_key] for t in r["ticks"])
