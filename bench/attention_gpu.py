@@ -1,10 +1,12 @@
 """GPU benchmark: the Triton paged sink + window attention vs PyTorch SDPA (flash) and FlexAttention.
 
-Run from the repository root on a CUDA machine (about 3-5 minutes on an H200)::
+Run on a CUDA machine (about 3-5 minutes on an H200)::
 
     python bench/attention_gpu.py                     # the full sweep, table on stdout
     python bench/attention_gpu.py --quick             # a smoke subset (under a minute)
-    python bench/attention_gpu.py --help              # every knob
+    python bench/attention_gpu.py --cpu-smoke         # a tiny version through the Triton interpreter
+
+Figures: docs/benchmarks/gpu.md (attention kernel).
 
 What one run measures, in bf16, for every (model, mode, N):
 
@@ -49,10 +51,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
 MODELS = {  # name: (query heads, kv heads, head_dim)
     "smollm2-135m": (9, 3, 64),
     "qwen2.5-7b": (28, 4, 128),
@@ -62,36 +60,36 @@ MODES = {"decode": 1, "prefill26": 26, "prefill50": 50}
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--out", default=str(ROOT / "results" / "attention_gpu.json"), help="raw JSON results")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=type(
+        "Formatter", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter), {}))
+    p.add_argument("--out", default="results/attention_gpu.json", help="raw JSON results")
     p.add_argument("--models", default=",".join(MODELS), help=f"comma list of {list(MODELS)}")
     p.add_argument("--sessions", default="1,16,64,256,512", help="comma list of N")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {list(MODES)}")
-    p.add_argument("--sinks", type=int, default=16)
-    p.add_argument("--window", type=int, default=1024)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--sinks", type=int, default=16, help="sink tokens S")
+    p.add_argument("--window", type=int, default=1024, help="window W")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--age", type=int, default=4096, help="tokens before this forward (plus 0..block-1)")
     p.add_argument("--repeats", type=int, default=20, help="timed repetitions (median)")
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=3, help="untimed repetitions first")
     p.add_argument("--rotate-mb", type=float, default=256.0,
                    help="rotate over session sets until one timed pass reads this many MB of live K/V")
-    p.add_argument("--max-sets", type=int, default=128)
-    p.add_argument("--no-flex", action="store_true")
-    p.add_argument("--no-sdpa", action="store_true")
+    p.add_argument("--max-sets", type=int, default=128, help="at most this many session sets to rotate over")
+    p.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
+    p.add_argument("--no-sdpa", action="store_true", help="skip SDPA")
     p.add_argument("--no-graphs", action="store_true", help="eager timing only")
     p.add_argument("--flex-budget-s", type=float, default=120.0, help="compile+run seconds allowed for flex")
     p.add_argument("--time-limit-s", type=float, default=290.0, help="skip the remaining shapes after this")
-    p.add_argument("--force-splits", type=int, default=None, help="override the split-KV rule")
-    p.add_argument("--target-programs", type=int, default=None, help="split-KV target (default PROGRAMS_PER_SM x SMs)")
+    p.add_argument("--force-splits", type=int, default=None, help="override the split-KV rule (None: the engine's)")
+    p.add_argument("--target-programs", type=int, default=None, help="split-KV target (None: PROGRAMS_PER_SM x SMs)")
     p.add_argument("--block-n", type=int, default=64, help="keys per tile (a multiple of 16)")
     p.add_argument("--prefill-block-m", type=int, default=64, help="rows (tokens x GQA heads) per prefill program")
-    p.add_argument("--num-warps", type=int, default=None, help="override (default 4)")
-    p.add_argument("--num-stages", type=int, default=None, help="override (default 3)")
+    p.add_argument("--num-warps", type=int, default=None, help="override the launch's warps (None: 4)")
+    p.add_argument("--num-stages", type=int, default=None, help="override the launch's stages (None: the engine's rule)")
     p.add_argument("--quick", action="store_true", help="qwen2.5-7b only, N in {1, 64, 512}")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="no GPU: tiny shapes through the Triton interpreter (checks this script only)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random inputs' seed")
     return p.parse_args(argv)
 
 

@@ -6,7 +6,7 @@ Run from the repository root::
     .venv/bin/python bench/engine_cpu.py --quick    # smoke run (about a minute)
     .venv/bin/python bench/engine_cpu.py --help     # every knob (sessions, ticks, budget, window, ...)
 
-(``make bench-cpu`` runs the full benchmark.)
+(``make bench-cpu`` runs the full benchmark.) Figures: docs/benchmarks/cpu.md.
 
 What it measures, in one run, for both arms on the same model weights, the same text and greedy decoding:
 
@@ -502,20 +502,23 @@ def machine_info(threads: int) -> dict:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=type(
+        "Formatter", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter), {}))
     p.add_argument("--quick", action="store_true",
                    help=f"smoke run: sessions {QUICK['sessions']}, {QUICK['ticks']} tick, max age {QUICK['max_age']} "
                         "(explicit flags still win)")
-    p.add_argument("--sessions", default=None, help=f"comma-separated N values to sweep [default {DEFAULT_SESSIONS}]")
-    p.add_argument("--ticks", type=int, default=None, help="measured ticks per point, after 1 warm-up [default 3]")
+    p.add_argument("--sessions", default=argparse.SUPPRESS,
+                   help=f"comma-separated N values to sweep; default {DEFAULT_SESSIONS}, quick {QUICK['sessions']}")
+    p.add_argument("--ticks", type=int, default=argparse.SUPPRESS,
+                   help=f"measured ticks per point, after 1 warm-up; default 3, quick {QUICK['ticks']}")
     p.add_argument("--budget-ms", type=float, default=2000.0, help="tick latency budget B")
     p.add_argument("--cap-factor", type=float, default=3.0,
                    help="an arm's sweep stops once a tick exceeds cap-factor x budget")
     p.add_argument("--chunk-tokens", type=int, default=26, help="new input tokens per session per tick")
     p.add_argument("--new-tokens", type=int, default=25, help="greedy decode tokens per session per tick")
-    p.add_argument("--max-age", type=int, default=None,
-                   help="KV-vs-age run: advance one session per arm to this many tokens [default 3000]; 0 skips it")
+    p.add_argument("--max-age", type=int, default=argparse.SUPPRESS,
+                   help=f"KV-vs-age run: advance one session per arm to this many tokens (0 skips it); default 3000, "
+                        f"quick {QUICK['max_age']}")
     p.add_argument("--age-time-limit", type=float, default=300.0,
                    help="KV-vs-age run: stop early after this many seconds (keeps a busy machine's run bounded); "
                         "0 = no limit")
@@ -526,13 +529,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-chunk-tokens", type=int, default=256, help="Metronome: max new input per session per step")
     p.add_argument("--num-blocks", type=int, default=None,
                    help="Metronome: KV pool blocks (default: sized from free memory by the engine)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads [default: usable CPU cores]")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (None: the usable CPU cores)")
+    p.add_argument("--seed", type=int, default=0, help="torch seed")
     p.add_argument("--out", default="results/engine_cpu.json", help="raw results (JSON)")
     args = p.parse_args(argv)
     defaults = QUICK if args.quick else dict(sessions=DEFAULT_SESSIONS, ticks=3, max_age=3000)
     for key, value in defaults.items():
-        if getattr(args, key) is None:
+        if not hasattr(args, key):
             setattr(args, key, value)
     try:
         args.session_list = sorted({int(x) for x in str(args.sessions).split(",") if x.strip()})

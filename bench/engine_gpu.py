@@ -1,19 +1,27 @@
 """GPU engine tick benchmark: a Qwen2.5-7B-shaped decoder with random bf16 weights made on the device.
 
-    python bench/engine_gpu.py --out results/engine_gpu.json           # on a CUDA machine
-    python bench/engine_gpu.py --sessions 64,128 --ticks 2 --quick
+    python bench/engine_gpu.py --sessions 64,128,256,320,384,512 --ticks 2 --hf-sessions ""
+    python bench/engine_gpu.py --served                 # the served tick: stop tokens, rebased/absolute
+
+Figures: docs/benchmarks/gpu.md (engine tick vs roofline; served tick and capacity).
 
 Per N sessions, one tick = every session prefills ``--prefill`` (26) new tokens, then ``--decode``
-(25) tokens are decoded in shared rounds (Metronome: SinkWindow S=16, W=1024, sessions pre-aged so
-the window is full). Reported against the roofline floor of that tick, measured in the same run:
-max(bytes of weights + live KV read per forward / copy bandwidth, FLOPs / bf16 matmul rate), and
-against transformers driving the same batches with a growing batched ``DynamicCache``. The largest
-N whose tick stays within 0.3·B (B = 2 s) is the capacity the gateway's controller should find.
+(25) tokens are decoded in shared rounds (SinkWindow S = 16, W = 1024, sessions pre-aged so the window
+is full). Reported against the roofline floor of that tick, measured in the same run: max(bytes of
+weights + live KV read per forward / copy bandwidth, FLOPs / bf16 matmul rate), and against transformers
+driving the same batches with a growing batched ``DynamicCache`` (after the engine is closed, so the two
+never share the GPU). The largest N whose tick stays within 0.3·B (B = 2 s) is the capacity.
+
+``--served`` runs the tick as the worker does instead: with and without the adapters' stop tokens (the
+host reads each decode round's tokens one round late), under rebased and absolute positions, sessions
+aged past two rebase intervals, the start-up heap frozen as the worker freezes it; medians of
+``--ticks`` ticks at N = 288, 320, 352 by default.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import platform
@@ -22,6 +30,9 @@ import time
 from pathlib import Path
 
 import torch
+
+SERVED_STOPS = (0, 2)   # SmolLM2's <|endoftext|> and <|im_end|>: what the energy adapter passes
+
 
 def make_spec(name: str):
     """The decoder spec of a shape in ``metronome/experiments/shapes.py`` (the one table of benchmark shapes)."""
@@ -83,7 +94,7 @@ def roofline_ms(spec, n: int, prefill: int, decode: int, live_keys: int, hw: dic
 def make_engine(model, args, device):
     from metronome import Engine, EngineConfig, KVPolicy
 
-    policy = KVPolicy(sinks=16, window=1024, block_size=16)
+    policy = KVPolicy(sinks=args.sinks, window=args.window, block_size=16)
     start = time.perf_counter()
     engine = Engine(EngineConfig(model="random", device=str(device), dtype="bfloat16", policy=policy,
                                  attention=args.attention, cuda_graphs=not args.no_graphs, kv_memory_fraction=0.85,
@@ -151,46 +162,26 @@ def bench_transformers(spec, n, args, device) -> dict:
             last = token
             if t:
                 ticks.append({"tick_ms": (time.perf_counter() - start) * 1e3})
-    del model, cache
+    del model, cache, out
     torch.cuda.empty_cache()
     return {"N": n, "ticks": ticks, "median_ms": statistics.median(x["tick_ms"] for x in ticks)}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    from metronome.experiments.shapes import SHAPES
-
-    p.add_argument("--shape", default="qwen2.5-7b", choices=sorted(SHAPES))
-    p.add_argument("--sessions", default="64,128,256,384,512")
-    p.add_argument("--hf-sessions", default="16,64,128", help="N for the transformers arm ('' skips it)")
-    p.add_argument("--ticks", type=int, default=3)
-    p.add_argument("--prefill", type=int, default=26)
-    p.add_argument("--decode", type=int, default=25)
-    p.add_argument("--budget-ms", type=float, default=2000.0)
-    p.add_argument("--attention", default="triton", choices=["triton", "torch"])
-    p.add_argument("--no-graphs", action="store_true", help="eager decode rounds (no CUDA graphs)")
-    p.add_argument("--out", default="results/engine_gpu.json")
-    args = p.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench/engine_gpu.py needs a CUDA device")
-    device = torch.device("cuda")
-    hw = measure_hardware(device)
-    spec = make_spec(args.shape)
-    results = {"shape": args.shape, "hardware": hw, "args": vars(args), "device": torch.cuda.get_device_name(),
-               "torch": torch.__version__, "platform": platform.platform(), "date": time.strftime("%Y-%m-%d"),
-               "metronome": [], "transformers": []}
-    model = random_model(spec, device)
-    engine = make_engine(model, args, device)
-    for n in [int(x) for x in args.sessions.split(",") if x]:
-        r = bench_metronome(spec, engine, n, args)
-        if "median_ms" in r:
-            r["roofline"] = roofline_ms(spec, n, args.prefill, args.decode, r["live_keys"], hw)
-            r["x_floor"] = r["median_ms"] / r["roofline"]["floor_ms"]
-        results["metronome"].append(r)
-        print(json.dumps({k: v for k, v in r.items() if k != "ticks"}), flush=True)
-    del model, engine
+def roofline_run(spec, args, device, results: dict) -> None:
+    hw = results["hardware"] = measure_hardware(device)
+    # The engine holds the only reference to the model: closing it frees the weights, the KV pool and the
+    # graphs before the transformers arm allocates its own.
+    with make_engine(random_model(spec, device), args, device) as engine:
+        for n in ints(args.sessions):
+            r = bench_metronome(spec, engine, n, args)
+            if "median_ms" in r:
+                r["roofline"] = roofline_ms(spec, n, args.prefill, args.decode, r["live_keys"], hw)
+                r["x_floor"] = r["median_ms"] / r["roofline"]["floor_ms"]
+            results["metronome"].append(r)
+            print(json.dumps({k: v for k, v in r.items() if k != "ticks"}), flush=True)
+    gc.collect()
     torch.cuda.empty_cache()
-    for n in [int(x) for x in args.hf_sessions.split(",") if x]:
+    for n in ints(args.hf_sessions):
         r = bench_transformers(spec, n, args, device)
         results["transformers"].append(r)
         print(json.dumps({"transformers": {k: v for k, v in r.items() if k != "ticks"}}), flush=True)
@@ -207,8 +198,111 @@ def main() -> None:
     for r in results["transformers"]:
         print(f"transformers N={r['N']}: {r['median_ms']:.1f} ms per tick")
     print(f"capacity (tick <= {limit:.0f} ms): {results['capacity_at_0.3B']} sessions")
+
+
+def served_ticks(engine, sids, ticks: int, prefill: int, decode: int, stops: tuple[int, ...], gen) -> dict:
+    from metronome import SamplingParams, StepInput
+
+    sampling = SamplingParams(stop_token_ids=stops)
+    rows = []
+    for _ in range(ticks):
+        inputs = [StepInput(s, token_ids=torch.randint(3, 40000, (prefill,), generator=gen).tolist(),
+                            max_new_tokens=decode, sampling=sampling) for s in sids]
+        start = time.perf_counter()
+        engine.step(inputs)
+        rows.append({"tick_ms": (time.perf_counter() - start) * 1e3, "prefill_ms": engine.last_timing.prefill_ms,
+                     "decode_ms": engine.last_timing.decode_ms, "rounds": engine.last_timing.decode_rounds})
+    return {f"median_{k}": statistics.median(r[k] for r in rows) for k in ("tick_ms", "prefill_ms", "decode_ms")} \
+        | {"ticks": rows}
+
+
+def served_run(spec, args, device, results: dict) -> None:
+    """The worker's tick: stop tokens or none, rebased or absolute positions, at each N."""
+    from metronome import Engine, EngineConfig, KVPolicy
+    from metronome.engine.blocks import blocks_per_session
+    from metronome.serving.gc_pauses import freeze_startup_heap
+
+    model = random_model(spec, device)
+    sessions, chunk = ints(args.sessions), 64
+    for positions in ("rebased", "absolute"):
+        policy = KVPolicy(sinks=args.sinks, window=args.window, block_size=16, positions=positions)
+        blocks = blocks_per_session(policy, chunk, spec.max_position_embeddings) * max(sessions) + 64
+        config = EngineConfig(model="random", device=str(device), dtype="bfloat16", policy=policy,
+                              attention=args.attention, cuda_graphs=not args.no_graphs, num_blocks=blocks,
+                              max_chunk_tokens=chunk)
+        with Engine(config, model=model) as engine:
+            freeze_startup_heap()
+            for n in sessions:
+                gen = torch.Generator().manual_seed(n)
+                sids = [engine.open_session() for _ in range(n)]
+                # Past S + W + two rebase intervals, in prefill chunks: every window has slid and rebased.
+                for _ in range(math.ceil((policy.sinks + policy.window + 2 * policy.rebase_interval) / chunk)):
+                    served_ticks(engine, sids, 1, chunk, 0, (), gen)
+                for label, stops in (("no stop tokens", ()), ("stop tokens", SERVED_STOPS)):
+                    r = served_ticks(engine, sids, args.ticks, args.prefill, args.decode, stops, gen)
+                    r.update(positions=positions, N=n, stops=label)
+                    results["runs"].append(r)
+                    print(json.dumps({k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items()
+                                      if k != "ticks"}), flush=True)
+                for s in sids:
+                    engine.close_session(s)
+        gc.unfreeze()
+        gc.collect()
+    del model
+    torch.cuda.empty_cache()
+    labels = [(p, st) for p in ("rebased", "absolute") for st in ("no stop tokens", "stop tokens")]
+    print(f"\nmedian tick ms, S = {args.sinks}, W = {args.window}, {args.prefill} prefill + {args.decode} decode tokens")
+    print(f"{'N':>5} " + " ".join(f"{p + ', ' + st:>26}" for p, st in labels))
+    for n in sessions:
+        cells = {(r["positions"], r["stops"]): r["median_tick_ms"] for r in results["runs"] if r["N"] == n}
+        print(f"{n:>5} " + " ".join(f"{cells[key]:>26.0f}" for key in labels))
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main(argv=None) -> dict:
+    from metronome.experiments.shapes import SHAPES
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=type(
+        "Formatter", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter), {}))
+    p.add_argument("--shape", default="qwen2.5-7b", choices=sorted(SHAPES), help="decoder shape")
+    p.add_argument("--served", action="store_true",
+                   help="the served tick (stop tokens x rebased/absolute positions) instead of the roofline run")
+    p.add_argument("--sessions", default=argparse.SUPPRESS, help="N; default 64,128,256,384,512, served 288,320,352")
+    p.add_argument("--hf-sessions", default="16,64,128", help="N for the transformers arm ('' skips it)")
+    p.add_argument("--ticks", type=int, default=argparse.SUPPRESS, help="measured ticks per N; default 3, served 8")
+    p.add_argument("--prefill", type=int, default=26, help="new tokens per session per tick")
+    p.add_argument("--decode", type=int, default=25, help="decode tokens per session per tick")
+    p.add_argument("--budget-ms", type=float, default=2000.0, help="tick budget B")
+    p.add_argument("--sinks", type=int, default=16, help="SinkWindow sinks S")
+    p.add_argument("--window", type=int, default=1024, help="SinkWindow window W")
+    p.add_argument("--attention", default="triton", choices=["triton", "torch"], help="attention backend")
+    p.add_argument("--no-graphs", action="store_true", help="eager decode rounds (no CUDA graphs)")
+    p.add_argument("--out", default=argparse.SUPPRESS,
+                   help="raw JSON; default results/engine_gpu.json, served results/engine_served.json")
+    args = p.parse_args(argv)
+    for key, value in (dict(sessions="288,320,352", ticks=8, out="results/engine_served.json") if args.served
+                       else dict(sessions="64,128,256,384,512", ticks=3, out="results/engine_gpu.json")).items():
+        if not hasattr(args, key):
+            setattr(args, key, value)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/engine_gpu.py needs a CUDA device")
+    device = torch.device("cuda")
+    spec = make_spec(args.shape)
+    results = {"shape": args.shape, "args": vars(args), "device": torch.cuda.get_device_name(),
+               "torch": torch.__version__, "platform": platform.platform(), "date": time.strftime("%Y-%m-%d")}
+    if args.served:
+        results["runs"] = []
+        served_run(spec, args, device, results)
+    else:
+        results.update(metronome=[], transformers=[])
+        roofline_run(spec, args, device, results)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
+    print(f"raw results: {args.out}")
+    return results
 
 
 if __name__ == "__main__":

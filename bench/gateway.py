@@ -1,11 +1,12 @@
 """Gateway benchmark: how many sessions streaming 20 ms audio chunks one gateway process sustains.
 
-Run from the repository root, on an otherwise idle machine::
+Run on an otherwise idle machine::
 
-    .venv/bin/python bench/gateway.py                     # sweep N = 100,250,500,1000,1500, 20 s each (~3 min)
-    .venv/bin/python bench/gateway.py --quick             # smoke run: N = 50,100, 10 s each (~45 s)
-    .venv/bin/python bench/gateway.py --sessions 1000 --duration-s 30 --budget-ms 1000
-    .venv/bin/python bench/gateway.py --help              # every knob
+    python bench/gateway.py                     # sweep N = 100,250,500,1000,1500, 20 s each (~3 min)
+    python bench/gateway.py --quick             # smoke run: N = 50,100, 10 s each (~45 s)
+    python bench/gateway.py --sessions 250,500,1000 --out results/gateway_bench.json
+
+Figures: docs/benchmarks/gateway.md.
 
 Each sweep point starts three kinds of process, fresh, so the gateway is measured alone:
 
@@ -13,8 +14,8 @@ Each sweep point starts three kinds of process, fresh, so the gateway is measure
   ``Step`` at once with one ``"."`` delta per session (no model), and logging each Step's arrival
   time and audio bytes;
 * the **gateway** (``metronome.serving.gateway.run_gateway``: picows on uvloop, the production entry
-  point; ``--transport aiohttp`` runs ``Gateway.app`` on aiohttp instead, the earlier server) with budget B (``--budget-ms``, default 1000 ms), ``max_sessions=None`` and an AIMD controller
-  pinned open (``initial_cap = min_cap = N + 10``, ``target_fraction = 1``), so admission never
+  point; ``--transport aiohttp`` runs ``Gateway.app`` on aiohttp instead) with budget B (``--budget-ms``,
+  default 1000 ms), ``max_sessions=None`` and an AIMD controller pinned open (``initial_cap = min_cap = N + 10``, ``target_fraction = 1``), so admission never
   interferes;
 * ``--generators`` **load generator** processes (default 1) on uvloop. They speak WebSocket over raw
   asyncio protocols: one pre-encoded, pre-masked ``input_audio_buffer.append`` frame (20 ms of
@@ -45,7 +46,7 @@ Reported per N (all times CLOCK_MONOTONIC, shared by all processes):
   these processes: another job on a shared machine shows up there);
 * generator lateness p99 and skipped chunks, sessions connected / refused / closed, error events.
 
-A point **passes** (the issue's target: the gateway sustains the load with its tick cadence held)
+A point **passes** (the target: the gateway sustains the load with its tick cadence held)
 when all N sessions were admitted and streamed without errors, the gateway ingested >= 99 % of the
 offered audio, and the p99 gateway drift is <= 2 % of B. When the generator itself ran late (lateness
 p99 > 10 ms or skipped chunks) a failing point is marked inconclusive: the load, not the gateway, may
@@ -89,8 +90,7 @@ from typing import Any
 
 import msgspec
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+HERE = Path(__file__).resolve().parent   # bench/: the no-op worker sits beside this script
 
 DEFAULT_SESSIONS = "100,250,500,1000,1500"
 QUICK = dict(sessions="50,100", duration_s=10.0)
@@ -615,7 +615,7 @@ def run_point(n: int, args, logdir: Path, bar_position: int = 1) -> dict[str, An
     try:
         # ---- worker
         with open(paths["worker.log"], "w") as wlog:
-            worker = subprocess.Popen([sys.executable, str(ROOT / "bench" / "noop_worker.py"), "--port", "0",
+            worker = subprocess.Popen([sys.executable, str(HERE / "noop_worker.py"), "--port", "0",
                                        "--budget-ms", str(budget_ms), "--stats", str(paths["steps.jsonl"])],
                                       stdout=subprocess.PIPE, stderr=wlog, text=True,
                                       preexec_fn=(lambda: os.sched_setaffinity(0, load_cpus)) if load_cpus else None)
@@ -882,9 +882,9 @@ def machine_info() -> dict[str, Any]:
 
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                                cwd=ROOT).stdout.strip() or None
+                                cwd=HERE).stdout.strip() or None
         dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                                    text=True, timeout=10, cwd=ROOT).stdout.strip())
+                                    text=True, timeout=10, cwd=HERE).stdout.strip())
     except (OSError, subprocess.SubprocessError):
         commit, dirty = None, None
     import picows
@@ -901,31 +901,37 @@ def machine_info() -> dict[str, Any]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=type(
+        "Formatter", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter), {}))
     p.add_argument("--quick", action="store_true",
                    help=f"smoke run: sessions {QUICK['sessions']}, {QUICK['duration_s']:g} s each (explicit flags win)")
-    p.add_argument("--sessions", default=None, help=f"comma-separated N to sweep [default {DEFAULT_SESSIONS}]")
-    p.add_argument("--duration-s", type=float, default=None, help="measurement window per point [default 20]")
-    p.add_argument("--budget-ms", type=float, default=1000.0, help="tick budget B [default 1000]")
-    p.add_argument("--tokens-per-tick", type=int, default=1, help="sent in each Step [default 1]")
+    p.add_argument("--sessions", default=argparse.SUPPRESS,
+                   help=f"comma-separated N to sweep; default {DEFAULT_SESSIONS}, quick {QUICK['sessions']}")
+    p.add_argument("--duration-s", type=float, default=argparse.SUPPRESS,
+                   help=f"measurement window per point, s; default 20, quick {QUICK['duration_s']:g}")
+    p.add_argument("--budget-ms", type=float, default=1000.0, help="tick budget B")
+    p.add_argument("--tokens-per-tick", type=int, default=1, help="sent in each Step")
     p.add_argument("--stream-interval-ms", type=float, default=100.0,
-                   help="the gateway streams input to the worker this often; >= B: all at the tick [default 100]")
+                   help="the gateway streams input to the worker this often; >= B: all at the tick")
     p.add_argument("--generators", type=int, default=1,
-                   help="load generator processes (each a uvloop loop); more only helps with spare cores [default 1]")
-    p.add_argument("--ramp-s", type=float, default=None, help="connect ramp [default max(2, N/250)]")
-    p.add_argument("--warmup-s", type=float, default=None, help="after the ramp, before measuring [default max(3, 2B)]")
+                   help="load generator processes (each a uvloop loop); more only helps with spare cores")
+    p.add_argument("--ramp-s", type=float, default=argparse.SUPPRESS,
+                   help="connect ramp, s; default max(2, N/250)")
+    p.add_argument("--warmup-s", type=float, default=argparse.SUPPRESS,
+                   help="after the ramp, before measuring, s; default max(3, 2B)")
     p.add_argument("--transport", choices=("picows", "aiohttp"), default="picows",
                    help="the gateway's WebSocket transport: picows (production, run_gateway) or aiohttp (Gateway.app, "
-                        "the earlier server, for comparison) [default picows]")
+                        "for comparison)")
     p.add_argument("--pin", action="store_true",
                    help="pin the gateway to the first usable CPU and the generators + worker to the others, so the "
                         "gateway has a core of its own (a remote-client setup); off: all share all cores")
-    p.add_argument("--out", default="results/gateway_bench.json",
-                   help="raw JSON results [default results/gateway_bench.json]")
+    p.add_argument("--out", default="results/gateway_bench.json", help="raw JSON results")
     p.add_argument("--profile-gateway", default=None, metavar="DIR",
                    help="run the gateway under cProfile, write DIR/gateway_N.prof(.txt) (distorts the numbers)")
     args = p.parse_args(argv)
+    for key in ("sessions", "duration_s", "ramp_s", "warmup_s"):
+        if not hasattr(args, key):
+            setattr(args, key, None)
     if args.sessions is None:
         args.sessions = QUICK["sessions"] if args.quick else DEFAULT_SESSIONS
     if args.duration_s is None:

@@ -1,6 +1,9 @@
 """A no-op Metronome worker for gateway benchmarks: the real gRPC ``Worker`` service, no model.
 
-    .venv/bin/python bench/noop_worker.py --port 0 [--stats steps.jsonl]
+    python bench/noop_worker.py --port 0 [--stats steps.jsonl]
+
+``bench/gateway.py`` starts one per sweep point; its figures are in docs/benchmarks/gateway.md. It measures
+nothing itself: it prints no table and writes no JSON beyond the ``--stats`` lines.
 
 Every ``OpenSession`` succeeds, ``Health`` reports ready with a huge memory capacity, and ``Step``
 answers at once with one ``SessionOutput`` per input (text ``"."``, one token). It prints
@@ -20,23 +23,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import importlib.util
 import resource
 import signal
 import sys
 import time
-from pathlib import Path
+import types
 
 import grpc
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 if "metronome" not in sys.modules:
-    # Only the generated stubs are needed: register the package without running its __init__ (which
-    # imports the engine, hence torch: seconds of start-up and ~200 MB for a worker that has no model).
-    import types
-
+    # Only the generated stubs are needed: register the installed package without running its __init__
+    # (which imports the engine, hence torch: seconds of start-up and ~200 MB for a worker with no model).
     _pkg = types.ModuleType("metronome")
-    _pkg.__path__ = [str(ROOT / "metronome")]
+    _pkg.__path__ = list(importlib.util.find_spec("metronome").submodule_search_locations)
     sys.modules["metronome"] = _pkg
 
 from metronome.serving.proto import worker_pb2 as pb  # noqa: E402
@@ -105,8 +105,9 @@ async def serve(host: str, port: int, budget_ms: float, stats: str | None) -> No
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="A no-op Metronome worker (gRPC) for gateway benchmarks.")
-    p.add_argument("--host", default="127.0.0.1")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=type(
+        "Formatter", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter), {}))
+    p.add_argument("--host", default="127.0.0.1", help="address to serve on")
     p.add_argument("--port", type=int, default=0, help="0: an ephemeral port (printed as 'PORT <n>')")
     p.add_argument("--budget-ms", type=float, default=1000.0, help="reported in Health only")
     p.add_argument("--stats", default=None, help="append one JSON line per Step to this file")

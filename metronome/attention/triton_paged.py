@@ -75,7 +75,7 @@ PROGRAMS_PER_SM = 1
 # at 128 sessions (3.9 per SM) 93.1 vs 74.0; at 512, 281.0 vs 268.4. Those are wave counts: with Triton 3.6 the
 # 3-stage kernel fits 3 programs per SM (shared memory) and the 2-stage one 4 (117 registers), so 128 sessions
 # run in one wave only single-buffered. Where ptxas gives the 2-stage kernel more than 128 registers only 3 fit,
-# so the warm-up caps it (SINGLE_BUFFERED_MAX_REGISTERS; bench/kernel_report_host.py, docs/benchmarks/gpu.md §1e).
+# so the warm-up caps it (SINGLE_BUFFERED_MAX_REGISTERS; bench/kernel_report.py, docs/benchmarks/gpu.md §1e).
 DOUBLE_BUFFERED_PROGRAMS_PER_SM = 2
 # Single-buffered decode programs are chosen for their number per SM: 4 of 4 warps fit in 64 K registers only at
 # <= 128 registers a thread. Where ptxas takes more (150 for the Qwen3-30B-A3B 32/4 shape with Triton 3.6, 141

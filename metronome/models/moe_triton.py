@@ -175,7 +175,7 @@ class MoeLaunch:
 
 def choose_launch(num_assignments: int, num_experts: int, itemsize: int = 2) -> MoeLaunch:
     """Tiles by the mean rows per expert (measured on an H200 at Qwen3-Omni's layer shape, H = 2048,
-    I = 768, E = 128, k = 8; ``bench/models_gpu_qwen3_omni.py --tune-moe``).
+    I = 768, E = 128, k = 8; ``bench/models_gpu.py --model qwen3_omni --tune-moe``).
 
     Decode rounds put a few rows on each expert: the kernels stream weights (3.2-3.6 TB/s there), so
     16-row tiles and long reduction steps with deep pipelines. Prefill batches are compute-bound: tall

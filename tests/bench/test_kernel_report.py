@@ -2,7 +2,7 @@
 
 The decode loop's pipelining is a property of the compiled code, not of its results: loading each tile's block
 ids in the same iteration as its K/V once made Triton single-buffer K/V at ``num_stages=3``, which left every
-tile's load latency exposed (docs/benchmarks/gpu.md §1d) while every numerical test still passed.
+tile's load latency exposed (docs/benchmarks/gpu.md, launch rule) while every numerical test still passed.
 """
 
 import json
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.kernel_report_host import programs_per_sm
+from bench.kernel_report import programs_per_sm
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def sm90_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("kernel_report") / "report.json"
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT), "TRITON_DEFAULT_FP_FUSION": "1"}
-    subprocess.run([sys.executable, str(ROOT / "bench" / "kernel_report_host.py"), "--sessions", "64,128",
+    subprocess.run([sys.executable, str(ROOT / "bench" / "kernel_report.py"), "--sessions", "64,128",
                     "--out", str(out)], check=True, env=env, cwd=ROOT, capture_output=True, timeout=300)
     report = json.loads(out.read_text())
     return report, {v["variant"]: v for v in report["variants"]}

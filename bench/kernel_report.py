@@ -1,15 +1,17 @@
 """What the compiler makes of the paged-attention kernel for a GPU, on a machine without one.
 
+    python bench/kernel_report.py --out kernel_report.json          # Qwen2.5-7B 28/4x128, sm_90, 132 SMs
+    python bench/kernel_report.py --model qwen3-30b-a3b --sessions 16,64,128,256,512
+
+Figures: docs/benchmarks/gpu.md (kernel as compiled for sm_90); raw: docs/benchmarks/raw/kernel_report.json
+(Triton 3.6) and docs/benchmarks/raw/kernel_report_triton3.9.json.
+
 Compiles ``_paged_attn_fwd`` ahead of time for a CUDA target (default sm_90, the H200) with the specialisation
 an engine launch gets at a model's shape, and reports for each launch variant the compiler's resource report
 (shared memory, registers, spills), how many K/V tiles the software pipeliner keeps buffered and how
 many it leaves in flight during a tile's math, the main loop's size in SASS, and from those how many programs
 fit on one SM, so how many waves a decode launch of N sessions takes under the engine's launch rule. No device
-time: Triton's wheel carries ptxas and cuobjdump.
-
-    PYTHONPATH=. python bench/kernel_report_host.py --sessions 16,64,128,256,512 --out results/kernel_report.json
-
-prints, with the GPU machine's Triton 3.6 (docs/benchmarks/raw/session8/ has 3.6 and 3.9)::
+time: Triton's wheel carries ptxas and cuobjdump. With Triton 3.6 it prints::
 
     variant                      BLOCK_M stages  smem KB  regs  local  K/V bufs  in flight  loop instrs  per SM
     decode                            16      3     70.0   117      0       2/2          2          585       3
@@ -39,10 +41,6 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
 MODELS = {"smollm2-135m": (9, 3, 64), "qwen2.5-7b": (28, 4, 128), "qwen3-30b-a3b": (32, 4, 128)}
 
 # sm_90 occupancy limits (CUDA programming guide, compute capability 9.0).
@@ -63,7 +61,7 @@ class Variant:
     num_stages: int
     split: bool = False
     num_warps: int = 4
-    timeline: bool = False     # the launch-timeline probe compiled in (bench/decode_timeline_gpu.py)
+    timeline: bool = False     # the launch-timeline probe compiled in (TIMELINE)
     maxnreg: int | None = None  # ptxas register cap per thread (None: ptxas chooses)
 
 
@@ -244,16 +242,17 @@ def decode_waves(reports: dict[str, Report], sessions: list[int], *, kv_heads: i
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="qwen2.5-7b", choices=sorted(MODELS))
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=type(
+        "Formatter", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter), {}))
+    p.add_argument("--model", default="qwen2.5-7b", choices=sorted(MODELS), help="attention shape")
     p.add_argument("--variants", default=",".join(v.name for v in VARIANTS),
                    help=f"comma list of {[v.name for v in VARIANTS]}")
     p.add_argument("--sessions", default="16,64,128,256,512", help="decode sizes for the waves table")
     p.add_argument("--arch", type=int, default=90, help="CUDA compute capability x 10")
     p.add_argument("--num-sms", type=int, default=132, help="SMs of the target GPU (H200: 132)")
-    p.add_argument("--sinks", type=int, default=16)
-    p.add_argument("--window", type=int, default=1024)
-    p.add_argument("--out", default=None, help="write the raw report as JSON here")
+    p.add_argument("--sinks", type=int, default=16, help="SinkWindow sinks S")
+    p.add_argument("--window", type=int, default=1024, help="SinkWindow window W")
+    p.add_argument("--out", default="results/kernel_report.json", help="raw report (JSON)")
     args = p.parse_args(argv)
     os.environ["TRITON_INTERPRET"] = "0"
     import tempfile
@@ -288,12 +287,12 @@ def main(argv=None) -> int:
     for w in waves:
         print(f"{w['sessions']:<5} {w['programs']:>8} {w['splits']:>7} {w['stages']:>7} "
               f"{w['programs_per_sm_fit']:>11} {str(w['waves']):>6}")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({
-            "triton": triton.__version__, "arch": args.arch, "model": args.model, "num_sms": args.num_sms,
-            "sinks": args.sinks, "window": args.window, "variants": [asdict(r) for r in reports.values()],
-            "decode_waves": waves}, indent=1))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({
+        "triton": triton.__version__, "arch": args.arch, "model": args.model, "num_sms": args.num_sms,
+        "sinks": args.sinks, "window": args.window, "variants": [asdict(r) for r in reports.values()],
+        "decode_waves": waves}, indent=1))
+    print(f"raw report: {args.out}")
     return 0
 
 

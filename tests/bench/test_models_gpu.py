@@ -1,0 +1,75 @@
+"""The models benchmark's code path, at tiny shapes on the CPU (``--smoke``), and its real shapes."""
+
+import json
+
+import pytest
+
+from bench.models_gpu import QWEN2_5_OMNI as SHAPES
+from bench.models_gpu import main
+from bench.models_gpu import qwen2_5_omni_config as omni_config
+
+
+def test_smoke_run_reports_the_tick_split_and_writes_json(tmp_path, monkeypatch):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    results = main(["--model", "qwen2_5_omni", "--smoke", "--sessions", "1,3"])
+    written = json.loads((tmp_path / "models_qwen2_5_omni.json").read_text())
+    rows = written["rows"]
+    assert [r["N"] for r in rows] == [1, 3]                # CPU times say nothing: the smoke sweep never stops
+    fit = [r["N"] for r in rows if r["tick_ms"] <= written["limit_ms"]]
+    assert written["capacity_at_0.3B"] == results["capacity_at_0.3B"] == max(fit, default=0)
+    for r in rows:
+        assert r["input_rows"] == 52                       # <|audio_bos|> + 50 embeddings of 2 s + <|audio_eos|>
+        assert 0 < r["features_ms"] <= r["encoder_ms"] < r["tick_ms"]
+        assert r["prefill_ms"] > 0 and r["decode_ms"] > 0
+        assert r["tick_ms"] >= r["encoder_ms"] + r["prefill_ms"] * 0.5
+
+
+def test_the_real_shape_is_the_published_7b_thinker():
+    from metronome.models.omni.qwen2_5_omni import text_spec
+
+    spec = text_spec(omni_config("qwen2.5-omni-7b"))
+    assert (spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim) == \
+        (28, 3584, 28, 4, 128)
+    assert (spec.intermediate_size, spec.vocab_size, spec.qkv_bias, spec.tie_word_embeddings) == \
+        (18944, 152064, True, False)
+    audio = SHAPES["qwen2.5-omni-7b"]["audio"]
+    assert (audio["encoder_layers"], audio["d_model"], audio["encoder_attention_heads"], audio["encoder_ffn_dim"],
+            audio["num_mel_bins"], audio["output_dim"]) == (32, 1280, 20, 5120, 128, 3584)
+    # transformers documents its Qwen2.5-Omni config defaults as the 7B checkpoint's: a second source.
+    from transformers import Qwen2_5OmniAudioEncoderConfig, Qwen2_5OmniTextConfig
+
+    text, ours = Qwen2_5OmniTextConfig(), SHAPES["qwen2.5-omni-7b"]["text"]
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads")
+    assert all(getattr(text, k) == ours[k] for k in keys)
+    assert text.rope_parameters["rope_theta"] == ours["rope_theta"]
+    default_audio = Qwen2_5OmniAudioEncoderConfig()
+    assert all(getattr(default_audio, k) == v for k, v in audio.items())
+
+
+@pytest.mark.parametrize("model, rows_key, prefix, split", [
+    ("qwen3_omni", "sweep", "median_", ("encoder_ms", "prefill_ms", "decode_ms")),
+    ("minicpm_o", "sweep", "", ("encoder_ms", "prefill_ms", "decode_ms")),
+    ("moshi", "rows", "", ("encoder_ms", "mimi_encode_ms", "prefill_ms", "depth_ms", "mimi_decode_ms")),
+])
+def test_every_model_runs_its_smoke_shape_and_writes_its_rows(tmp_path, capsys, model, rows_key, prefix, split):
+    out = tmp_path / "raw.json"
+    main(["--model", model, "--smoke", "--sessions", "1,2", "--out", str(out)])
+    assert "capacity (tick <=" in capsys.readouterr().out
+    written = json.loads(out.read_text())
+    assert written["model"] == model and written["shape"] == "smoke"
+    assert [r["N"] for r in written[rows_key]] == [1, 2]
+    assert written["capacity_at_0.3B"] in (0, 1, 2)
+    for r in written[rows_key]:
+        assert r[f"{prefix}tick_ms"] >= r[f"{prefix}prefill_ms"] > 0 and all(r[f"{prefix}{k}"] > 0 for k in split)
+        assert len(r["ticks"]) == 1
+    if model == "qwen3_omni":
+        assert all(r["prefill_rows"] == 28 for r in written[rows_key])   # <|audio_start|> + 26 rows (2 s) + end
+        assert {"torch_ms", "loop_ms"} <= set(written["moe_layer"][0])
+        assert written["compare"] and {"loop", "torch"} <= set(written["compare"][0])
+    if model == "minicpm_o":
+        assert written["budget_ms"] == 1000.0
+        assert all(r["prefill_tokens_per_session"] == 12 for r in written[rows_key])   # 10 pooled rows + markers
+    if model == "moshi":
+        # every session spoke one 80-ms frame of PCM16 at 24 kHz each measured tick
+        assert all(t["audio_bytes"] == 2 * 1920 for r in written[rows_key] for t in r["ticks"])
