@@ -104,7 +104,7 @@ GEN_LATE_MS = 10.0          # generator lateness p99 above this: the load itself
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
-# ============================================================================================ helpers
+# ============================================================================================ building blocks
 def raise_nofile() -> int:
     """Soft RLIMIT_NOFILE := hard (N sockets on each end need it); returns the new limit."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

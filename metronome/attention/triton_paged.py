@@ -64,24 +64,15 @@ BLOCK_N = 64             # keys per tile (4 blocks of 16)
 MAX_SPLITS = 16
 MIN_TILES_PER_SPLIT = 2
 DEFAULT_SMS = 132        # H200; used when no CUDA device can be asked
-# Split-KV aims at this many programs per SM. With K/V double-buffered, H200, Qwen2.5-7B decode
-# (docs/benchmarks/gpu.md §1d): 64 sessions (256 programs) run 41.8 µs unsplit, 55.2 µs split in 2; 16 sessions
-# (64 programs) 19.3 µs in 3 splits, 28.9 µs unsplit.
+# Split-KV aims at this many programs per SM: more splits cost a reduction that one wave does not repay.
 PROGRAMS_PER_SM = 1
-# Double-buffered K/V (num_stages 3: ~72 KB of shared memory for a 64-key, 128-dim program) hides each tile's
-# load behind the previous tile's math, which pays while a decode launch has few programs per SM. Past this
-# many, single-buffered programs (num_stages 2, ~40 KB) fit more per SM and hide the latency by their number:
-# measured on the H200, 7B decode at 64 sessions (1.9 programs per SM) 41.8 µs with 3 stages vs 47.2 with 2;
-# at 128 sessions (3.9 per SM) 93.1 vs 74.0; at 512, 281.0 vs 268.4. Those are wave counts: with Triton 3.6 the
-# 3-stage kernel fits 3 programs per SM (shared memory) and the 2-stage one 4 (117 registers), so 128 sessions
-# run in one wave only single-buffered. Where ptxas gives the 2-stage kernel more than 128 registers only 3 fit,
-# so the warm-up caps it (SINGLE_BUFFERED_MAX_REGISTERS; bench/kernel_report.py, docs/benchmarks/gpu.md §1e).
+# Double-buffered K/V (num_stages 3, ~72 KB of shared memory) hides each tile's load behind the previous tile's
+# math while a decode launch has few programs per SM; past this many, single-buffered programs (num_stages 2,
+# ~40 KB) fit more per SM and hide the latency by their number (the wave counts: docs/benchmarks/gpu.md#launch-rule).
 DOUBLE_BUFFERED_PROGRAMS_PER_SM = 2
-# Single-buffered decode programs are chosen for their number per SM: 4 of 4 warps fit in 64 K registers only at
-# <= 128 registers a thread. Where ptxas takes more (150 for the Qwen3-30B-A3B 32/4 shape with Triton 3.6, 141
-# for 28/4 with 3.9) only 3 fit, and 128 sessions need two waves: measured on the H200, 32/4 decode at 128
-# sessions 95.3 µs uncapped against 74.7 capped at 128 (256: 156.9 vs 141.6; 512: 300.5 vs 273.1). Where ptxas
-# stays under it (117 for 28/4 with 3.6) a cap only adds spills: 74.6 vs 76.9 µs (docs/benchmarks/gpu.md §1e).
+# Four single-buffered programs of 4 warps fit an SM's 64 K registers only at <= 128 registers a thread. Where
+# ptxas takes more, the warm-up caps the launch here so one wave still holds them; where it takes fewer, a cap
+# would only add spills, so none is set (bench/kernel_report.py; docs/benchmarks/gpu.md#register-cap).
 SINGLE_BUFFERED_MAX_REGISTERS = 128
 
 
@@ -435,7 +426,7 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
     ``timelines`` (CUDA only, for benchmarks): one int64 tensor per launch of the plan, ``[splits, items,
     KV heads, 6]``, that each program fills with its SM, start and end (``%globaltimer`` ns), start and end
-    clock (its SM's cycles) and tiles read (``bench/decode_timeline_gpu.py``). Without it the probe is compiled
+    clock (its SM's cycles) and tiles read, to see a launch's waves and gaps. Without it the probe is compiled
     out. ``kernels``: each launch's compiled forward kernel is appended to it (its ``n_regs`` once launched on a
     GPU; ``None`` under the interpreter)."""
     t, heads, head_dim = query.shape

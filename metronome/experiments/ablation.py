@@ -54,7 +54,7 @@ CPU = AblationPreset(name="cpu", model="tiny-random", device="cpu", dtype="float
                      windows=(32, 96, 256), sinks=(0, 4, 16), num_blocks=1024, block_size=16, max_chunk_tokens=32,
                      max_position_embeddings=8192)
 
-# A Qwen2.5-7B-shaped random-weight decoder (shapes.py) on one H200 (not run: ~4 device-hours): 128 sessions
+# A Qwen2.5-7B-shaped random-weight decoder (shapes.py) on one H200 (about 4 hours of it): 128 sessions
 # at B = 2 s, ~50 tokens a tick (25/s): W = 4096 fills ~165 s after a session arrives (the last at 16 s), so
 # the run lasts 300 s and the steady part starts at 240 s.
 GPU = AblationPreset(name="gpu", model="random:qwen2.5-7b", device="cuda", dtype="bfloat16", budget_ms=2000.0,

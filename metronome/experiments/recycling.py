@@ -65,8 +65,8 @@ CPU = RecyclingPreset(name="cpu", model="tiny-random", device="cpu", dtype="floa
                       num_blocks=1024, block_size=16, sinks=4, window=64, max_chunk_tokens=32,
                       max_position_embeddings=8192, recycle_s=3.75, tail_tokens=64, age_bin_s=1.25)
 
-# The paper's setting on one H200 with a Qwen2.5-7B-shaped random-weight decoder (shapes.py; not run: ~80
-# device-minutes): B = 2 s, recycle every 30 s, re-prefill W = 1024 tokens. A session adds ~50 tokens a tick
+# The paper's setting on one H200 with a Qwen2.5-7B-shaped random-weight decoder (shapes.py; about 80
+# minutes of it): B = 2 s, recycle every 30 s, re-prefill W = 1024 tokens. A session adds ~50 tokens a tick
 # (25 audio + 25 decoded), so a recycled context peaks at ~1024 + 15·50 + 64 ≈ 1840 tokens (115 blocks);
 # 128 sessions need ~14.7k blocks: 32768 leave room.
 GPU = RecyclingPreset(name="gpu", model="random:qwen2.5-7b", device="cuda", dtype="bfloat16", budget_ms=2000.0,

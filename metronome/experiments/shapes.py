@@ -2,7 +2,7 @@
 
 A tick's cost depends on the decoder's shape, not on its weights' values, so the latency experiments
 (cliff, fill model, admission) run a Qwen2.5-7B-shaped decoder whose weights are drawn on the GPU at
-start (``bench/random_weights.py``): the scale of the paper's 7B omni model, which the packaged
+start (``random_weights.py``): the scale of the paper's 7B omni model, which the packaged
 SmolLM2-135M is far below (on an H200 its tick stays a few per cent of B at any N the pool holds).
 The checkpoint directory holds only ``config.json`` and the packaged SmolLM2 tokenizer (the energy
 adapter needs digit tokens and a chat template); sampled ids past the tokenizer's 49,152 decode to "".

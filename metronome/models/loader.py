@@ -4,7 +4,7 @@ The checkpoint's ``config.json`` ``model_type`` picks the family. The Llama fami
 qwen3) loads here; an interaction model's decoder loads through its record in ``models/omni/registry.py``
 (``load_decoder(checkpoint, config, dtype, device)``, where ``config`` is the raw ``config.json``).
 Either way the decoder has the interface the engine drives (``spec``, ``embed``, ``forward``,
-``compute_logits``, ``rotary``; see ``LlamaFamilyForCausalLM``). The weight helpers every family shares
+``compute_logits``, ``rotary``; see ``LlamaFamilyForCausalLM``). The weight-loading functions every family shares
 are in ``models/weights.py``.
 """
 

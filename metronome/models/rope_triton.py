@@ -83,8 +83,7 @@ def rerotate_keys_(k_cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tenso
     ``k_cache`` is [blocks, block_size, KH, D] (or already flat [slots, KH, D]); ``cos``/``sin`` are
     [R, D/2] float32 (one row per moving session: ``Rotary.shift_tables`` halves). Rebasing a session's
     window is this rotation by ``-delta``. One read and one write of each key, where the eager gather,
-    rotate and scatter make several passes over float32 copies (a tick in which 320 sessions rebased
-    cost 130 ms more than the others on an H200: docs/benchmarks/gpu.md §2f).
+    rotate and scatter make several passes over float32 copies (docs/benchmarks/gpu.md#served-tick-and-capacity).
     """
     kh, d = k_cache.shape[-2:]
     flat = k_cache.view(-1, kh, d)

@@ -233,7 +233,7 @@ def test_launch_timelines_record_every_program_and_leave_the_output_unchanged():
     paged_attention_triton(query, k_cache, v_cache, meta, plan=plan, out=plain)
     probed = torch.full_like(query, float("nan"))
     timelines = _timelines(plan, 2, DEVICE)
-    capped = dataclasses.replace(plan, max_registers=128)     # how bench/decode_timeline_gpu.py probes
+    capped = dataclasses.replace(plan, max_registers=128)     # the probe under a register cap
     paged_attention_triton(query, k_cache, v_cache, meta, plan=capped, out=probed, timelines=timelines)
     assert torch.equal(plain, probed)
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
