@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from importlib.metadata import version
 
-from metronome.cli import bench, client, demo, serving
+# gRPC's C core logs connection teardown (GOAWAY) on stderr at shutdown; errors still show.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+from metronome.cli import bench, client, demo, serving  # noqa: E402  (after the gRPC setting)
 
 
 def build_parser() -> argparse.ArgumentParser:
