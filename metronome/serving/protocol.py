@@ -170,7 +170,7 @@ def decode_client_event(data: bytes | str) -> ClientEvent:
     """One client event; ``ProtocolError`` for anything that is not a well-formed known event."""
     raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else bytes(data)
     if not nesting_within(raw):
-        raise ProtocolError("invalid_json", f"JSON nested deeper than {MAX_NESTING} levels")
+        raise ProtocolError("nested_too_deep", f"JSON nested deeper than {MAX_NESTING} levels")
     try:
         return _decoder.decode(raw)
     except msgspec.DecodeError as exc:
