@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 
 from metronome.config import GatewayConfig
@@ -46,8 +47,9 @@ async def serve_gateway(config: GatewayConfig) -> GatewayServer:
     return GatewayServer(gateway, server, config.host, port)
 
 
-def run_gateway(config: GatewayConfig) -> None:
-    """Serve until SIGINT or SIGTERM, on uvloop."""
+def run_gateway(config: GatewayConfig, companion: Callable[[], Coroutine] | None = None) -> None:
+    """Serve until SIGINT or SIGTERM, on uvloop; ``companion()`` runs beside the gateway until then
+    (``metronome serve``: the worker supervisor)."""
     import signal
 
     import uvloop
@@ -59,9 +61,12 @@ def run_gateway(config: GatewayConfig) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        beside = loop.create_task(companion()) if companion is not None else None
         try:
             await stop.wait()
         finally:
+            if beside is not None:
+                beside.cancel()
             await server.stop()
 
     uvloop.run(main())
