@@ -63,7 +63,8 @@ def _gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-sessions", type=int, default=None, help="static session cap (with the controller's)")
     p.add_argument("--api-key-file", default=None,
                    help=f"require 'Authorization: Bearer KEY', KEY the file's first line (default: ${API_KEY_ENV})")
-    p.add_argument("--api-key", default=None, help=f"the key itself: visible in ps; use --api-key-file or ${API_KEY_ENV}")
+    p.add_argument("--api-key", default=None,
+                   help=f"the key itself: visible in ps; use --api-key-file or ${API_KEY_ENV}")
     p.add_argument("--idle-timeout-s", type=float, default=120.0,
                    help="close a session that sends no event for this long (audio, silence included, counts; 0: never)")
     p.add_argument("--target", type=float, default=0.3, help="AIMD latency target as a fraction of B")
@@ -184,10 +185,11 @@ def run_serve(args: argparse.Namespace) -> int:
         config = _gateway_config(args, tuple(commands), model_name(args.model), token, api_key)
         key = " (API key required)" if config.api_key else ""
         pids = ", ".join(f"{w.address} (pid {w.proc.pid})" for w in supervisor.workers)
-        print(f"metronome serving {config.model_name}: connect to ws://{config.host}:{config.port}/v1/realtime{key}\n"
+        where = f"{config.host}:{config.port}"
+        print(f"metronome serving {config.model_name}: connect to ws://{where}/v1/realtime{key}\n"
               f"  workers {pids}\n"
-              f"  health  http://{config.host}:{config.port}/health   metrics http://{config.host}:{config.port}/metrics\n"
-              f"  try     metronome client some.wav --url ws://{config.host}:{config.port}/v1/realtime", flush=True)
+              f"  health  http://{where}/health   metrics http://{where}/metrics\n"
+              f"  try     metronome client some.wav --url ws://{where}/v1/realtime", flush=True)
         run_gateway(config, supervisor.watch)
     finally:
         supervisor.stop()

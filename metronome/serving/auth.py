@@ -64,6 +64,7 @@ class TokenCheck(grpc.aio.ServerInterceptor):
         async def deny(request, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong worker token")
 
-        make = grpc.stream_unary_rpc_method_handler if handler.request_streaming else grpc.unary_unary_rpc_method_handler
+        make = (grpc.stream_unary_rpc_method_handler if handler.request_streaming
+                else grpc.unary_unary_rpc_method_handler)
         return make(deny, request_deserializer=handler.request_deserializer,
                     response_serializer=handler.response_serializer)

@@ -82,7 +82,8 @@ class WorkerSupervisor:
             stub = pb_grpc.WorkerStub(channel)
             while time.monotonic() < deadline:
                 if worker.proc.poll() is not None:
-                    raise SystemExit(f"worker {worker.address} exited with code {worker.proc.returncode} while starting")
+                    raise SystemExit(f"worker {worker.address} exited with code {worker.proc.returncode} "
+                                     "while starting")
                 try:
                     if (await stub.Health(pb.HealthRequest(), timeout=1.0, metadata=token_metadata(self.token))).ready:
                         return

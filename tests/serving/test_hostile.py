@@ -201,9 +201,10 @@ async def test_text_floods_cost_only_the_abusers(worker, monkeypatch):
             await Cadence.mark(crowd, ticks=5)
             during = await Cadence.mark(crowd)
             words = "antidisestablishmentarianism " * 500   # 15 KB: under the byte cap, thousands of tokens
+            big = "x" * 60_000
             attacks = [
                 {"type": "conversation.item.create",   # over the gateway's bytes per tick
-                 "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "x" * 60_000}]}},
+                 "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": big}]}},
                 {"type": "conversation.item.create",   # within the bytes, over the worker's tokens
                  "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": words}]}},
                 {"type": "input_audio_buffer.append",   # 1.25 s of audio every 200 ms: over 2x real time

@@ -42,9 +42,8 @@ HEALTH_INTERVAL_S = 1.0
 
 
 def _send_each(sessions: list[ClientSession], event: dict) -> None:
-    for session in sessions:
-        if not session.closed:
-            session.send(event)
+    for session in (s for s in sessions if not s.closed):
+        session.send(event)
 
 
 class WorkerPool:
@@ -69,7 +68,8 @@ class WorkerPool:
     async def start(self) -> None:
         for address in self.config.workers:
             channel = grpc.aio.insecure_channel(address)
-            handle = WorkerHandle(address, channel, pb_grpc.WorkerStub(channel), token_metadata(self.config.worker_token))
+            stub = pb_grpc.WorkerStub(channel)
+            handle = WorkerHandle(address, channel, stub, token_metadata(self.config.worker_token))
             self.handles.append(handle)
             await self._check_health(handle)
             self._tasks.append(asyncio.create_task(self._health_loop(handle), name=f"health {address}"))

@@ -42,7 +42,8 @@ async def serve_gateway(config: GatewayConfig) -> GatewayServer:
     server = await start_server(gateway, config.host, config.port, max_frame_bytes=gateway.max_frame_bytes,
                                 send_queue_events=config.send_queue_events, send_queue_bytes=config.send_queue_bytes,
                                 ping_interval_s=config.ping_interval_s, pong_timeout_s=config.pong_timeout_s,
-                                handshake_timeout_s=config.handshake_timeout_s, max_header_bytes=config.max_header_bytes)
+                                handshake_timeout_s=config.handshake_timeout_s,
+                                max_header_bytes=config.max_header_bytes)
     port = server.sockets[0].getsockname()[1]
     return GatewayServer(gateway, server, config.host, port)
 
