@@ -5,8 +5,11 @@ Run from the repository root::
     .venv/bin/python bench/abuse.py                        # B = 200 ms and 2 s, 0/1/3 abusers of each kind (~8 min)
     .venv/bin/python bench/abuse.py --budgets-ms 200 --duration-s 10        # a quick look
 
-Per point a fresh worker (``metronome worker``: SmolLM2-135M, the ``energy`` adapter, so a tick's cost
-is the engine's and the tokenizer's, no ASR; 4 tokens a tick) and a fresh gateway (``run_gateway``, the
+Per point a fresh worker (``metronome worker`` with the ``energy`` adapter, so a tick's cost is the
+engine's and the tokenizer's, no ASR; 4 tokens a tick; ``--model tiny``, the default, is a random
+2-layer Llama with SmolLM2's tokenizer: what abusers cost is tokenizing and front-end work, the same
+for any model, and a tiny decoder keeps the victims' own ticks short on a shared 2-core box, so the
+abusers' cost is what moves them; ``--model smollm2-135m`` runs the packaged model) and a fresh gateway (``run_gateway``, the
 AIMD controller at its defaults but never below the victims plus 3, so every abuser is admitted) run as
 processes, with a worker token between them. Two **victims**
 stream 20 ms chunks of 16 kHz PCM16 in real time and record every ``metronome.tick``. **Abusers**
@@ -14,8 +17,9 @@ connect beside them and send, every tick, either
 
 * ``1MB``: a ~1 MB typed user message (what once took the worker's engine thread about 0.4 s per
   message to tokenize, before its token limit refused it), or
-* ``32KB``: 30 KB of dense text per tick: within the gateway's bytes per tick, about 20,000 tokens
-  (over the worker's 1,024-token limit: counted on the worker's token thread and refused there);
+* ``8KB``: 8 KB of dense text per tick (CJK characters, ~2 tokens each): within the gateway's bytes
+  per tick, about 6,000 tokens, over the worker's 1,024-token limit: counted on the worker's token
+  thread and refused there;
 
 an abuser that is closed (1008, abuse) connects again at once. Reported per point: the victims' tick
 latency p50 / p95 / max, deadline misses, the AIMD cap at the end, and how often abusers were closed.
@@ -45,8 +49,24 @@ import numpy as np
 VICTIMS = 2
 KINDS = {
     "1MB": "The quick brown fox jumps over the lazy dog. " * 22_000,
-    "32KB": "".join(chr(0x4E00 + i % 2000) for i in range(10_000)),   # 30 KB of UTF-8, ~2 tokens a character
+    "8KB": "".join(chr(0x4E00 + i % 2000) for i in range(2_700)),   # 8.1 KB of UTF-8, ~2 tokens a character
 }
+
+
+def tiny_checkpoint() -> str:
+    """A random 2-layer Llama with SmolLM2's tokenizer (and chat template), in a temporary directory."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    from metronome.models.embedded import embedded_checkpoint
+
+    path = tempfile.mkdtemp(prefix="abuse-tiny-")
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=49152, max_position_embeddings=8192)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    AutoTokenizer.from_pretrained(embedded_checkpoint("smollm2-135m")).save_pretrained(path)
+    return path
 
 
 def free_port() -> int:
@@ -56,8 +76,13 @@ def free_port() -> int:
 
 
 def start(args: list[str], env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+    """A server process; its log goes to a file (a pipe nobody reads would fill and stall it)."""
+    import tempfile
+
+    log = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
+    proc.log = log
+    return proc
 
 
 def serve_gateway(worker: str, port: int, budget_ms: float) -> None:
@@ -74,7 +99,8 @@ def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 300.0) -> dic
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"a server exited: {proc.stderr.read()[-2000:]}")
+            proc.log.seek(0)
+            raise SystemExit(f"a server exited: {proc.log.read()[-2000:]}")
         try:
             health = json.load(urllib.request.urlopen(url, timeout=2))
             if health["status"] == "ok":
@@ -175,8 +201,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--budgets-ms", default="200,2000")
     parser.add_argument("--abusers", default="0,1,3")
-    parser.add_argument("--kinds", default="1MB,32KB")
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--kinds", default="1MB,8KB")
+    parser.add_argument("--model", default="tiny", help="'tiny' (default), 'smollm2-135m' or a checkpoint directory")
     parser.add_argument("--threads", type=int, default=1, help="the worker's torch threads")
     parser.add_argument("--warmup-s", type=float, default=5.0)
     parser.add_argument("--duration-s", type=float, default=None, help="default: 150 ticks at 200 ms, 20 at 2 s")
@@ -188,6 +214,8 @@ def main() -> None:
         serve_gateway(worker, int(port), float(budget_ms))
         return
     duration = args.duration_s
+    if args.model == "tiny":
+        args.model = tiny_checkpoint()
     points = []
     print("| B | abusers | kind | victim ticks | p50 | p95 | max | deadline misses | AIMD cap at end | "
           "abusers closed (1008) | load avg |")

@@ -189,9 +189,10 @@ class GatewayConfig:
     send_queue_events: int = 512
     send_queue_bytes: int = 8 << 20       # ... and at most this many bytes of them (events can be ~1 MiB)
     max_messages_per_s: float = 250.0     # sustained client event rate (20 ms chunks are 50/s)
-    # User text (conversation.item.create) per session per tick: about 8000 tokens of English, 8x what a
-    # worker takes in one tick; its worst case costs the worker's token counter about 0.1 s (a 2-core EPYC).
-    max_text_bytes_per_tick: int = 32 << 10
+    # User text (conversation.item.create) per session per tick: about 2000 tokens of English, twice what a
+    # worker takes in one tick. The worker counts what passes in tokens on its token thread, and at 32 KiB
+    # that counting alone added 40 ms to other sessions' ticks on a shared 2-core box (bench/abuse.py).
+    max_text_bytes_per_tick: int = 8 << 10
     max_instruction_bytes: int = 16 << 10
     audio_realtime_factor: float = 2.0
     abuse_strikes: int = 3

@@ -30,7 +30,10 @@ CLOSE_GRACE_S = 2.0
 
 
 def _reply_bytes(reply: HttpReply, head_only: bool) -> bytes:
-    phrase = HTTPStatus(reply.status).phrase if reply.status in HTTPStatus._value2member_map_ else ""
+    try:
+        phrase = HTTPStatus(reply.status).phrase
+    except ValueError:
+        phrase = ""
     lines = [f"HTTP/1.1 {reply.status} {phrase}", f"Content-Type: {reply.content_type}",
              f"Content-Length: {len(reply.body)}", "Connection: close",
              *(f"{name}: {value}" for name, value in reply.headers.items())]

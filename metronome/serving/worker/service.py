@@ -84,18 +84,16 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         streamed = StreamedTick()
         last = None
         async for message in request_iterator:
-            if last is not None:
-                if streamed.add(last) > self.config.max_message_bytes:
-                    log.warning("a streamed tick passed %d bytes; its input is dropped",
-                                self.config.max_message_bytes)
-                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                        f"the tick's streamed input exceeds {self.config.max_message_bytes} bytes")
-                # Counted while the tick's later input still streams in: off its critical path.
-                await self.budget.charge(streamed.text_tokens, streamed.take_uncounted())
+            if last is not None and streamed.add(last) > self.config.max_message_bytes:
+                log.warning("a streamed tick passed %d bytes; its input is dropped", self.config.max_message_bytes)
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"the tick's streamed input exceeds {self.config.max_message_bytes} bytes")
+            # Each message's text is counted as it arrives, while the tick's later input still streams in: only
+            # text in the tick's last message is counted on the tick's critical path.
+            await self.budget.charge(streamed.text_tokens, ((inp.sid, inp.text) for inp in message.sessions))
             last = message
         if last is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a StreamStep needs at least its last message")
-        await self.budget.charge(streamed.text_tokens, ((inp.sid, inp.text) for inp in last.sessions))
         return await self._on_engine_thread(context, "StreamStep", self.core.step, last, streamed,
                                             self.budget.refusals(streamed.text_tokens))
 

@@ -84,20 +84,13 @@ class StreamedTick:
 
     sessions: dict[str, StreamedInput] = field(default_factory=dict)
     size: int = 0
-    text_tokens: dict[str, int] = field(default_factory=dict)   # sid -> tokens of its text so far (``budget.py``)
-    uncounted: list[tuple[str, str]] = field(default_factory=list)   # (sid, text) not yet in ``text_tokens``
+    text_tokens: dict[str, int] = field(default_factory=dict)   # sid -> tokens of its text this tick (``budget.py``)
 
     def add(self, message: pb.StepRequest) -> int:
         """File one earlier message; returns the tick's streamed bytes so far."""
         for inp in message.sessions:
             self.size += self.sessions.setdefault(inp.sid, StreamedInput()).add(inp)
-            if inp.text:
-                self.uncounted.append((inp.sid, inp.text))
         return self.size
-
-    def take_uncounted(self) -> list[tuple[str, str]]:
-        pieces, self.uncounted = self.uncounted, []
-        return pieces
 
 
 @dataclass
@@ -357,4 +350,6 @@ class TickCore:
     @staticmethod
     def _session_error(tick: int, out: pb.SessionOutput, message: str, code: str = "session_failed") -> None:
         out.error, out.error_code = message, code
-        log.warning("tick %d, session %s: %s", tick, out.sid, message)
+        # Refused input is the client's doing (and a hostile one can do it every tick): not a warning.
+        level = logging.INFO if code in (INPUT_TOO_LARGE, "input_refused") else logging.WARNING
+        log.log(level, "tick %d, session %s: %s", tick, out.sid, message)
