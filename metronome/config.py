@@ -166,6 +166,17 @@ class GatewayConfig:
 
     ``budget_ms=None``: adopt the frame budget B the workers report (their adapter's); a given B must
     equal every worker's, and a worker that reports another is not used.
+
+    Hostile clients cost only themselves: typed text (``max_text_bytes_per_tick``) and instructions
+    (``max_instruction_bytes``) are bounded in bytes here and in tokens by the worker before its engine
+    thread; audio may run ``audio_realtime_factor`` times faster than real time after a burst of
+    ``max_buffered_audio_s``. Each refusal of oversized input is a strike: ``abuse_strikes`` of them with
+    less than ``abuse_window_s`` between them close the socket (1008). Liveness: a ping after
+    ``ping_interval_s`` of silence on the socket, unanswered for ``pong_timeout_s``, closes it; a session
+    that sends no event for ``idle_timeout_s`` (0: never; audio, silence included, is an event) is closed;
+    an HTTP request must arrive whole within ``handshake_timeout_s`` and ``max_header_bytes``. Failed
+    API-key attempts are limited to ``auth_failures_per_min`` per client address (then 429).
+    ``worker_token``: sent to the workers in every RPC (``serving/auth.py``).
     """
 
     workers: tuple[str, ...] = ("127.0.0.1:50051",)
@@ -181,7 +192,21 @@ class GatewayConfig:
     send_queue_events: int = 512
     send_queue_bytes: int = 8 << 20       # ... and at most this many bytes of them (events can be ~1 MiB)
     max_messages_per_s: float = 250.0     # sustained client event rate (20 ms chunks are 50/s)
-    max_text_bytes_per_tick: int = 1 << 20  # user text (conversation.item.create) per session per tick
+    # User text (conversation.item.create) per session per tick: about 2000 tokens of English, twice what a
+    # worker takes in one tick. The worker counts what passes in tokens on its token thread, and at 32 KiB
+    # that counting alone added 40 ms to other sessions' ticks on a shared 2-core box (bench/abuse.py).
+    max_text_bytes_per_tick: int = 8 << 10
+    max_instruction_bytes: int = 16 << 10
+    audio_realtime_factor: float = 2.0
+    abuse_strikes: int = 3
+    abuse_window_s: float = 10.0
+    ping_interval_s: float = 20.0
+    pong_timeout_s: float = 20.0
+    idle_timeout_s: float = 120.0
+    handshake_timeout_s: float = 5.0
+    max_header_bytes: int = 16 << 10
+    auth_failures_per_min: float = 10.0
+    worker_token: str | None = field(default=None, repr=False)
     max_step_bytes: int = 48 << 20        # one Step request; under the worker's 64 MiB gRPC message limit
     step_timeout_s: float = 30.0
     stream_interval_ms: float = 100.0
@@ -206,5 +231,13 @@ class GatewayConfig:
             raise ConfigError(f"controller must be 'aimd' or 'paper', got {self.controller!r}")
         if not self.stream_interval_ms > 0:
             raise ConfigError(f"stream_interval_ms must be > 0, got {self.stream_interval_ms}")
+        if self.max_instruction_bytes < 1 or self.abuse_strikes < 1 or not self.audio_realtime_factor >= 1.0:
+            raise ConfigError("max_instruction_bytes >= 1, abuse_strikes >= 1 and audio_realtime_factor >= 1")
+        positive = ("abuse_window_s", "ping_interval_s", "pong_timeout_s", "handshake_timeout_s",
+                    "auth_failures_per_min")
+        if not all(getattr(self, name) > 0 for name in positive) or self.idle_timeout_s < 0:
+            raise ConfigError(f"{', '.join(positive)} must be > 0 and idle_timeout_s >= 0 (0: no idle timeout)")
+        if self.max_header_bytes < 1024:
+            raise ConfigError(f"max_header_bytes must be >= 1024, got {self.max_header_bytes}")
         if self.budget_ms is not None and self.aimd.budget_ms != self.budget_ms:
             object.__setattr__(self, "aimd", replace(self.aimd, budget_ms=self.budget_ms))

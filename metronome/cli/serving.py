@@ -7,6 +7,11 @@
                                                  # frame budget B, picked from config.json
     metronome worker --port 50051                # one gRPC worker
     metronome gateway --workers 127.0.0.1:50051  # the WebSocket gateway in front of workers
+
+Secrets stay off command lines (``ps`` shows those to every user): the API key comes from
+--api-key-file or $METRONOME_API_KEY, the worker token from --worker-token-file or
+$METRONOME_WORKER_TOKEN; ``serve`` makes a fresh worker token per run and hands it to its workers
+in their environment. ``serve`` restarts a worker that exits (with backoff).
 """
 
 from __future__ import annotations
@@ -15,15 +20,11 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
-import subprocess
 import sys
-import time
-
-import grpc
 
 from metronome.audio.registry import ADAPTERS, resolve_adapter
 from metronome.config import AimdConfig, EngineConfig, GatewayConfig, KVPolicy
+from metronome.serving.auth import API_KEY_ENV, TOKEN_ENV, new_token, read_secret
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +61,12 @@ def _gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--tokens-per-tick", type=int, default=25)
     p.add_argument("--max-sessions", type=int, default=None, help="static session cap (with the controller's)")
-    p.add_argument("--api-key", default=os.environ.get("METRONOME_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' (default: $METRONOME_API_KEY)")
+    p.add_argument("--api-key-file", default=None,
+                   help=f"require 'Authorization: Bearer KEY', KEY the file's first line (default: ${API_KEY_ENV})")
+    p.add_argument("--api-key", default=None,
+                   help=f"the key itself: visible in ps; use --api-key-file or ${API_KEY_ENV}")
+    p.add_argument("--idle-timeout-s", type=float, default=120.0,
+                   help="close a session that sends no event for this long (audio, silence included, counts; 0: never)")
     p.add_argument("--target", type=float, default=0.3, help="AIMD latency target as a fraction of B")
     p.add_argument("--initial-cap", type=int, default=4)
 
@@ -81,6 +86,7 @@ def add_parsers(sub) -> None:
     _budget_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
+    _token_args(p)
     p.set_defaults(run=run_worker_cmd)
 
     p = sub.add_parser("gateway", help="the WebSocket gateway")
@@ -88,13 +94,28 @@ def add_parsers(sub) -> None:
     _gateway_args(p)
     p.add_argument("--workers", default="127.0.0.1:50051", help="comma-separated worker addresses")
     p.add_argument("--model-name", default="metronome")
+    _token_args(p)
     p.set_defaults(run=run_gateway_cmd)
 
 
-def _gateway_config(args: argparse.Namespace, workers: tuple[str, ...], model_name: str) -> GatewayConfig:
+def _token_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--worker-token-file", default=None,
+                   help=f"the token gateways send and workers require (default: ${TOKEN_ENV}; none: no check)")
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    if args.api_key:
+        log.warning("--api-key shows the key to every user in ps; use --api-key-file or $%s", API_KEY_ENV)
+        return args.api_key
+    return read_secret(args.api_key_file, API_KEY_ENV)
+
+
+def _gateway_config(args: argparse.Namespace, workers: tuple[str, ...], model_name: str,
+                    worker_token: str | None, api_key: str | None) -> GatewayConfig:
     return GatewayConfig(workers=workers, host=args.host, port=args.port, budget_ms=args.budget_ms,
                          tokens_per_tick=args.tokens_per_tick, max_sessions=args.max_sessions,
-                         api_key=args.api_key or None, model_name=model_name,
+                         api_key=api_key, model_name=model_name, worker_token=worker_token,
+                         idle_timeout_s=args.idle_timeout_s,
                          aimd=AimdConfig(target_fraction=args.target, initial_cap=args.initial_cap))
 
 
@@ -114,7 +135,8 @@ def run_worker_cmd(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     engine = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, policy=_policy(args),
                           num_blocks=args.num_blocks)
-    run_worker(WorkerConfig(engine, budget_ms=args.budget_ms, adapter=args.adapter, host=args.host, port=args.port))
+    run_worker(WorkerConfig(engine, budget_ms=args.budget_ms, adapter=args.adapter, host=args.host, port=args.port,
+                            auth_token=read_secret(args.worker_token_file, TOKEN_ENV)))
     return 0
 
 
@@ -122,40 +144,25 @@ def run_gateway_cmd(args: argparse.Namespace) -> int:
     from metronome.serving.gateway import run_gateway
 
     workers = tuple(w.strip() for w in args.workers.split(",") if w.strip())
-    config = _gateway_config(args, workers, args.model_name)
+    config = _gateway_config(args, workers, args.model_name, read_secret(args.worker_token_file, TOKEN_ENV),
+                             _api_key(args))
     print(f"gateway on ws://{config.host}:{config.port}/v1/realtime -> workers {', '.join(workers)}", flush=True)
     run_gateway(config)
     return 0
 
 
-async def _wait_ready(address: str, proc: subprocess.Popen, timeout_s: float) -> None:
-    from metronome.serving.proto import worker_pb2 as pb
-    from metronome.serving.proto import worker_pb2_grpc as pb_grpc
-
-    deadline = time.monotonic() + timeout_s
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = pb_grpc.WorkerStub(channel)
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise SystemExit(f"worker {address} exited with code {proc.returncode} while starting")
-            try:
-                if (await stub.Health(pb.HealthRequest(), timeout=1.0)).ready:
-                    return
-            except grpc.aio.AioRpcError:
-                pass
-            await asyncio.sleep(0.5)
-    raise SystemExit(f"worker {address} not ready after {timeout_s:.0f} s")
-
-
 def run_serve(args: argparse.Namespace) -> int:
+    from metronome.serving.supervisor import WorkerSupervisor, worker_env
+    from metronome.serving.worker.config import model_name
+
     if args.workers < 1:
         raise SystemExit("--workers must be >= 1")
     _resolve(args)
+    api_key = _api_key(args)   # read now: a missing key file stops serve before any worker starts
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)
-    procs, addresses = [], []
+    commands = {}
     for i in range(args.workers):
         port = args.worker_port + i
-        address = f"127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "metronome", "--log-level", args.log_level, "worker",
                "--model", args.model, "--device", args.device, "--dtype", args.dtype, "--sinks", str(args.sinks),
                "--window", str(args.window), "--block-size", str(args.block_size),
@@ -164,29 +171,26 @@ def run_serve(args: argparse.Namespace) -> int:
             cmd += ["--budget-ms", str(args.budget_ms)]
         if args.num_blocks:
             cmd += ["--num-blocks", str(args.num_blocks)]
-        procs.append(subprocess.Popen(cmd))
-        addresses.append(address)
+        commands[f"127.0.0.1:{port}"] = cmd
+    token = new_token()   # only this run's gateway can open sessions on its workers
+    supervisor = WorkerSupervisor(commands, worker_env(token), token)
+    supervisor.start()
     try:
         print(f"starting {args.workers} worker(s) with {args.model}, adapter {args.adapter} "
               "(the first run converts the packaged model)...",
               flush=True)
-        for address, proc in zip(addresses, procs):
-            asyncio.run(_wait_ready(address, proc, timeout_s=600))
+        asyncio.run(supervisor.wait_ready(timeout_s=600))
         from metronome.serving.gateway import run_gateway
 
-        config = _gateway_config(args, tuple(addresses), args.model)
+        config = _gateway_config(args, tuple(commands), model_name(args.model), token, api_key)
         key = " (API key required)" if config.api_key else ""
-        print(f"metronome serving {args.model}: connect to ws://{config.host}:{config.port}/v1/realtime{key}\n"
-              f"  health  http://{config.host}:{config.port}/health   metrics http://{config.host}:{config.port}/metrics\n"
-              f"  try     metronome client some.wav --url ws://{config.host}:{config.port}/v1/realtime", flush=True)
-        run_gateway(config)
+        pids = ", ".join(f"{w.address} (pid {w.proc.pid})" for w in supervisor.workers)
+        where = f"{config.host}:{config.port}"
+        print(f"metronome serving {config.model_name}: connect to ws://{where}/v1/realtime{key}\n"
+              f"  workers {pids}\n"
+              f"  health  http://{where}/health   metrics http://{where}/metrics\n"
+              f"  try     metronome client some.wav --url ws://{where}/v1/realtime", flush=True)
+        run_gateway(config, supervisor.watch)
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        supervisor.stop()
     return 0

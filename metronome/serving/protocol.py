@@ -25,6 +25,9 @@ from typing import Any, Union
 import msgspec
 
 SUPPORTED_SAMPLE_RATES = (8000, 16000, 22050, 24000, 32000, 44100, 48000)
+# Arrays and objects nested deeper than this are refused before any parse: the decoders recurse, and a
+# message of 100k brackets would otherwise end in a RecursionError. Realtime events nest 4-5 levels.
+MAX_NESTING = 32
 ECHO_TEXT_CHARS = 1024  # conversation.item.created echoes at most this much of a user message's text
 DEFAULT_SAMPLE_RATE = 16000
 
@@ -131,14 +134,50 @@ _KNOWN_TYPES = {cls.__struct_config__.tag for cls in ClientEvent.__args__}
 _decoder = msgspec.json.Decoder(ClientEvent)
 
 
+class _Typed(msgspec.Struct):
+    """Just an event's ``type`` (every other field is skipped): what a refused event claimed to be."""
+
+    type: Any = None
+
+
+_type_decoder = msgspec.json.Decoder(_Typed)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def nesting_within(data: bytes, limit: int = MAX_NESTING) -> bool:
+    """Whether JSON ``data`` nests arrays and objects at most ``limit`` deep (up to ``2 * limit`` may pass):
+    C-speed byte operations, no recursion, brackets inside strings ignored.
+
+    >>> nesting_within(b'{"a": [[1], "]]]]"]}', 2), nesting_within(b"[" * 100_000, 32)
+    (True, False)
+    """
+    if data.count(b"[") + data.count(b"{") <= limit:
+        return True   # the hot path: an audio append has one brace
+    # Drop escaped backslashes, then escaped quotes, so the quotes left delimit strings; keep what is outside them.
+    plain = data.replace(b"\\\\", b"").replace(b'\\"', b"")
+    brackets = b"".join(plain.split(b'"')[0::2]).translate(None, _NOT_BRACKETS)
+    for _ in range(limit):   # each pass removes at least the innermost level
+        if not brackets:
+            return True
+        inner_gone = brackets.replace(b"[]", b"").replace(b"{}", b"")
+        if inner_gone == brackets:
+            return False     # mismatched brackets: malformed, refused all the same
+        brackets = inner_gone
+    return not brackets
+
+
 def decode_client_event(data: bytes | str) -> ClientEvent:
+    """One client event; ``ProtocolError`` for anything that is not a well-formed known event."""
+    raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else bytes(data)
+    if not nesting_within(raw):
+        raise ProtocolError("nested_too_deep", f"JSON nested deeper than {MAX_NESTING} levels")
     try:
-        return _decoder.decode(data)
+        return _decoder.decode(raw)
     except msgspec.DecodeError as exc:
         if isinstance(exc, msgspec.ValidationError):
             try:
-                kind = msgspec.json.decode(data).get("type")
-            except (msgspec.DecodeError, AttributeError):
+                kind = _type_decoder.decode(raw).type
+            except msgspec.DecodeError:
                 kind = None
             if isinstance(kind, str) and kind not in _KNOWN_TYPES:
                 raise ProtocolError("unknown_event", f"unknown event type {kind!r}") from None

@@ -41,11 +41,14 @@ def test_a_client_that_stops_reading_is_disconnected_not_buffered_forever():
     assert conn.closes == [(1008, "slow_consumer")]  # closed once
 
 
-def test_ordinary_ends_close_with_1000_and_a_gone_socket_is_not_closed_again():
+def test_ordinary_ends_close_with_1000_a_lost_worker_with_1012_and_a_gone_socket_is_not_closed_again():
+    conn = FakeConnection(room=8)
+    make(conn).close("idle_timeout")
+    assert conn.closes == [(1000, "idle_timeout")]
     conn = FakeConnection(room=8)
     session = make(conn)
-    session.close("worker_unavailable")
-    assert conn.closes == [(1000, "worker_unavailable")]
+    session.close("worker_unavailable")   # service restart: clients may reconnect
+    assert conn.closes == [(1012, "worker_unavailable")]
     other = FakeConnection(room=8)
     gone = make(other)
     gone.disconnected()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import threading
 import time
@@ -85,7 +86,9 @@ async def test_health_open_close_and_admission(chat_checkpoint):
         async with grpc.aio.insecure_channel(handle.address) as channel:
             stub = worker_pb2_grpc.WorkerStub(channel)
             health = await stub.Health(pb.HealthRequest())
-            assert health.ready and health.model == chat_checkpoint and health.budget_ms == 2000.0
+            # The model's name, never the checkpoint's path (Health answers anyone the gateway shows it to).
+            assert health.ready and health.model == os.path.basename(chat_checkpoint) and health.budget_ms == 2000.0
+            assert "/" not in health.model and health.max_input_tokens == 256 and health.max_instruction_tokens == 128
             assert health.capacity_sessions == 2 and health.kv_blocks_total == 20 and health.kv_blocks_used == 0
             assert health.sessions == 0 and health.input_sample_rate == 16000
             assert health.kv_policy == "sink_window(S=4,W=64)"

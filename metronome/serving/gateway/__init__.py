@@ -1,6 +1,8 @@
 """The gateway: Realtime WebSocket sessions in front of the workers.
 
-    realtime.py        Gateway: HTTP endpoints, the WebSocket life cycle, client events
+    realtime.py        Gateway: the WebSocket life cycle, client events, input budgets, idle sessions
+    http.py            the HTTP endpoints, the API key and the throttle on failed keys
+    http_front.py      each connection's request head (h11): answered, or handed to picows to upgrade
     responses.py       a tick's output for one session as server events
     client_session.py  one client's buffered input and its way out
     pool.py            WorkerPool: health, frame budget B, placement, one ticker per worker

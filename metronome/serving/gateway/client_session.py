@@ -33,17 +33,21 @@ class TokenBucket:
         if self.tokens < 0:
             self.tokens = self.burst
 
-    def take(self) -> bool:
+    def take(self, n: float = 1.0) -> bool:
         now = time.monotonic()
         tokens = self.tokens + (now - self.stamp) * self.rate
         if tokens > self.burst:
             tokens = self.burst
         self.stamp = now
-        if tokens >= 1.0:
-            self.tokens = tokens - 1.0
+        if tokens >= n:
+            self.tokens = tokens - n
             return True
         self.tokens = tokens
         return False
+
+    def has(self, n: float) -> bool:
+        """Whether ``take(n)`` would succeed now (nothing is taken)."""
+        return min(self.burst, self.tokens + (time.monotonic() - self.stamp) * self.rate) >= n
 
 
 def _varint(n: int) -> bytes:
@@ -81,15 +85,19 @@ class Connection(Protocol):
         ...
 
 
-# Close reasons that are the client's fault: a 1008 (policy violation) close; all others close with 1000.
-POLICY_CLOSES = ("slow_consumer", "flood")
+# Close codes by close reason; any other reason closes with 1000. 1008 (policy violation): the client's
+# fault. 1012 (service restart, RFC 6455's IANA registry): the worker serving the session went away and is
+# being restarted; the registry says a client may reconnect after a randomised 5-30 s, and reconnecting
+# WebSocket clients treat 1012 (and 1011, 1013) as retryable where 1000 means "done".
+CLOSE_CODES = {"slow_consumer": 1008, "flood": 1008, "abuse": 1008, "worker_unavailable": 1012}
 
 
 class ClientSession:
     _response_ids = itertools.count(1)
 
     def __init__(self, sid: str, worker_name: str, conn: Connection, *, max_buffered_audio_s: float,
-                 max_messages_per_s: float, max_text_bytes: int = 1 << 20) -> None:
+                 max_messages_per_s: float, max_text_bytes: int = 32 << 10, audio_realtime_factor: float = 2.0,
+                 abuse_strikes: int = 3, abuse_window_s: float = 10.0) -> None:
         self.sid = sid
         self.worker_name = worker_name
         self.conn = conn
@@ -110,8 +118,13 @@ class ClientSession:
         self.response_id: str | None = None
         self.rate = TokenBucket(rate=max_messages_per_s, burst=2 * max_messages_per_s)
         self.strikes = 0  # consecutive events over the rate limit (a flood closes the session)
+        # Seconds of audio: real time times the factor, after a burst of a whole buffer.
+        self.audio_rate = TokenBucket(rate=audio_realtime_factor, burst=max_buffered_audio_s)
+        # Refused oversized input: the abuse_strikes-th within abuse_window_s of the others closes the session.
+        self.refusals = TokenBucket(rate=1.0 / abuse_window_s, burst=abuse_strikes - 1)
         self.closed = False
         self.close_reason: str | None = None
+        self.logged_codes: set[str] = set()   # error codes already logged for this session (each once)
         # Ticked only once the client sent input: until then session.update may still change the
         # mode and instructions (the worker session is re-opened with them).
         self.started = False
@@ -127,6 +140,19 @@ class ClientSession:
     def sample_rate(self, rate: int) -> None:
         self._sample_rate = rate
         self.max_audio_bytes = int(self.max_buffered_audio_s * rate) * 2
+
+    @property
+    def idle_s(self) -> float:
+        """Seconds since the client's last event (the rate limiter's clock reads once per event)."""
+        return time.monotonic() - self.rate.stamp
+
+    def strike(self) -> bool:
+        """Count one refusal of oversized input; True when it is one too many (the client is abusing)."""
+        return not self.refusals.take()
+
+    def audio_too_fast(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more PCM16 would run over the session's real-time audio budget."""
+        return not self.audio_rate.take(nbytes / (2 * self._sample_rate))
 
     def append_audio(self, pcm16: bytes) -> bool:
         """Buffer audio for the next tick; False (nothing buffered) when the buffer would overflow."""
@@ -274,12 +300,12 @@ class ClientSession:
         return False
 
     def close(self, reason: str) -> None:
-        """End the session: nothing more is sent after the close frame (1008 for abuse, else 1000)."""
+        """End the session: nothing more is sent after the close frame (its code: ``CLOSE_CODES``)."""
         if self.closed:
             return
         self.closed = True
         self.close_reason = reason
-        self.conn.close(1008 if reason in POLICY_CLOSES else 1000, reason)
+        self.conn.close(CLOSE_CODES.get(reason, 1000), reason)
 
     def disconnected(self) -> None:
         """The socket is gone (the client left, or our close completed): mark closed, send nothing."""

@@ -34,6 +34,7 @@ class WorkerHandle:
     address: str
     channel: grpc.aio.Channel
     stub: pb_grpc.WorkerStub
+    metadata: tuple[tuple[str, str], ...] = ()   # on every call: the worker token (``serving/auth.py``)
     # StreamStep (and Step, for a worker without it) with requests already in wire format (``step_request_wire``):
     # a tick can carry tens of MB of audio, and building it as messages would copy all of it once more.
     step_wire: Callable = field(init=False, repr=False)

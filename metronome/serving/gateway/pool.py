@@ -25,6 +25,7 @@ import grpc
 
 from metronome.config import GatewayConfig
 from metronome.monitor.fill import live_time_to_wall
+from metronome.serving.auth import token_metadata
 from metronome.serving.gateway.admission import AimdController, PaperAimdController
 from metronome.serving.gateway.client_session import ClientSession, step_request_wire
 from metronome.serving.gateway.handle import FailureSink, OutputSink, TickReport, WorkerHandle
@@ -41,9 +42,8 @@ HEALTH_INTERVAL_S = 1.0
 
 
 def _send_each(sessions: list[ClientSession], event: dict) -> None:
-    for session in sessions:
-        if not session.closed:
-            session.send(event)
+    for session in (s for s in sessions if not s.closed):
+        session.send(event)
 
 
 class WorkerPool:
@@ -68,7 +68,8 @@ class WorkerPool:
     async def start(self) -> None:
         for address in self.config.workers:
             channel = grpc.aio.insecure_channel(address)
-            handle = WorkerHandle(address, channel, pb_grpc.WorkerStub(channel))
+            stub = pb_grpc.WorkerStub(channel)
+            handle = WorkerHandle(address, channel, stub, token_metadata(self.config.worker_token))
             self.handles.append(handle)
             await self._check_health(handle)
             self._tasks.append(asyncio.create_task(self._health_loop(handle), name=f"health {address}"))
@@ -100,7 +101,7 @@ class WorkerPool:
 
     async def _close_on_worker(self, handle: WorkerHandle, sid: str) -> None:
         try:
-            await handle.stub.CloseSession(pb.CloseSessionRequest(sid=sid), timeout=5.0)
+            await handle.stub.CloseSession(pb.CloseSessionRequest(sid=sid), timeout=5.0, metadata=handle.metadata)
         except grpc.aio.AioRpcError as exc:
             log.warning("closing %s on %s failed: %s", sid, handle.address, exc.code().name)
 
@@ -124,10 +125,19 @@ class WorkerPool:
         best.pending += 1
         return best
 
+    def refusal(self) -> tuple[str, str]:
+        """(code, why) for a connection ``reserve`` found no room for: no worker up at all, or all full."""
+        if any(h.healthy for h in self.handles):
+            return "server_overloaded", "no worker has room under its admission cap"
+        refused = [f"worker {h.address} {h.refused}" for h in self.handles if h.refused]
+        if refused:
+            return "server_overloaded", f"no usable worker: {refused[0]}"
+        return "worker_restarting", "worker restarting: no worker is ready to take sessions; try again in a few seconds"
+
     # ------------------------------------------------------------------ health
     async def _check_health(self, handle: WorkerHandle) -> None:
         try:
-            health = await handle.stub.Health(pb.HealthRequest(), timeout=2.0)
+            health = await handle.stub.Health(pb.HealthRequest(), timeout=2.0, metadata=handle.metadata)
         except grpc.aio.AioRpcError as exc:
             if handle.healthy:
                 log.warning("worker %s stopped answering: %s", handle.address, exc.code().name)
@@ -263,7 +273,7 @@ class WorkerPool:
             # A backstop: the tick's own timeout starts with its last message (``_tick``), which can follow the
             # first by B plus a late previous tick.
             timeout = self.budget_ms / 1000.0 + 2 * self.config.step_timeout_s
-            handle.stream = handle.stream_step_wire(timeout=timeout)
+            handle.stream = handle.stream_step_wire(timeout=timeout, metadata=handle.metadata)
         try:
             await handle.stream.write(step_request_wire(entries, 0, 0))
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
@@ -317,9 +327,10 @@ class WorkerPool:
         try:
             request, sessions = self._last_message(handle, sessions)
             if not handle.streams:   # then no stream is open: ``_drop_stream`` took it
-                return handle.step_wire(request, timeout=self.config.step_timeout_s), sessions, lost
+                return (handle.step_wire(request, timeout=self.config.step_timeout_s, metadata=handle.metadata),
+                        sessions, lost)
             if call is None:
-                call = handle.stream_step_wire(timeout=self.config.step_timeout_s)
+                call = handle.stream_step_wire(timeout=self.config.step_timeout_s, metadata=handle.metadata)
             try:
                 await call.write(request)
                 await call.done_writing()

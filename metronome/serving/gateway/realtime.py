@@ -1,14 +1,13 @@
 """The gateway: OpenAI-Realtime-style WebSocket sessions at ``/v1/realtime``, ticked to the workers.
 
-    GET /v1/realtime   WebSocket (Authorization: Bearer <key> when an API key is set)
-    GET /health        JSON: workers, their caps, live sessions
-    GET /v1/models     the served model, OpenAI list format
-    GET /metrics       Prometheus text
-
 A connection is admitted only if some worker's AIMD cap and memory capacity have room; otherwise it
-gets ``error{type: server_overloaded}`` and a close. Admitted sessions are never evicted. Bad client
-input gets an ``error`` event and is logged; only abuse (oversized frames far over the limit, a
-sustained flood, a client that stops reading) closes the socket.
+gets ``error{type: server_overloaded}`` and a close (1013), or, when no worker is up at all,
+``error{code: worker_restarting}`` and 1012. Admitted sessions are never evicted. Bad client input
+gets an ``error`` event and is logged; only abuse closes the socket: oversized frames far over the
+limit, a sustained flood, a client that stops reading, or ``abuse_strikes`` refusals of oversized input
+(text, instructions, audio faster than real time, messages over the limit) close to one another. A
+session that sends no event for ``idle_timeout_s`` is closed, so silent clients give their slots back.
+The HTTP endpoints are ``http.py``'s.
 
 This module speaks the protocol; the sockets are a transport's (``ws_transport.py``): picows by default
 (``server.py``: ``serve_gateway``, ``run_gateway``), aiohttp through ``Gateway.app``. The workers, their
@@ -21,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import uuid
 from collections.abc import Coroutine, Mapping
 from typing import Any
@@ -31,9 +29,10 @@ import grpc
 from metronome.config import GatewayConfig
 from metronome.serving.gateway.client_session import ClientSession
 from metronome.serving.gateway.handle import TickReport, WorkerHandle
+from metronome.serving.gateway.http import REALTIME_PATH, HttpEndpoints
 from metronome.serving.gateway.pool import WorkerPool
 from metronome.serving.gateway.responses import finish_response, tick_events
-from metronome.serving.metrics import CONTENT_TYPE, GatewayMetrics
+from metronome.serving.metrics import GatewayMetrics
 from metronome.serving.proto import worker_pb2 as pb
 from metronome.serving.protocol import (
     SUPPORTED_SAMPLE_RATES, ConversationItemCreate, InputAudioBufferAppend, InputAudioBufferClear,
@@ -45,7 +44,12 @@ log = logging.getLogger(__name__)
 
 # A client over its message rate this many times in a row is flooding: it is disconnected.
 FLOOD_STRIKES = 100
-REALTIME_PATH = "/v1/realtime"
+# Refusals of oversized input: each is a strike toward closing the session for abuse (``ClientSession.strike``).
+OVERSIZED = frozenset({"message_too_large", "nested_too_deep", "text_buffer_full", "instructions_too_large",
+                       "audio_too_fast", "audio_buffer_full", "input_too_large", "input_refused",
+                       "session_update_refused"})
+IDLE_SWEEP_S = 1.0
+SERVER_ERRORS = frozenset({"worker_unavailable", "step_failed", "internal_error", "session_failed"})
 
 
 class Gateway:
@@ -53,6 +57,7 @@ class Gateway:
         self.config = config
         self.metrics = GatewayMetrics(config.budget_ms)
         self.pool = WorkerPool(config, self.metrics, self._deliver, self._worker_failed)
+        self.http = HttpEndpoints(config, self.metrics, self._health)
         self.connections: set[Connection] = set()
         self._tasks: set[asyncio.Task] = set()  # strong references to the per-connection awaits
         self._stopping = False  # once set, nothing new is spawned (the channels are about to close)
@@ -64,6 +69,20 @@ class Gateway:
 
     async def start(self) -> None:
         await self.pool.start()
+        if self.config.idle_timeout_s:
+            asyncio.get_running_loop().call_later(IDLE_SWEEP_S, self._sweep_idle)
+
+    def _sweep_idle(self) -> None:
+        """Close sessions whose client sent nothing for ``idle_timeout_s`` (a timer, not a task: nothing to cancel)."""
+        if self._stopping:
+            return
+        limit = self.config.idle_timeout_s
+        for conn in list(self.connections):
+            session = conn.session
+            if session is not None and not session.closed and conn.held is None and session.idle_s > limit:
+                self._client_error(session, "idle_timeout", f"no event for {limit:g} s; closing")
+                session.close("idle_timeout")
+        asyncio.get_running_loop().call_later(IDLE_SWEEP_S, self._sweep_idle)
 
     async def stop(self) -> None:
         """Close every client, free every worker session (CloseSession), then the worker channels."""
@@ -100,42 +119,22 @@ class Gateway:
         task.add_done_callback(self._tasks.discard)
 
     # ------------------------------------------------------------------ HTTP
-    def http_request(self, path: str, headers: Mapping[str, str]) -> HttpReply | None:
-        """The reply to a GET; None: go on and upgrade to the Realtime WebSocket."""
-        path = path.split("?", 1)[0]
-        if path == REALTIME_PATH:
-            if self._authorized(headers):
-                return None
-            self.metrics.sessions_rejected.labels("unauthorized").inc()
-            return HttpReply.json({"error": {"type": "invalid_request_error", "code": "invalid_api_key",
-                                             "message": "missing or wrong API key"}}, status=401)
-        if path == "/health":
-            workers = [{"address": h.address, "healthy": h.healthy, "live": len(h.sessions), "cap": h.cap,
-                        "memory_capacity": h.memory_capacity, "ticks": h.ticks,
-                        "model": h.health.model if h.health else None} for h in self.pool.handles]
-            status = "ok" if any(w["healthy"] for w in workers) else "unavailable"
-            return HttpReply.json({"status": status, "workers": workers}, status=200 if status == "ok" else 503)
-        if path == "/v1/models":
-            return HttpReply.json({"object": "list", "data": [
-                {"id": self.config.model_name, "object": "model", "owned_by": "metronome"}]})
-        if path == "/metrics":
-            return HttpReply(200, self.metrics.render(), CONTENT_TYPE)
-        return HttpReply.json({"error": {"type": "not_found", "message": f"no endpoint {path}"}}, status=404)
+    def http_request(self, method: str, path: str, headers: Mapping[str, str], peer: str = "") -> HttpReply | None:
+        """The reply to a request; None: go on and upgrade to the Realtime WebSocket (``http.py``)."""
+        return self.http.request(method, path, headers, peer)
 
-    def _authorized(self, headers: Mapping[str, str]) -> bool:
-        if not self.config.api_key:
-            return True
-        scheme, _, token = headers.get("Authorization", "").partition(" ")
-        # Bytes, not str: compare_digest refuses non-ASCII str (a TypeError, a 500) and headers can hold any.
-        return scheme.lower() == "bearer" and secrets.compare_digest(
-            token.strip().encode("utf-8", "surrogatepass"), self.config.api_key.encode("utf-8", "surrogatepass"))
+    def _health(self) -> dict[str, Any]:
+        workers = [{"address": h.address, "healthy": h.healthy, "live": len(h.sessions), "cap": h.cap,
+                    "memory_capacity": h.memory_capacity, "ticks": h.ticks,
+                    "model": h.health.model if h.health else None} for h in self.pool.handles]
+        return {"status": "ok" if any(w["healthy"] for w in workers) else "unavailable", "workers": workers}
 
     # ------------------------------------------------------------------ WebSocket life cycle
     def ws_opened(self, conn: Connection) -> None:
         self.connections.add(conn)
         handle = self.pool.reserve()
         if handle is None:
-            self._refuse(conn, "no worker has room under its admission cap")
+            self._refuse(conn, *self.pool.refusal())
             return
         self._hold(conn)  # events that arrive while OpenSession is in flight wait for it
         self._spawn(self._open(conn, handle))
@@ -143,17 +142,20 @@ class Gateway:
     async def _open(self, conn: Connection, handle: WorkerHandle) -> None:
         sid = f"sess_{uuid.uuid4().hex[:16]}"
         try:
-            opened = await handle.stub.OpenSession(pb.OpenSessionRequest(sid=sid), timeout=10.0)
+            opened = await handle.stub.OpenSession(pb.OpenSessionRequest(sid=sid), timeout=10.0,
+                                                   metadata=handle.metadata)
         except grpc.aio.AioRpcError as exc:
             opened = pb.OpenSessionResponse(ok=False, error=f"worker unavailable: {exc.code().name}")
         finally:
             handle.pending -= 1
         if not opened.ok:
-            self._refuse(conn, opened.error)
+            self._refuse(conn, "server_overloaded", opened.error)
             return
-        session = ClientSession(sid, handle.address, conn, max_buffered_audio_s=self.config.max_buffered_audio_s,
-                                max_messages_per_s=self.config.max_messages_per_s,
-                                max_text_bytes=self.config.max_text_bytes_per_tick)
+        c = self.config
+        session = ClientSession(sid, handle.address, conn, max_buffered_audio_s=c.max_buffered_audio_s,
+                                max_messages_per_s=c.max_messages_per_s, max_text_bytes=c.max_text_bytes_per_tick,
+                                audio_realtime_factor=c.audio_realtime_factor, abuse_strikes=c.abuse_strikes,
+                                abuse_window_s=c.abuse_window_s)
         handle.sessions[sid] = session
         self.metrics.sessions_admitted.labels(handle.address).inc()
         self.metrics.sessions_live.labels(handle.address).set(len(handle.sessions))
@@ -166,12 +168,17 @@ class Gateway:
         session.send({"type": "session.created", "session": self._session_view(session)})
         self._unhold(conn)
 
-    def _refuse(self, conn: Connection, why: str) -> None:
-        self.metrics.sessions_rejected.labels("server_overloaded").inc()
+    def _refuse(self, conn: Connection, code: str, why: str) -> None:
+        """Refuse a new session: overloaded (1013, try again later) or no worker up (1012, service restart)."""
+        self.metrics.sessions_rejected.labels(code).inc()
         log.info("connection refused: %s", why)
         conn.held = None
-        conn.send(encode(error_event("server_overloaded", f"server overloaded: {why}", type="server_overloaded")))
-        conn.close(1013, "server overloaded")  # 1013: try again later
+        if code == "server_overloaded":
+            conn.send(encode(error_event(code, f"server overloaded: {why}", type="server_overloaded")))
+            conn.close(1013, "server overloaded")
+        else:
+            conn.send(encode(error_event(code, why, type="server_error")))
+            conn.close(1012, "worker restarting")
 
     def ws_closed(self, conn: Connection) -> None:
         self.connections.discard(conn)
@@ -188,8 +195,8 @@ class Gateway:
     async def _release(self, handle: WorkerHandle, session: ClientSession) -> None:
         """Free the worker-side session at once: its KV returns to the pool within this tick.
 
-        Not while a re-open (``_reopen``) is in flight: its CloseSession + OpenSession would re-create the
-        session after this CloseSession. ``_reopen`` releases it when it is done instead.
+        Not while a re-open (``_reopen``) is in flight: it could land after this CloseSession; ``_reopen``
+        releases the session when it is done instead.
         """
         if session.reopening:
             return
@@ -197,7 +204,8 @@ class Gateway:
             return  # the worker already dropped it (worker failure)
         self.metrics.sessions_live.labels(handle.address).set(len(handle.sessions))
         try:
-            await handle.stub.CloseSession(pb.CloseSessionRequest(sid=session.sid), timeout=5.0)
+            await handle.stub.CloseSession(pb.CloseSessionRequest(sid=session.sid), timeout=5.0,
+                                           metadata=handle.metadata)
         except grpc.aio.AioRpcError as exc:
             log.warning("closing %s on %s failed: %s", session.sid, handle.address, exc.code().name)
         log.info("session %s closed (%s)", session.sid, session.close_reason)
@@ -269,6 +277,9 @@ class Gateway:
                 pcm = event.audio
                 if len(pcm) & 1:
                     raise ProtocolError("invalid_audio", f"PCM16 needs an even byte count, got {len(pcm)}")
+                if session.audio_too_fast(len(pcm)):
+                    raise ProtocolError("audio_too_fast", f"audio faster than {self.config.audio_realtime_factor:g}x "
+                                        "real time; dropped")
                 if not session.append_audio(pcm):
                     raise ProtocolError("audio_buffer_full",
                                         f"more than {self.config.max_buffered_audio_s:.0f} s of audio waiting; dropped")
@@ -282,12 +293,21 @@ class Gateway:
 
     def _client_error(self, session: ClientSession, code: str, message: str) -> None:
         session.send(self._error(session, code, message))
+        if code in OVERSIZED and session.strike():
+            self._abuse(session)
+
+    def _abuse(self, session: ClientSession) -> None:
+        session.send(self._error(session, "abuse", f"{self.config.abuse_strikes} oversized inputs within "
+                                 f"{self.config.abuse_window_s:g} s of each other; closing"))
+        session.close("abuse")
 
     def _error(self, session: ClientSession, code: str, message: str) -> dict[str, Any]:
-        """An error event for this session, counted and logged."""
+        """An error event for this session, counted, and logged the first time the session gets this code."""
         self.metrics.client_errors.labels(code).inc()
-        log.info("session %s: %s: %s", session.sid, code, message)
-        return error_event(code, message)
+        level = logging.DEBUG if code in session.logged_codes else logging.INFO
+        session.logged_codes.add(code)
+        log.log(level, "session %s: %s: %s", session.sid, code, message)
+        return error_event(code, message, type="server_error" if code in SERVER_ERRORS else "invalid_request_error")
 
     # ------------------------------------------------------------------ client events
     def _handle(self, conn: Connection, session: ClientSession, event: Any) -> None:
@@ -326,6 +346,10 @@ class Gateway:
             raise ProtocolError("invalid_mode", f"mode {cfg.mode!r}; use 'turn' or 'free_running'")
         mode = session.mode if cfg.mode is None else cfg.mode
         instructions = session.instructions if cfg.instructions is None else cfg.instructions
+        size = len(instructions.encode("utf-8", "surrogatepass"))
+        if size > self.config.max_instruction_bytes:   # the worker counts tokens; this bounds its counting
+            raise ProtocolError("instructions_too_large", f"instructions of {size} bytes > limit "
+                                f"{self.config.max_instruction_bytes}; the session is unchanged")
         if (mode, instructions) != (session.mode, session.instructions):
             if session.started:
                 raise ProtocolError("session_started", "mode and instructions can change only before the first "
@@ -344,30 +368,34 @@ class Gateway:
 
     async def _reopen(self, conn: Connection, session: ClientSession, event: SessionUpdate, mode: str,
                       instructions: str, rate: int | None) -> None:
-        """Re-create the (still empty) worker session with a new mode / system prompt, then go on reading."""
+        """Give the (still empty) worker session a new mode / system prompt in place, then go on reading.
+
+        Refused (instructions too long for the model, say), the worker session stays as it was, and so does
+        this one: the client gets an error and the session lives on."""
         handle = self._handle_of(session)
-        request = pb.OpenSessionRequest(sid=session.sid, mode=mode, instructions=instructions)
+        request = pb.OpenSessionRequest(sid=session.sid, mode=mode, instructions=instructions, replace=True)
         session.reopening = True  # a close meanwhile does not release; this does, below
         try:
-            await handle.stub.CloseSession(pb.CloseSessionRequest(sid=session.sid), timeout=5.0)
-            opened = await handle.stub.OpenSession(request, timeout=10.0)
+            opened = await handle.stub.OpenSession(request, timeout=10.0, metadata=handle.metadata)
         except grpc.aio.AioRpcError as exc:
             opened = pb.OpenSessionResponse(ok=False, error=f"worker unavailable: {exc.code().name}")
         finally:
             session.reopening = False
-            if conn.closed:  # the client left meanwhile: free what was (re-)opened
+            if conn.closed:  # the client left meanwhile: free the worker session
                 session.disconnected()
                 self._spawn(self._release(handle, session))
         if conn.closed:
             return
-        if not opened.ok:
-            self._client_error(session, "session_failed", f"could not apply the update: {opened.error}")
-            session.close("session_failed")
-            return
-        session.mode, session.instructions = mode, instructions
-        self._apply_rate(session, rate)
-        session.send({"type": "session.updated", "event_id": event.event_id, "session": self._session_view(session)})
-        self._unhold(conn)
+        if opened.ok:
+            session.mode, session.instructions = mode, instructions
+            self._apply_rate(session, rate)
+            session.send({"type": "session.updated", "event_id": event.event_id,
+                          "session": self._session_view(session)})
+        else:
+            self._client_error(session, "session_update_refused",
+                               f"the update was not applied: {opened.error}; the session is unchanged")
+        if not session.closed:
+            self._unhold(conn)
 
     def _session_view(self, session: ClientSession) -> dict[str, Any]:
         return {"id": session.sid, "object": "realtime.session", "model": self.config.model_name,
@@ -378,10 +406,17 @@ class Gateway:
     # ------------------------------------------------------------------ tick fan-out
     def _deliver(self, handle: WorkerHandle, session: ClientSession, out: pb.SessionOutput,
                  report: TickReport) -> None:
-        """One session's share of a tick: its events, then ``metronome.tick``, written together."""
-        error = self._error(session, "session_failed", out.error) if out.error else None
+        """One session's share of a tick: its events, then ``metronome.tick``, written together.
+
+        An error on the output (the worker refused this tick's input, say) leaves the session open; refusals
+        of oversized input count toward closing it for abuse."""
+        code = out.error_code or "session_failed"
+        error = self._error(session, code, out.error) if out.error else None
         session.send_all(tick_events(session, out, report, self.pool.budget_ms, error))
+        if error is not None and code in OVERSIZED and session.strike():
+            self._abuse(session)
 
     def _worker_failed(self, handle: WorkerHandle, session: ClientSession, code: str) -> None:
-        self._client_error(session, code, f"worker {handle.address} failed; this session has ended")
+        self._client_error(session, code, f"the worker serving this session ({handle.address}) stopped and is "
+                           "being restarted; this session has ended: reconnect to start a new one")
         session.close(code)

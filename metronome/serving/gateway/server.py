@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 
 from metronome.config import GatewayConfig
@@ -39,13 +40,17 @@ async def serve_gateway(config: GatewayConfig) -> GatewayServer:
     gateway = Gateway(config)
     await gateway.start()
     server = await start_server(gateway, config.host, config.port, max_frame_bytes=gateway.max_frame_bytes,
-                                send_queue_events=config.send_queue_events, send_queue_bytes=config.send_queue_bytes)
+                                send_queue_events=config.send_queue_events, send_queue_bytes=config.send_queue_bytes,
+                                ping_interval_s=config.ping_interval_s, pong_timeout_s=config.pong_timeout_s,
+                                handshake_timeout_s=config.handshake_timeout_s,
+                                max_header_bytes=config.max_header_bytes)
     port = server.sockets[0].getsockname()[1]
     return GatewayServer(gateway, server, config.host, port)
 
 
-def run_gateway(config: GatewayConfig) -> None:
-    """Serve until SIGINT or SIGTERM, on uvloop."""
+def run_gateway(config: GatewayConfig, companion: Callable[[], Coroutine] | None = None) -> None:
+    """Serve until SIGINT or SIGTERM, on uvloop; ``companion()`` runs beside the gateway until then
+    (``metronome serve``: the worker supervisor)."""
     import signal
 
     import uvloop
@@ -57,9 +62,12 @@ def run_gateway(config: GatewayConfig) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        beside = loop.create_task(companion()) if companion is not None else None
         try:
             await stop.wait()
         finally:
+            if beside is not None:
+                beside.cancel()
             await server.stop()
 
     uvloop.run(main())

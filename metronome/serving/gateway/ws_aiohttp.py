@@ -118,9 +118,10 @@ def aiohttp_app(app: App, *, max_frame_bytes: int, send_queue_events: int,
     """An aiohttp application serving the gateway: every GET goes to ``app.http_request`` first."""
 
     async def handle(request: web.Request) -> web.StreamResponse:
-        reply = app.http_request(request.path, request.headers)
+        reply = app.http_request(request.method, request.path, request.headers, request.remote or "")
         if reply is not None:
-            return web.Response(status=reply.status, body=reply.body, headers={"Content-Type": reply.content_type})
+            return web.Response(status=reply.status, body=reply.body,
+                                headers={"Content-Type": reply.content_type, **reply.headers})
         ws = web.WebSocketResponse(max_msg_size=max_frame_bytes, compress=False)
         await ws.prepare(request)
         conn = AiohttpConnection(ws, send_queue_events, send_queue_bytes)
@@ -142,5 +143,5 @@ def aiohttp_app(app: App, *, max_frame_bytes: int, send_queue_events: int,
         return ws
 
     web_app = web.Application()
-    web_app.add_routes([web.get("/{tail:.*}", handle)])
+    web_app.add_routes([web.route("*", "/{tail:.*}", handle)])
     return web_app

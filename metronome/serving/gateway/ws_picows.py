@@ -5,8 +5,14 @@ aiohttp's Python receive path, which at tens of thousands of messages a second i
 core (docs/benchmarks/gateway.md). Here picows parses frames in C and calls ``on_ws_frame`` synchronously; the gateway handles the event inside that call
 and sends are direct transport writes, so a message costs no task switch at all.
 
-The same port answers the small GET endpoints: the listener factory asks the app first, and a non-101
-reply (``/health``, ``/metrics``, a 401 for a missing API key, a 404) is sent with ``Connection: close``.
+The same port answers the small HTTP endpoints: ``http_front.py`` reads each connection's request head
+and answers it, or hands an upgrade the app lets through to picows.
+
+Liveness: a ping after ``ping_interval_s`` with nothing received; no pong within ``pong_timeout_s``
+and picows closes the socket (so a client that completed the handshake and never reads or answers is
+not kept). picows logs a client's protocol errors (bad frames, a missing pong) at ERROR and WARNING;
+``ConnectionLog`` makes that the first such line per connection at INFO, the rest DEBUG (our bugs,
+logged with their traceback, keep their level).
 
 Frames:
 
@@ -36,12 +42,13 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Mapping
+from functools import partial
 
-from picows import (WSCloseCode, WSListener, WSMsgType, WSUpgradeRequest, WSUpgradeResponse,
-                    WSUpgradeResponseWithListener, ws_create_server)
+from picows import WSAutoPingStrategy, WSCloseCode, WSListener, WSMsgType, WSUpgradeRequest
+from picows.picows import WSProtocol   # the protocol ws_create_server builds; picows is pinned
 
-from metronome.serving.gateway.ws_transport import App, HttpReply
+from metronome.serving.gateway.http_front import HttpFront
+from metronome.serving.gateway.ws_transport import App
 
 log = logging.getLogger(__name__)
 
@@ -232,32 +239,39 @@ def text_frames(payloads: list[bytes]) -> bytes:
     return b"".join(parts)
 
 
-def _response(reply: HttpReply) -> WSUpgradeResponseWithListener:
-    headers = {"Content-Type": reply.content_type}
-    if reply.status < 400:
-        response = WSUpgradeResponse.create_ok_response(reply.body, headers)
-    else:
-        response = WSUpgradeResponse.create_error_response(reply.status, reply.body, headers)
-    return WSUpgradeResponseWithListener(response, None)
+class ConnectionLog(logging.LoggerAdapter):
+    """picows' log for one connection: the client's errors once at INFO, then DEBUG; tracebacks as they are."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        super().__init__(logger, {})
+        self.told = False
+
+    def log(self, level, msg, *args, **kwargs) -> None:
+        if level >= logging.WARNING and not kwargs.get("exc_info"):
+            level, self.told = (logging.DEBUG if self.told else logging.INFO), True
+        super().log(level, msg, *args, **kwargs)
 
 
 async def start_server(app: App, host: str, port: int, *, max_frame_bytes: int, send_queue_events: int,
-                       send_queue_bytes: int = 1 << 62) -> asyncio.Server:
-    """Listen on ``host:port``: WebSocket upgrades where the app returns no reply, small GETs otherwise."""
+                       send_queue_bytes: int = 1 << 62, ping_interval_s: float = 20.0, pong_timeout_s: float = 20.0,
+                       handshake_timeout_s: float = 5.0, max_header_bytes: int = 16 << 10) -> asyncio.Server:
+    """Listen on ``host:port``: WebSocket upgrades where the app returns no reply, small HTTP answers otherwise."""
     live: set[PicowsConnection] = set()
+    picows_log = logging.getLogger("picows.server")
 
-    def route(request: WSUpgradeRequest) -> PicowsConnection | WSUpgradeResponseWithListener:
-        headers: Mapping[str, str] = request.headers
-        reply = app.http_request(request.path.decode("latin-1"), headers)
-        if reply is None:
-            return PicowsConnection(app, max_frame_bytes, send_queue_events, send_queue_bytes, live)
-        return _response(reply)
+    def listener(request: WSUpgradeRequest) -> PicowsConnection:   # the app let it through (``http_front``)
+        return PicowsConnection(app, max_frame_bytes, send_queue_events, send_queue_bytes, live)
+
+    def websocket() -> WSProtocol:   # as ws_create_server makes it, with our logger, pings and limits
+        return WSProtocol(None, None, False, listener, ConnectionLog(picows_log), True, handshake_timeout_s,
+                          True, ping_interval_s, pong_timeout_s, WSAutoPingStrategy.PING_WHEN_IDLE, True,
+                          max_frame_bytes, None, 16 * 1024)
 
     # The loop's own TCP transport (uvloop's, in C), not aiofastnet's: no faster in the gateway
     # benchmark, and one transport fewer to reason about.
-    server = await ws_create_server(route, host, port, max_frame_size=max_frame_bytes, enable_auto_pong=True,
-                                    websocket_handshake_timeout=10.0, use_aiofastnet=False)
     loop = asyncio.get_running_loop()
+    server = await loop.create_server(partial(HttpFront, app, websocket, deadline_s=handshake_timeout_s,
+                                              max_header_bytes=max_header_bytes), host, port)
 
     def sweep() -> None:  # a timer, not a task: nothing to cancel when the server goes
         now = time.monotonic()

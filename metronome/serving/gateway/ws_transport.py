@@ -10,7 +10,7 @@ implement the same contract:
 
 A transport calls, on the event loop::
 
-    app.http_request(path, headers) -> HttpReply | None   # None: upgrade /v1/realtime to a WebSocket
+    app.http_request(method, path, headers, peer) -> HttpReply | None   # None: upgrade to the WebSocket
     app.ws_opened(conn)      app.ws_text(conn, data)      app.ws_binary(conn)      app.ws_closed(conn)
 
 ``data`` may be a memoryview into the transport's read buffer: valid only during the call.
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -31,11 +31,12 @@ JSON = "application/json; charset=utf-8"
 
 @dataclass
 class HttpReply:
-    """A small HTTP answer (the GET endpoints, or a refused upgrade such as 401)."""
+    """A small HTTP answer (the GET endpoints, or a refused upgrade such as 401); ``headers``: extra ones."""
 
     status: int
     body: bytes
     content_type: str = JSON
+    headers: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def json(cls, obj: Any, status: int = 200) -> HttpReply:
@@ -69,7 +70,7 @@ class Connection(Protocol):
 
 
 class App(Protocol):
-    def http_request(self, path: str, headers: Mapping[str, str]) -> HttpReply | None: ...
+    def http_request(self, method: str, path: str, headers: Mapping[str, str], peer: str = "") -> HttpReply | None: ...
     def ws_opened(self, conn: Connection) -> None: ...
     def ws_text(self, conn: Connection, data: bytes | memoryview | str) -> None: ...
     def ws_binary(self, conn: Connection) -> None: ...

@@ -7,14 +7,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("sid", "mode", "instructions")
+    __slots__ = ("sid", "mode", "instructions", "replace")
     SID_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     INSTRUCTIONS_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_FIELD_NUMBER: _ClassVar[int]
     sid: str
     mode: str
     instructions: str
-    def __init__(self, sid: _Optional[str] = ..., mode: _Optional[str] = ..., instructions: _Optional[str] = ...) -> None: ...
+    replace: bool
+    def __init__(self, sid: _Optional[str] = ..., mode: _Optional[str] = ..., instructions: _Optional[str] = ..., replace: _Optional[bool] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("ok", "error")
@@ -67,7 +69,7 @@ class StepRequest(_message.Message):
     def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInput, _Mapping]]] = ..., tokens_per_tick: _Optional[int] = ..., tick: _Optional[int] = ...) -> None: ...
 
 class SessionOutput(_message.Message):
-    __slots__ = ("sid", "tokens", "text", "finished", "error", "preempted", "transcript", "input_dbfs", "input_clipping", "audio_pcm16", "audio_sample_rate")
+    __slots__ = ("sid", "tokens", "text", "finished", "error", "preempted", "transcript", "input_dbfs", "input_clipping", "audio_pcm16", "audio_sample_rate", "error_code")
     SID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +81,7 @@ class SessionOutput(_message.Message):
     INPUT_CLIPPING_FIELD_NUMBER: _ClassVar[int]
     AUDIO_PCM16_FIELD_NUMBER: _ClassVar[int]
     AUDIO_SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     sid: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -90,7 +93,8 @@ class SessionOutput(_message.Message):
     input_clipping: float
     audio_pcm16: bytes
     audio_sample_rate: int
-    def __init__(self, sid: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., error: _Optional[str] = ..., preempted: _Optional[bool] = ..., transcript: _Optional[str] = ..., input_dbfs: _Optional[float] = ..., input_clipping: _Optional[float] = ..., audio_pcm16: _Optional[bytes] = ..., audio_sample_rate: _Optional[int] = ...) -> None: ...
+    error_code: str
+    def __init__(self, sid: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., error: _Optional[str] = ..., preempted: _Optional[bool] = ..., transcript: _Optional[str] = ..., input_dbfs: _Optional[float] = ..., input_clipping: _Optional[float] = ..., audio_pcm16: _Optional[bytes] = ..., audio_sample_rate: _Optional[int] = ..., error_code: _Optional[str] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("outputs", "gpu_ms", "in_flight", "frontend_ms", "prefill_ms", "decode_ms", "kv_blocks_used", "kv_blocks_total", "worker_ms")
@@ -119,7 +123,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("ready", "model", "budget_ms", "capacity_sessions", "kv_blocks_used", "kv_blocks_total", "sessions", "input_sample_rate", "kv_policy")
+    __slots__ = ("ready", "model", "budget_ms", "capacity_sessions", "kv_blocks_used", "kv_blocks_total", "sessions", "input_sample_rate", "kv_policy", "max_input_tokens", "max_instruction_tokens")
     READY_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BUDGET_MS_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +133,8 @@ class HealthResponse(_message.Message):
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     INPUT_SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
     KV_POLICY_FIELD_NUMBER: _ClassVar[int]
+    MAX_INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_INSTRUCTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     model: str
     budget_ms: float
@@ -138,4 +144,6 @@ class HealthResponse(_message.Message):
     sessions: int
     input_sample_rate: int
     kv_policy: str
-    def __init__(self, ready: _Optional[bool] = ..., model: _Optional[str] = ..., budget_ms: _Optional[float] = ..., capacity_sessions: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., sessions: _Optional[int] = ..., input_sample_rate: _Optional[int] = ..., kv_policy: _Optional[str] = ...) -> None: ...
+    max_input_tokens: int
+    max_instruction_tokens: int
+    def __init__(self, ready: _Optional[bool] = ..., model: _Optional[str] = ..., budget_ms: _Optional[float] = ..., capacity_sessions: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., sessions: _Optional[int] = ..., input_sample_rate: _Optional[int] = ..., kv_policy: _Optional[str] = ..., max_input_tokens: _Optional[int] = ..., max_instruction_tokens: _Optional[int] = ...) -> None: ...

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import PurePath
 
 from metronome import Engine, EngineConfig, KVPolicy
 from metronome.audio.adapter import AdapterContext, InteractionAdapter
@@ -31,6 +32,7 @@ class WorkerConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     max_message_bytes: int = 64 * 1024 * 1024
+    auth_token: str | None = field(default=None, repr=False)  # required in every RPC's metadata (``auth.py``)
 
     def __post_init__(self) -> None:
         if self.adapter not in RECORDS:
@@ -49,6 +51,11 @@ class WorkerConfig:
         if self.max_message_bytes < 1024 * 1024:
             raise ConfigError(f"max_message_bytes must be >= 1 MiB, got {self.max_message_bytes}")
 
+    @property
+    def max_instruction_tokens(self) -> int:
+        """What a session's system prompt may take: the adapters' limit (half of one tick's input)."""
+        return self.max_input_tokens // 2
+
 
 def adapter_context(config: WorkerConfig, engine: Engine) -> AdapterContext:
     return AdapterContext(
@@ -63,6 +70,16 @@ def make_adapter(config: WorkerConfig, engine: Engine) -> InteractionAdapter:
     if config.adapter not in RECORDS:
         raise ConfigError(f"adapter must be one of {tuple(RECORDS)}, got {config.adapter!r}")
     return adapter_factory(config.adapter)(adapter_context(config, engine))
+
+
+def model_name(model) -> str:
+    """What the worker tells others it serves: a packaged model's name, a checkpoint directory's name (the
+    path stays on the worker's machine).
+
+    >>> model_name("smollm2-135m"), model_name("/data/ckpt/Qwen2.5-Omni-7B/")
+    ('smollm2-135m', 'Qwen2.5-Omni-7B')
+    """
+    return PurePath(str(model).rstrip("/\\")).name or str(model)
 
 
 def policy_name(policy: KVPolicy) -> str:

@@ -11,6 +11,10 @@ message's bytes by session (``StreamedTick``) while the engine thread still runs
 the tick's critical path keeps only the last message's transfer and the join. Only an unexpected
 exception fails an RPC (``INTERNAL``); the worker stays up.
 
+Typed text and instructions are counted in tokens on a thread of their own before the engine thread
+sees them (``budget.py``): over the limit, they are refused there. With ``WorkerConfig.auth_token`` set,
+every RPC must carry the token (``auth.py``).
+
 >>> handle = await serve_worker(WorkerConfig(EngineConfig(model=ckpt, num_blocks=256), port=0))   # doctest: +SKIP
 >>> channel = grpc.aio.insecure_channel(handle.address)                            # doctest: +SKIP
 >>> stub = worker_pb2_grpc.WorkerStub(channel)                                     # doctest: +SKIP
@@ -30,8 +34,11 @@ import grpc
 
 from metronome import Engine
 from metronome.audio.adapter import InteractionAdapter
+from metronome.serving.auth import TokenCheck
 from metronome.serving.gc_pauses import freeze_startup_heap
+from metronome.serving.proto import worker_pb2 as pb
 from metronome.serving.proto import worker_pb2_grpc
+from metronome.serving.worker.budget import InputBudget
 from metronome.serving.worker.config import WorkerConfig, make_adapter, policy_name
 from metronome.serving.worker.tick import StreamedTick, TickCore
 
@@ -46,6 +53,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.core = TickCore(engine, adapter, config)
         self.config = config
         self._executor = executor
+        self.budget = InputBudget(engine.tokenizer, config.max_input_tokens, config.max_instruction_tokens)
 
     @property
     def engine(self) -> Engine:
@@ -56,13 +64,20 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         return self.core.adapter
 
     async def OpenSession(self, request, context):
+        why = await self.budget.instructions_refusal(request.instructions)
+        if why is not None:
+            log.info("session %s refused: %s", request.sid, why)
+            return pb.OpenSessionResponse(ok=False, error=why)
         return await self._on_engine_thread(context, "OpenSession", self.core.open, request)
 
     async def CloseSession(self, request, context):
         return await self._on_engine_thread(context, "CloseSession", self.core.close, request.sid)
 
     async def Step(self, request, context):
-        return await self._on_engine_thread(context, "Step", self.core.step, request)
+        tally: dict[str, int] = {}
+        await self.budget.charge(tally, ((inp.sid, inp.text) for inp in request.sessions))
+        return await self._on_engine_thread(context, "Step", self.core.step, request, None,
+                                            self.budget.refusals(tally))
 
     async def StreamStep(self, request_iterator, context):
         """One tick whose input arrives over the frame period; the last message is the Step request proper."""
@@ -73,10 +88,14 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 log.warning("a streamed tick passed %d bytes; its input is dropped", self.config.max_message_bytes)
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                     f"the tick's streamed input exceeds {self.config.max_message_bytes} bytes")
+            # Each message's text is counted as it arrives, while the tick's later input still streams in: only
+            # text in the tick's last message is counted on the tick's critical path.
+            await self.budget.charge(streamed.text_tokens, ((inp.sid, inp.text) for inp in message.sessions))
             last = message
         if last is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a StreamStep needs at least its last message")
-        return await self._on_engine_thread(context, "StreamStep", self.core.step, last, streamed)
+        return await self._on_engine_thread(context, "StreamStep", self.core.step, last, streamed,
+                                            self.budget.refusals(streamed.text_tokens))
 
     async def Health(self, request, context):
         return self.core.health
@@ -113,6 +132,7 @@ class WorkerServer:
         await self.server.stop(grace)
         await asyncio.get_running_loop().run_in_executor(self.executor, self.service.close_all)
         self.executor.shutdown(wait=False)
+        self.service.budget.shutdown()
 
     async def wait_for_termination(self) -> None:
         await self.server.wait_for_termination()
@@ -134,7 +154,8 @@ async def serve_worker(config: WorkerConfig, *, engine: Engine | None = None,
         service = WorkerService(engine, adapter, config, executor)
         size = config.max_message_bytes
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", size),
-                                          ("grpc.max_send_message_length", size)])
+                                          ("grpc.max_send_message_length", size)],
+                                 interceptors=[TokenCheck(config.auth_token)] if config.auth_token else None)
         worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
         port = server.add_insecure_port(f"{config.host}:{config.port}")
         if port == 0:
@@ -144,6 +165,9 @@ async def serve_worker(config: WorkerConfig, *, engine: Engine | None = None,
         executor.shutdown(wait=False)
         raise
     stats = engine.stats()
+    if not config.auth_token:
+        log.warning("worker on %s:%d takes RPCs from anyone who can reach it (no worker token set)",
+                    config.host, port)
     log.info("worker on %s:%d: %s, %s, capacity %d sessions, budget %g ms, adapter %s",
              config.host, port, engine.config.model, policy_name(engine.config.policy), stats.capacity,
              config.budget_ms, adapter.name)

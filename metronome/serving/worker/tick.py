@@ -41,7 +41,8 @@ from metronome.audio.adapter import InteractionAdapter, PreparedInput, TickAudio
 from metronome.audio.pcm import SILENCE_DBFS, Resampler, check_sample_rate, decode_pcm16, levels
 from metronome.errors import ConfigError
 from metronome.serving.proto import worker_pb2 as pb
-from metronome.serving.worker.config import WorkerConfig, policy_name
+from metronome.serving.worker.budget import INPUT_TOO_LARGE
+from metronome.serving.worker.config import WorkerConfig, model_name, policy_name
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ class StreamedTick:
 
     sessions: dict[str, StreamedInput] = field(default_factory=dict)
     size: int = 0
+    text_tokens: dict[str, int] = field(default_factory=dict)   # sid -> tokens of its text this tick (``budget.py``)
 
     def add(self, message: pb.StepRequest) -> int:
         """File one earlier message; returns the tick's streamed bytes so far."""
@@ -128,6 +130,7 @@ class TickCore:
         self.adapter = adapter
         self.config = config
         self._sessions: dict[str, int] = {}          # sid -> engine session id
+        self._opened: dict[str, tuple[str, str]] = {}  # sid -> (mode, instructions), until its first step
         self._resamplers: dict[str, Resampler] = {}  # sid -> its stream's resampler
         self.health = self._snapshot()               # refreshed after every call that changes it
 
@@ -138,16 +141,19 @@ class TickCore:
     def _snapshot(self) -> pb.HealthResponse:
         stats = self.engine.stats()
         return pb.HealthResponse(
-            ready=True, model=str(self.engine.config.model), budget_ms=self.config.budget_ms,
+            ready=True, model=model_name(self.engine.config.model), budget_ms=self.config.budget_ms,
             capacity_sessions=stats.capacity, kv_blocks_used=stats.kv_blocks_used,
             kv_blocks_total=stats.kv_blocks_total, sessions=len(self._sessions),
-            input_sample_rate=self.adapter.sample_rate, kv_policy=policy_name(self.engine.config.policy))
+            input_sample_rate=self.adapter.sample_rate, kv_policy=policy_name(self.engine.config.policy),
+            max_input_tokens=self.config.max_input_tokens, max_instruction_tokens=self.config.max_instruction_tokens)
 
     # ------------------------------------------------------------------ sessions
     def open(self, request: pb.OpenSessionRequest) -> pb.OpenSessionResponse:
         sid = request.sid
         if not sid:
             return pb.OpenSessionResponse(ok=False, error="sid must not be empty")
+        if request.replace:
+            return self._replace(request)
         if sid in self._sessions:
             return pb.OpenSessionResponse(ok=False, error=f"session {sid!r} is already open")
         try:
@@ -160,12 +166,31 @@ class TickCore:
             self.adapter.close_session(sid)
             log.info("session %s refused: %s", sid, exc)
             return pb.OpenSessionResponse(ok=False, error=str(exc))
+        self._opened[sid] = (request.mode, request.instructions)
         self.health = self._snapshot()
         log.debug("session %s open (engine session %d)", sid, self._sessions[sid])
         return pb.OpenSessionResponse(ok=True)
 
+    def _replace(self, request: pb.OpenSessionRequest) -> pb.OpenSessionResponse:
+        """A new mode and system prompt for a session not yet stepped; refused, it stays as it was."""
+        sid = request.sid
+        if sid not in self._sessions:
+            return pb.OpenSessionResponse(ok=False, error=f"session {sid!r} is not open")
+        if sid not in self._opened:
+            return pb.OpenSessionResponse(ok=False, error=f"session {sid!r} has started; its header is fixed")
+        before = self._opened[sid]
+        self.adapter.close_session(sid)
+        try:
+            self.adapter.open_session(sid, request.mode, request.instructions)
+        except ValueError as exc:
+            self.adapter.open_session(sid, *before)   # opened with these once: it opens again
+            return pb.OpenSessionResponse(ok=False, error=str(exc))
+        self._opened[sid] = (request.mode, request.instructions)
+        return pb.OpenSessionResponse(ok=True)
+
     def close(self, sid: str) -> pb.CloseSessionResponse:
         eid = self._sessions.pop(sid, None)
+        self._opened.pop(sid, None)
         self._resamplers.pop(sid, None)
         self.adapter.close_session(sid)
         if eid is not None:
@@ -210,10 +235,15 @@ class TickCore:
         return TickAudio(session_id=inp.sid, pcm=pcm, new_turn=new_turn, text=text, cancel=cancel,
                          max_tokens=inp.max_tokens or default_tokens)
 
-    def step(self, request: pb.StepRequest, streamed: StreamedTick | None = None) -> pb.StepResponse:
-        """One tick: ``request`` (a StreamStep's last message, after the ``streamed`` earlier ones) → outputs."""
+    def step(self, request: pb.StepRequest, streamed: StreamedTick | None = None,
+             refused: dict[str, str] | None = None) -> pb.StepResponse:
+        """One tick: ``request`` (a StreamStep's last message, after the ``streamed`` earlier ones) → outputs.
+
+        ``refused``: sid -> why, sessions whose input this tick was refused before the engine thread
+        (``budget.py``): they get ``input_too_large`` and their input is dropped."""
         t0 = perf_counter()
         earlier = streamed.sessions if streamed is not None else {}
+        refused = refused or {}
         outputs = [pb.SessionOutput(sid=inp.sid) for inp in request.sessions]
         ticks: list[TickAudio] = []
         indices: list[int] = []
@@ -223,10 +253,14 @@ class TickCore:
                 if inp.sid in seen:
                     raise ValueError(f"session {inp.sid!r} appears more than once in one step")
                 seen.add(inp.sid)
+                self._opened.pop(inp.sid, None)   # stepped: its header is in the engine now
+                if inp.sid in refused:
+                    self._session_error(request.tick, outputs[i], refused[inp.sid], INPUT_TOO_LARGE)
+                    continue
                 ticks.append(self.tick_audio(inp, request.tokens_per_tick, outputs[i], earlier.get(inp.sid)))
                 indices.append(i)
             except ValueError as exc:
-                self._session_error(request.tick, outputs[i], str(exc))
+                self._session_error(request.tick, outputs[i], str(exc), "invalid_input")
         prepared = self.adapter.prepare(ticks) if ticks else []
         if len(prepared) != len(ticks):
             raise RuntimeError(f"the adapter returned {len(prepared)} inputs for {len(ticks)} sessions")
@@ -237,10 +271,10 @@ class TickCore:
         for i, prep in zip(indices, prepared):
             outputs[i].transcript = prep.transcript
             if prep.error:
-                self._session_error(request.tick, outputs[i], prep.error)
+                self._session_error(request.tick, outputs[i], prep.error, "input_refused")
             elif prep.num_tokens > self.config.max_input_tokens:
                 self._session_error(request.tick, outputs[i], f"input of {prep.num_tokens} tokens exceeds "
-                                    f"max_input_tokens={self.config.max_input_tokens}")
+                                    f"max_input_tokens={self.config.max_input_tokens}", INPUT_TOO_LARGE)
             else:
                 jobs.append(_Job(i, self._sessions[request.sessions[i].sid], prep, _split(prep, chunk)))
         prefill_ms, decode_ms = self._run_engine(jobs)
@@ -314,6 +348,8 @@ class TickCore:
         return {}
 
     @staticmethod
-    def _session_error(tick: int, out: pb.SessionOutput, message: str) -> None:
-        out.error = message
-        log.warning("tick %d, session %s: %s", tick, out.sid, message)
+    def _session_error(tick: int, out: pb.SessionOutput, message: str, code: str = "session_failed") -> None:
+        out.error, out.error_code = message, code
+        # Refused input is the client's doing (and a hostile one can do it every tick): not a warning.
+        level = logging.INFO if code in (INPUT_TOO_LARGE, "input_refused") else logging.WARNING
+        log.log(level, "tick %d, session %s: %s", tick, out.sid, message)
