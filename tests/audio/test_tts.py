@@ -200,3 +200,84 @@ def test_the_default_path_imports_no_gpl_module():
     loaded = set(done.stdout.split())
     assert "onnxruntime" in loaded and "metronome" in loaded
     assert not loaded & GPL_MODULES, loaded & GPL_MODULES
+
+
+# ---------------------------------------------------------------- the cascade's speech-out hook
+class NoAsr:
+    """The hook tests type their questions: Whisper is never asked."""
+
+    def transcribe_batch(self, utterances, sample_rate=16000):
+        raise AssertionError("no audio was sent")
+
+
+def spoken(adapter, sid: str, timeout: float = 30.0) -> bytes:
+    """Everything ``take_audio`` hands out until the answer is spoken (polled, as the worker does per tick)."""
+    audio, deadline = b"", time.monotonic() + timeout
+    while adapter.session_state(sid)["speaking"]:
+        assert time.monotonic() < deadline, "the answer was never spoken"
+        audio += adapter.take_audio(sid)
+        time.sleep(0.01)
+    return audio
+
+
+@pytest.fixture
+def speaking(smollm2_tokenizer):
+    from metronome.audio.cascade import CascadeAdapter
+
+    voice = ScriptedVoice()
+    with SpeechSynthesizer(voice, policy=CutPolicy(first_clause_chars=0)) as synth:
+        adapter = CascadeAdapter(smollm2_tokenizer, asr=NoAsr(), speech=synth)
+        adapter.open_session("s", "turn", "")
+        yield adapter, voice, smollm2_tokenizer
+
+
+def ask(adapter, text: str = "", cancel: bool = False):
+    from metronome.audio.adapter import TickAudio
+
+    prepared, = adapter.prepare([TickAudio("s", text=text, cancel=cancel, max_tokens=8)])
+    assert prepared.error is None
+    return prepared
+
+
+def test_the_cascade_speaks_its_answer(speaking):
+    adapter, voice, tok = speaking
+    assert adapter.output_sample_rate == REALTIME_RATE
+    ask(adapter, "What is the capital of France?")
+    ids = tok.encode("The capital of France is Paris. It is big.", add_special_tokens=False)
+    text = adapter.on_output("s", ids[:4], False) + adapter.on_output("s", ids[4:], True)
+    assert text == "The capital of France is Paris. It is big."
+    audio = spoken(adapter, "s")
+    assert voice.calls == ["The capital of France is Paris.", "It is big."]
+    assert abs(len(audio) // 2 - sum(round(100 * len(t) * REALTIME_RATE / 22050) for t in voice.calls)) <= 2
+    assert adapter.take_audio("s") == b""
+
+
+def test_barge_in_and_cancel_silence_the_answer(speaking):
+    adapter, voice, tok = speaking
+    ask(adapter, "Tell me a story.")
+    voice.gate.clear()                                 # the story is not spoken yet when the user interrupts
+    adapter.on_output("s", tok.encode("Once upon a time. There was a king. He", add_special_tokens=False), False)
+    ask(adapter, "Stop, what is two plus two?")        # barge-in: a new question
+    voice.gate.set()
+    adapter.on_output("s", tok.encode("Four.", add_special_tokens=False), True)
+    assert spoken(adapter, "s") != b""
+    assert "There was a king." not in voice.calls and voice.calls[-1] == "Four."
+
+    ask(adapter, "Count to ten.")
+    voice.gate.clear()
+    adapter.on_output("s", tok.encode("One. Two. Three.", add_special_tokens=False), False)
+    ask(adapter, cancel=True)                          # response.cancel
+    voice.gate.set()
+    assert not adapter.session_state("s")["speaking"] and adapter.take_audio("s") == b""
+    assert "Two." not in voice.calls
+
+
+def test_without_a_synthesizer_the_cascade_stays_text_only(smollm2_tokenizer):
+    from metronome.audio.cascade import CascadeAdapter
+
+    adapter = CascadeAdapter(smollm2_tokenizer, asr=NoAsr())
+    adapter.open_session("s", "turn", "")
+    ask(adapter, "Hello?")
+    assert adapter.on_output("s", smollm2_tokenizer.encode("Hi.", add_special_tokens=False), True) == "Hi."
+    assert adapter.output_sample_rate == 0 and adapter.take_audio("s") == b""
+    assert not adapter.session_state("s")["speaking"]
