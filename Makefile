@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml requirements.lock Makefile
 	$(PY) -m pip install -q --no-deps --require-hashes -r requirements.lock
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	@# espeak-ng (Debian) phonemizes the spoken answers (run as a program) and synthesises the test speech;
-	@# without it the assistant answers in text only and the speech tests skip.
+	@# without it there is no speech out and the speech tests skip.
 	command -v espeak-ng >/dev/null || (apt-get update -qq && apt-get install -y -qq espeak-ng >/dev/null) \
 		|| echo "espeak-ng not installed: no speech out, speech tests will be skipped"
 	touch $@
