@@ -222,7 +222,6 @@ def machine_info(args: argparse.Namespace) -> dict:
         "cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
         "onnxruntime": onnxruntime.__version__, "espeak_ng": run([espeak.PROGRAM, "--version"]),
         "threads": args.threads, "repeats": args.repeats, "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        "git_commit": run(["git", "rev-parse", "HEAD"]) or None,
         "loadavg_start": [round(x, 2) for x in os.getloadavg()],
     }
 
