@@ -65,7 +65,7 @@ from metronome.audio.vad import SAMPLE_RATE, SileroVad, VadConfig, VadStream
 from metronome.errors import ConfigError
 
 if TYPE_CHECKING:
-    from metronome.audio.tts import SpeechStream, SpeechSynthesizer
+    from metronome.audio.tts import SpeechChunk, SpeechStream, SpeechSynthesizer
 
 log = logging.getLogger(__name__)
 
@@ -303,15 +303,20 @@ class CascadeAdapter(InteractionAdapter):
         if user_turn:
             new.speech = self.speech.open(self.output_sample_rate)
 
-    def take_audio(self, session_id: str) -> bytes:
-        """The answer's PCM16 at ``output_sample_rate`` that is ready now (b"" without a synthesizer)."""
+    def take_speech(self, session_id: str) -> list[SpeechChunk]:
+        """The answer's pieces whose audio is ready now, in order, each with the text it says (for
+        ``response.output_audio_transcript.delta``); [] without a synthesizer. Never waits."""
         state = self._sessions.get(session_id)
         if state is None or state.speech is None:
-            return b""
-        audio = b"".join(chunk.pcm16 for chunk in state.speech.take())
+            return []
+        chunks = state.speech.take()
         if state.speech.done:
             state.speech = None
-        return audio
+        return chunks
+
+    def take_audio(self, session_id: str) -> bytes:
+        """The answer's PCM16 at ``output_sample_rate`` that is ready now (b"" without a synthesizer)."""
+        return b"".join(chunk.pcm16 for chunk in self.take_speech(session_id))
 
     # ------------------------------------------------------------------ introspection (tests, metrics)
     def session_state(self, session_id: str) -> dict:

@@ -210,14 +210,14 @@ class NoAsr:
         raise AssertionError("no audio was sent")
 
 
-def spoken(adapter, sid: str, timeout: float = 30.0) -> bytes:
-    """Everything ``take_audio`` hands out until the answer is spoken (polled, as the worker does per tick)."""
-    audio, deadline = b"", time.monotonic() + timeout
+def spoken(adapter, sid: str, timeout: float = 30.0) -> list:
+    """Every piece ``take_speech`` hands out until the answer is spoken (polled, as a worker would per tick)."""
+    chunks, deadline = [], time.monotonic() + timeout
     while adapter.session_state(sid)["speaking"]:
         assert time.monotonic() < deadline, "the answer was never spoken"
-        audio += adapter.take_audio(sid)
+        chunks += adapter.take_speech(sid)
         time.sleep(0.01)
-    return audio
+    return chunks
 
 
 @pytest.fixture
@@ -246,10 +246,20 @@ def test_the_cascade_speaks_its_answer(speaking):
     ids = tok.encode("The capital of France is Paris. It is big.", add_special_tokens=False)
     text = adapter.on_output("s", ids[:4], False) + adapter.on_output("s", ids[4:], True)
     assert text == "The capital of France is Paris. It is big."
-    audio = spoken(adapter, "s")
-    assert voice.calls == ["The capital of France is Paris.", "It is big."]
+    chunks = spoken(adapter, "s")                      # each piece with its text, for transcript events
+    assert [c.text for c in chunks] == voice.calls == ["The capital of France is Paris.", "It is big."]
+    assert {c.sample_rate for c in chunks} == {REALTIME_RATE}
+    audio = b"".join(c.pcm16 for c in chunks)
     assert abs(len(audio) // 2 - sum(round(100 * len(t) * REALTIME_RATE / 22050) for t in voice.calls)) <= 2
     assert adapter.take_audio("s") == b""
+
+    ask(adapter, "And of Germany?")                    # the worker's path: PCM16 bytes per tick
+    adapter.on_output("s", tok.encode("Berlin.", add_special_tokens=False), True)
+    audio, deadline = b"", time.monotonic() + 30
+    while adapter.session_state("s")["speaking"] and time.monotonic() < deadline:
+        audio += adapter.take_audio("s")
+        time.sleep(0.01)
+    assert len(audio) // 2 == round(100 * len("Berlin.") * REALTIME_RATE / 22050)
 
 
 def test_barge_in_and_cancel_silence_the_answer(speaking):
@@ -260,7 +270,7 @@ def test_barge_in_and_cancel_silence_the_answer(speaking):
     ask(adapter, "Stop, what is two plus two?")        # barge-in: a new question
     voice.gate.set()
     adapter.on_output("s", tok.encode("Four.", add_special_tokens=False), True)
-    assert spoken(adapter, "s") != b""
+    assert [c.text for c in spoken(adapter, "s")] == ["Four."]
     assert "There was a king." not in voice.calls and voice.calls[-1] == "Four."
 
     ask(adapter, "Count to ten.")
