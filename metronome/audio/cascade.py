@@ -20,6 +20,12 @@ Modes:
   tick and hears itself; utterances are inserted as user turns (closing whatever the model was saying
   with the assistant suffix first) followed by the generation prompt.
 
+Speech out (optional): given a ``SpeechSynthesizer`` (``audio/tts.py``), each answer's text deltas are
+also spoken, sentence by sentence on the synthesizer's threads, and ``take_audio`` hands the worker the
+PCM16 that is ready (``output_sample_rate``, 24 kHz by default). Barge-in and ``cancel`` drop the audio
+not yet taken; an answer cut at ``max_response_tokens`` is spoken up to where it stopped. Without a
+synthesizer the adapter is text only.
+
 ``new_turn`` (the client committed its audio) flushes the VAD: the utterance in progress ends now and
 is transcribed this tick. A commit with nothing heard does nothing.
 
@@ -47,6 +53,7 @@ import math
 import re
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -56,6 +63,9 @@ from metronome.audio.detokenize import IncrementalDetokenizer
 from metronome.audio.turns import answer_close, decode_budget, default_stop_tokens, record_output, session_header
 from metronome.audio.vad import SAMPLE_RATE, SileroVad, VadConfig, VadStream
 from metronome.errors import ConfigError
+
+if TYPE_CHECKING:
+    from metronome.audio.tts import SpeechChunk, SpeechStream, SpeechSynthesizer
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +109,7 @@ class _Session:
     close_next: list[int] = field(default_factory=list)   # turn mode: closes the answer that ended
     last_decoded: list[int] = field(default_factory=list)  # free running: tail of the output since the last turn
     utterances: int = 0                   # recognised utterances (introspection)
+    speech: SpeechStream | None = None    # the answer being spoken (with a synthesizer only)
 
 
 class CascadeAdapter(InteractionAdapter):
@@ -108,6 +119,7 @@ class CascadeAdapter(InteractionAdapter):
     the per-session segmentation (``VadConfig()``: 500 ms of silence ends an utterance).
     ``max_input_tokens`` bounds one session's input per tick (typed text beyond it is refused with an
     error and the session is left as it was). ``max_response_tokens`` caps one turn-mode answer.
+    ``speech``: a ``SpeechSynthesizer`` to speak the answers at ``speech_rate`` Hz (None: text only).
     """
 
     name = "cascade"
@@ -121,7 +133,8 @@ class CascadeAdapter(InteractionAdapter):
     def __init__(self, tokenizer, *, vad: SileroVad | None = None, asr=None, vad_config: VadConfig | None = None,
                  max_input_tokens: int = 1024, max_transcript_tokens: int = 128, max_response_tokens: int = 256,
                  stop_token_ids: tuple[int, ...] | None = None, default_mode: str = "turn",
-                 asr_threads: int = 0) -> None:
+                 asr_threads: int = 0, speech: SpeechSynthesizer | None = None,
+                 speech_rate: int | None = None) -> None:
         if default_mode not in MODES:
             raise ConfigError(f"default_mode must be one of {MODES}, got {default_mode!r}")
         if max_transcript_tokens < 1 or max_response_tokens < 1:
@@ -143,6 +156,9 @@ class CascadeAdapter(InteractionAdapter):
         self.asr = asr
         self.last_timing = CascadeTiming()
         self._sessions: dict[str, _Session] = {}
+        self.speech = speech
+        if speech is not None:
+            self.output_sample_rate = speech_rate or speech.output_rate
 
     # ------------------------------------------------------------------ sessions
     def open_session(self, session_id: str, mode: str, instructions: str) -> None:
@@ -154,7 +170,9 @@ class CascadeAdapter(InteractionAdapter):
                                               IncrementalDetokenizer(self.tokenizer))
 
     def close_session(self, session_id: str) -> None:
-        self._sessions.pop(session_id, None)
+        state = self._sessions.pop(session_id, None)
+        if state is not None and state.speech is not None:
+            state.speech.cancel()
 
     def input_tokens_per_tick(self, budget_ms: float) -> int:
         # Steady speech is ~3 words/s, ~4-5 tokens/s, entering as one user turn per utterance (after closing
@@ -214,6 +232,8 @@ class CascadeAdapter(InteractionAdapter):
                     "(send shorter text)"))
                 continue
             self._sessions[tick.session_id] = new
+            if self.speech is not None:
+                self._steer_speech(state, new, tick, transcript)
             max_new, stops, ends = decode_budget(new, tick.max_tokens, self.max_response_tokens, self.stop_token_ids)
             out[i] = PreparedInput(token_ids=tokens or None, max_new_tokens=max_new, stop_token_ids=stops,
                                    transcript=transcript, ends_response=ends)
@@ -263,14 +283,47 @@ class CascadeAdapter(InteractionAdapter):
         state = self._sessions.get(session_id)
         if state is None:
             return ""
-        return record_output(state, token_ids, finished, lambda ids: answer_close(self.chat, ids))
+        text = record_output(state, token_ids, finished, lambda ids: answer_close(self.chat, ids))
+        if state.speech is not None:
+            state.speech.feed(text)
+            if finished:
+                state.speech.finish()
+        return text
+
+    # ------------------------------------------------------------------ speech out
+    def _steer_speech(self, old: _Session, new: _Session, tick: TickAudio, transcript: str) -> None:
+        """After a committed tick: a user turn or cancel silences the answer being spoken (barge-in);
+        a user turn opens the next answer's stream; an answer cut at the cap is spoken to its end."""
+        user_turn = any(t and t.strip() for t in (transcript, tick.text))
+        if new.speech is not None and (user_turn or tick.cancel):
+            new.speech.cancel()
+            new.speech = None
+        elif new.speech is not None and old.responding and not new.responding:
+            new.speech.finish()
+        if user_turn:
+            new.speech = self.speech.open(self.output_sample_rate)
+
+    def take_speech(self, session_id: str) -> list[SpeechChunk]:
+        """The answer's pieces whose audio is ready now, in order, each with the text it says (for
+        ``response.output_audio_transcript.delta``); [] without a synthesizer. Never waits."""
+        state = self._sessions.get(session_id)
+        if state is None or state.speech is None:
+            return []
+        chunks = state.speech.take()
+        if state.speech.done:
+            state.speech = None
+        return chunks
+
+    def take_audio(self, session_id: str) -> bytes:
+        """The answer's PCM16 at ``output_sample_rate`` that is ready now (b"" without a synthesizer)."""
+        return b"".join(chunk.pcm16 for chunk in self.take_speech(session_id))
 
     # ------------------------------------------------------------------ introspection (tests, metrics)
     def session_state(self, session_id: str) -> dict:
         s = self._sessions[session_id]
         return {"mode": s.mode, "responding": s.responding, "response_tokens": s.response_tokens,
                 "speaking": s.vad.speaking, "utterances": s.utterances, "detok_held": s.detok.held,
-                "vad_pending_samples": s.vad.pending_samples}
+                "vad_pending_samples": s.vad.pending_samples, "speaking": s.speech is not None}
 
     @property
     def sessions(self) -> int:
