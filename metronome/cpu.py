@@ -164,6 +164,16 @@ class ThreadPlan:
             pass
 
 
+def startup_line(device: str, dtype: str, plan: ThreadPlan | None) -> str:
+    """What ``metronome serve`` and ``demo`` print at start-up: the CPU, the dtype and why, the threads."""
+    if not device.startswith("cpu"):
+        return f"engine on {device} in {dtype}"
+    cap = read_capability()
+    why = f"auto: {'native' if cap.native_bf16 else 'no native'} bf16" if dtype == "auto" else "as asked"
+    line = f"cpu: {cap.describe()}; engine dtype {auto_dtype(device, cap) if dtype == 'auto' else dtype} ({why})"
+    return line + (f"\n{plan.describe()}" if plan is not None else "")
+
+
 def quiet_thread_env(environ: MutableMapping[str, str]) -> dict[str, str]:
     """Set ``QUIET_THREAD_ENV`` in ``environ`` where unset; returns what it set. Call it before anything
     imports torch (the CLI's entry point does)."""

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
-from metronome.cli import bench, client, demo, serving
+from metronome.cpu import quiet_thread_env
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from metronome.cli import bench, client, demo, serving   # they load torch: after main() set its threads' env
+
     parser = argparse.ArgumentParser(prog="metronome", description=__doc__.split("\n\n")[0])
     parser.add_argument("--log-level", default="WARNING", help="Python logging level (default WARNING)")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -29,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_thread_env(os.environ)   # idle OpenMP threads sleep (read when torch loads; workers inherit it)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
