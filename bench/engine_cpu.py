@@ -7,7 +7,7 @@ Run from the repository root::
     python bench/engine_cpu.py --random-weights      # SmolLM2's shapes with random weights (no packaged model)
     python bench/engine_cpu.py --arms metronome-bfloat16 --out a.json   # one arm (e.g. each on its own cores)
     python bench/engine_cpu.py --merge a.json b.json # one table and the targets from several runs' JSON
-    python bench/engine_cpu.py --profile 8           # one Metronome tick at N = 8 under torch.profiler
+    python bench/engine_cpu.py --profile 8,24        # one Metronome tick at N = 8 and 24 under torch.profiler
 
 A tick gives every session ``--chunk-tokens`` (26) new tokens, after the token it sampled last tick, and
 decodes ``--new-tokens`` (25) greedy tokens; each session starts from a ``--history`` (300) token prefix, so
@@ -79,7 +79,7 @@ class MetronomeArm:
         from metronome.engine.blocks import blocks_per_session
 
         policy = KVPolicy(sinks=args.sinks, window=args.window, block_size=16, positions="rebased")
-        blocks = blocks_per_session(policy, 256, SMOLLM2["max_position_embeddings"]) * max(args.session_list) + 2
+        blocks = blocks_per_session(policy, 256, SMOLLM2["max_position_embeddings"]) * max(args.session_list + (args.profile or [])) + 2
         self.engine = Engine(EngineConfig(model=checkpoint, policy=policy, device="cpu", dtype=dtype,
                                           num_blocks=blocks, max_chunk_tokens=256))
         self.args = args
@@ -181,11 +181,14 @@ def run_point(arm, n: int, args) -> dict:
             "within_budget": median <= args.budget_ms}
 
 
-def sweep(name: str, arm, args) -> dict:
+def sweep(name: str, arm, args, saved: dict, save) -> None:
+    """Fill ``saved`` (this arm's entry in the results) point by point, calling ``save`` after each."""
     points: dict[int, dict] = {}
 
     def probe(n: int) -> dict:
         p = points[n] = run_point(arm, n, args)
+        saved.update(points=[points[k] for k in sorted(points)], capacity=None, capacity_lower_bound=None)
+        save()
         print(f"  {name:>22}  N={n:<3d} median {p['median_ms']:8.0f} ms  "
               f"(prefill {p['prefill_ms']:.0f} + decode {p['decode_ms']:.0f})", file=sys.stderr, flush=True)
         return p
@@ -199,7 +202,8 @@ def sweep(name: str, arm, args) -> dict:
     while args.refine and hi is not None and hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if probe(mid)["within_budget"] else (lo, mid)
-    return {"points": [points[n] for n in sorted(points)], "capacity": lo, "capacity_lower_bound": hi is None}
+    saved.update(capacity=lo, capacity_lower_bound=hi is None)
+    save()
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -225,9 +229,9 @@ def table(headers: list[str], rows: list[list]) -> str:
 def targets(runs: dict, auto: str, native_bf16: bool) -> list[dict]:
     """The issue's targets for Metronome in the dtype ``auto`` picks, each with its measured value."""
     ours = runs.get(f"metronome-{auto}")
-    if ours is None:
+    if ours is None or ours.get("capacity") is None:
         return []
-    cap = lambda arm: runs[arm]["capacity"] if arm in runs else None  # noqa: E731
+    cap = lambda arm: runs[arm].get("capacity") if arm in runs else None  # noqa: E731
     rows = [{"target": f"metronome-{auto} sessions within B >= 24", "value": ours["capacity"],
              "met": ours["capacity"] >= 24}]
     for arm, factor in (("transformers-float32", 3.0), ("transformers-bfloat16", 1.5)):
@@ -259,7 +263,8 @@ def report(results: dict) -> None:
                    for a in names] for n in sessions]
     print(table(["N"] + names, rows))
     print("\n== Sessions within B")
-    print(table(["arm", "sessions"], [[a, f"{'>= ' if runs[a]['capacity_lower_bound'] else ''}{runs[a]['capacity']}"]
+    print(table(["arm", "sessions"], [[a, "incomplete run" if runs[a].get("capacity") is None else
+                                       f"{'>= ' if runs[a]['capacity_lower_bound'] else ''}{runs[a]['capacity']}"]
                                       for a in names]))
     rows = targets(runs, m["auto_dtype"], m["native_bf16"])
     if rows:
@@ -319,7 +324,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=1024)
     p.add_argument("--threads", type=int, default=None, help="torch threads [default: usable cores]")
     p.add_argument("--random-weights", action="store_true", help="SmolLM2's shapes with random weights")
-    p.add_argument("--profile", type=int, default=None, metavar="N", help="profile one tick at N sessions instead")
+    p.add_argument("--profile", default=None, metavar="N[,N]", help="profile one tick at each N instead")
     p.add_argument("--merge", nargs="+", default=None, help="print one report from these result files")
     p.add_argument("--out", default="results/engine_cpu.json")
     args = p.parse_args(argv)
@@ -327,6 +332,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.session_list = sorted({int(x) for x in str(args.sessions).split(",") if x.strip()})
+    args.profile = [int(x) for x in args.profile.split(",")] if args.profile else None
     args.arm_list = [a.strip() for a in args.arms.split(",") if a.strip()]
     if set(args.arm_list) - set(ARMS):
         p.error(f"--arms takes {', '.join(ARMS)}")
@@ -368,17 +374,20 @@ def main(argv=None) -> int:
 
             checkpoints = {"metronome": MODEL, "transformers": str(embedded_checkpoint(MODEL))}
         results["weights"] = "random (SmolLM2-135M shapes)" if args.random_weights else "packaged SmolLM2-135M"
+        save = lambda: out.write_text(json.dumps(results, indent=1))  # noqa: E731
         if args.profile:
-            results["profile"] = profile_tick(checkpoints["metronome"], args.profile, args)
-            out.write_text(json.dumps(results, indent=1))
-            print(json.dumps(results["profile"], indent=1))
+            results["profiles"] = []
+            for n in args.profile:
+                results["profiles"].append(profile_tick(checkpoints["metronome"], n, args))
+                save()
+            print(json.dumps(results["profiles"], indent=1))
             return 0
         for name in args.arm_list:
             arm = build_arm(name, checkpoints, args)
-            results["runs"][name] = sweep(name, arm, args)
+            sweep(name, arm, args, results["runs"].setdefault(name, {}), save)
             del arm
             results["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-            out.write_text(json.dumps(results, indent=1))
+            save()
     report(results)
     print(f"\nraw results: {out}")
     return 0
