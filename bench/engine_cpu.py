@@ -22,8 +22,8 @@ Arms (``--arms``, any of these):
   N sessions per token (one ``DynamicCache``; the sessions have equal lengths, so no padding is needed):
   the 27-token prefill, then 24 single-token forwards.
 
-Per arm: N grows through ``--sessions`` until the median tick passes ``--cap-factor`` x B; then the largest N
-within B is found by bisection between the last N within B and the first beyond it (``--no-refine`` skips).
+N grows through ``--sessions``, every arm at each N in turn (on a shared machine they see the same load), an
+arm leaving once its median tick passes ``--cap-factor`` x B; then each arm's largest N within B is found by bisection between the last N within B and the first beyond it (``--no-refine`` skips).
 The targets (capacity at B = 2 s of Metronome in the dtype ``dtype="auto"`` picks on this CPU: >= 24 sessions,
 >= 3x transformers float32, >= 1.5x transformers bfloat16; its tick at N = 8 >= 2x faster than transformers
 float32) are stated for CPUs with native bf16; elsewhere the table says how close float32 gets.
@@ -181,29 +181,44 @@ def run_point(arm, n: int, args) -> dict:
             "within_budget": median <= args.budget_ms}
 
 
-def sweep(name: str, arm, args, saved: dict, save) -> None:
-    """Fill ``saved`` (this arm's entry in the results) point by point, calling ``save`` after each."""
-    points: dict[int, dict] = {}
+class Sweep:
+    """One arm's points, kept in ``saved`` (its entry in the results) and written out after each."""
 
-    def probe(n: int) -> dict:
-        p = points[n] = run_point(arm, n, args)
-        saved.update(points=[points[k] for k in sorted(points)], capacity=None, capacity_lower_bound=None)
-        save()
-        print(f"  {name:>22}  N={n:<3d} median {p['median_ms']:8.0f} ms  "
+    def __init__(self, name: str, arm, args, saved: dict, save) -> None:
+        self.name, self.arm, self.args, self.saved, self.save = name, arm, args, saved, save
+        self.points: dict[int, dict] = {}
+        self.done = False
+
+    def probe(self, n: int) -> dict:
+        p = self.points[n] = run_point(self.arm, n, self.args)
+        self.saved.update(points=[self.points[k] for k in sorted(self.points)], capacity=None,
+                          capacity_lower_bound=None)
+        self.save()
+        print(f"  {self.name:>22}  N={n:<3d} median {p['median_ms']:8.0f} ms  "
               f"(prefill {p['prefill_ms']:.0f} + decode {p['decode_ms']:.0f})", file=sys.stderr, flush=True)
+        self.done = p["median_ms"] > self.args.cap_factor * self.args.budget_ms
         return p
 
-    for n in args.session_list:
-        if probe(n)["median_ms"] > args.cap_factor * args.budget_ms:
-            break
-    good = [n for n, p in points.items() if p["within_budget"]]
-    bad = [n for n, p in points.items() if not p["within_budget"]]
-    lo, hi = max(good, default=0), min(bad, default=None)
-    while args.refine and hi is not None and hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if probe(mid)["within_budget"] else (lo, mid)
-    saved.update(capacity=lo, capacity_lower_bound=hi is None)
-    save()
+    def finish(self) -> None:
+        """Bisect between the largest N within B and the smallest beyond it, then record the capacity."""
+        good = [n for n, p in self.points.items() if p["within_budget"]]
+        bad = [n for n, p in self.points.items() if not p["within_budget"]]
+        lo, hi = max(good, default=0), min(bad, default=None)
+        while self.args.refine and hi is not None and hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.probe(mid)["within_budget"] else (lo, mid)
+        self.saved.update(capacity=lo, capacity_lower_bound=hi is None)
+        self.save()
+
+
+def sweep(sweeps: list[Sweep], session_list: list[int]) -> None:
+    """Every arm at each N in turn, so that on a shared machine the arms see the same load side by side."""
+    for n in session_list:
+        for s in sweeps:
+            if not s.done:
+                s.probe(n)
+    for s in sweeps:
+        s.finish()
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -382,12 +397,10 @@ def main(argv=None) -> int:
                 save()
             print(json.dumps(results["profiles"], indent=1))
             return 0
-        for name in args.arm_list:
-            arm = build_arm(name, checkpoints, args)
-            sweep(name, arm, args, results["runs"].setdefault(name, {}), save)
-            del arm
-            results["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-            save()
+        sweep([Sweep(name, build_arm(name, checkpoints, args), args, results["runs"].setdefault(name, {}), save)
+               for name in args.arm_list], args.session_list)
+        results["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+        save()
     report(results)
     print(f"\nraw results: {out}")
     return 0
