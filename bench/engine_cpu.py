@@ -28,7 +28,9 @@ The targets (capacity at B = 2 s of Metronome in the dtype ``dtype="auto"`` pick
 >= 3x transformers float32, >= 1.5x transformers bfloat16; its tick at N = 8 >= 2x faster than transformers
 float32) are stated for CPUs with native bf16; elsewhere the table says how close float32 gets.
 
-torch's threads: ``--threads`` (default: every core this process may use), with ``OMP_WAIT_POLICY=PASSIVE``
+On a machine shared with other work, ``--threads 1 --clock cpu`` measures each tick in this process's CPU
+time instead of the wall clock: what the tick would take on a core of its own (memory and caches are still
+shared, so it is an estimate). torch's threads: ``--threads`` (default: every core this process may use), with ``OMP_WAIT_POLICY=PASSIVE``
 as ``metronome serve`` sets it unless the environment sets another. A busy machine distorts everything:
 the load average is recorded and a warning printed.
 """
@@ -45,7 +47,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from time import perf_counter
+from time import perf_counter, process_time
 
 from metronome.cpu import QUIET_THREAD_ENV, auto_dtype, read_capability, usable_cores
 
@@ -67,10 +69,25 @@ SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hi
 # ---------------------------------------------------------------------------------------------- arms
 @dataclass
 class Tick:
-    ms: float
+    ms: float           # wall clock, or CPU time with --clock cpu
     prefill_ms: float
     decode_ms: float
     tokens: int
+    wall_ms: float = 0.0
+    cpu_ms: float = 0.0
+
+
+def timed(tick_fn):
+    """Run one tick, recording its wall time and this process's CPU time (all its threads)."""
+    def run(self, *a):
+        w0, c0 = perf_counter(), process_time()
+        tick = tick_fn(self, *a)
+        tick.wall_ms, tick.cpu_ms = (perf_counter() - w0) * 1e3, (process_time() - c0) * 1e3
+        if self.args.clock == "cpu":   # scale the split to the CPU time
+            scale = tick.cpu_ms / tick.ms if tick.ms else 1.0
+            tick.ms, tick.prefill_ms, tick.decode_ms = tick.cpu_ms, tick.prefill_ms * scale, tick.decode_ms * scale
+        return tick
+    return run
 
 
 class MetronomeArm:
@@ -92,6 +109,7 @@ class MetronomeArm:
             self.engine.step([StepInput(s, token_ids=h[start:start + 256]) for s, h in zip(sids, histories)])
         return sids
 
+    @timed
     def tick(self, sids, chunks: list[list[int]]) -> Tick:
         from metronome import StepInput
 
@@ -132,6 +150,7 @@ class TransformersArm:
         self._forward(state, torch.tensor(histories))
         return state
 
+    @timed
     def tick(self, state, chunks: list[list[int]]) -> Tick:
         t0 = perf_counter()
         ids = torch.tensor(chunks)
@@ -175,6 +194,7 @@ def run_point(arm, n: int, args) -> dict:
         arm.close(state)
     median = statistics.median(t.ms for t in ticks)
     return {"sessions": n, "ticks_ms": [round(t.ms, 1) for t in ticks], "median_ms": round(median, 1),
+            "wall_ms": [round(t.wall_ms, 1) for t in ticks], "cpu_ms": [round(t.cpu_ms, 1) for t in ticks],
             "prefill_ms": round(statistics.median(t.prefill_ms for t in ticks), 1),
             "decode_ms": round(statistics.median(t.decode_ms for t in ticks), 1),
             "tokens_per_s": round(n * args.new_tokens / (median / 1e3), 1),
@@ -271,7 +291,8 @@ def report(results: dict) -> None:
     names = [a for a in ARMS if a in runs]
     sessions = sorted({p["sessions"] for r in runs.values() for p in r["points"]})
     by = {a: {p["sessions"]: p for p in runs[a]["points"]} for a in names}
-    print(f"\n== Median tick (ms) vs sessions N: {results['args']['chunk_tokens']} + {results['args']['new_tokens']} "
+    clock = "CPU time of one thread" if results["args"].get("clock") == "cpu" else "wall clock"
+    print(f"\n== Median tick (ms, {clock}) vs sessions N: {results['args']['chunk_tokens']} + {results['args']['new_tokens']} "
           f"tokens per session per tick after a {results['args']['history']}-token history; B = "
           f"{results['args']['budget_ms']:.0f} ms (* over B)")
     rows = [[n] + [(f"{by[a][n]['median_ms']:.0f}{'' if by[a][n]['within_budget'] else ' *'}" if n in by[a] else "-")
@@ -333,6 +354,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--chunk-tokens", type=int, default=26)
     p.add_argument("--new-tokens", type=int, default=25)
     p.add_argument("--budget-ms", type=float, default=2000.0)
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="what a tick's time is: wall clock, or this process's CPU time (on a shared machine with "
+                        "--threads 1, the time the tick would take on a core of its own)")
     p.add_argument("--cap-factor", type=float, default=1.5, help="stop an arm once its median tick passes this x B")
     p.add_argument("--no-refine", dest="refine", action="store_false", help="skip the bisection for the capacity")
     p.add_argument("--sinks", type=int, default=16)

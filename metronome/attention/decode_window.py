@@ -35,9 +35,9 @@ class DecodeRoundPlan:
     meta: PagedAttentionMetadata
     window: DecodeWindow
     append_q: torch.Tensor | None  # query rows appended (None: rows 0..n-1, all of them)
-    append_at: torch.Tensor        # their flat buffer index (row * columns + column)
-    gather_at: torch.Tensor | None  # flat buffer indices gathered from the cache this round
-    gather_slots: torch.Tensor | None  # the cache slots they come from (0, the null block, where padded)
+    append_at: torch.Tensor        # [appended * kv_heads] flat (row, head, column) index of each new key
+    gather_rows: torch.Tensor | None   # rows gathered whole from the cache this round
+    gather_slots: torch.Tensor | None  # [rows, columns] the cache slot of each column (0, the null block, padding)
     mask: torch.Tensor             # [rows, 1, 1, width] bool, True = attend
     width: int                     # columns attended
 
@@ -55,7 +55,9 @@ class DecodeWindow:
         self.scale = scale
         self.layers = {k.data_ptr(): i for i, (k, _) in enumerate(kv_caches)}
         self.device = kv_caches[0][0].device
-        self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []  # [rows_cap, cols_cap, kv_heads, head_dim]
+        self.kv_heads, self.head_dim = kv_caches[0][0].shape[2:]
+        # [rows_cap, kv_heads, cols_cap, head_dim]: head-major, the layout the CPU SDPA kernel reads fastest
+        self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.rows_cap = self.cols_cap = 0
         self.begin()
 
@@ -94,20 +96,22 @@ class DecodeWindow:
             self._grow(max(n, self.rows_cap), need)
         cols, device = self.cols_cap, self.device
 
-        gather_at = gather_slots = None
-        if fresh is not None:
-            g = torch.tensor(gather, device=device)
+        gather_rows = gather_slots = None
+        if fresh is not None:   # whole rows: the columns past the live keys read the null block (zeros)
+            gather_rows = torch.tensor(gather, device=device)
             width = fresh.token.shape[1]
-            self.tokens[g] = -1
-            self.tokens[g, :width] = torch.where(fresh.valid, fresh.token, -1)
+            self.tokens[gather_rows] = -1
+            self.tokens[gather_rows, :width] = torch.where(fresh.valid, fresh.token, -1)
             self.fill[gather] = fresh.count
-            gather_at = (g[:, None] * cols + torch.arange(width, device=device)[None, :]).flatten()
-            gather_slots = fresh.slots.flatten()
+            gather_slots = torch.zeros(len(gather), cols, dtype=torch.long, device=device)
+            gather_slots[:, :width] = fresh.slots
         append = np.setdiff1d(np.arange(n), gather, assume_unique=True)
         columns = self.fill[append]
         self.tokens[torch.from_numpy(append), torch.from_numpy(columns)] = torch.from_numpy(new_token[append])
         self.fill[append] += 1
-        append_at = torch.from_numpy(append * cols + columns).to(device)
+        heads = np.arange(self.kv_heads)
+        append_at = torch.from_numpy(((append[:, None] * self.kv_heads + heads) * cols + columns[:, None]).ravel())
+        append_at = append_at.to(device)
         append_q = None if len(append) == n else torch.from_numpy(append).to(device)
 
         width = int(self.fill.max())
@@ -116,7 +120,7 @@ class DecodeWindow:
         mask = (tokens >= 0) & (tokens <= t)
         if meta.window is not None:
             mask &= (tokens < meta.sinks) | (tokens >= t - meta.window)
-        return DecodeRoundPlan(meta, self, append_q, append_at, gather_at, gather_slots,
+        return DecodeRoundPlan(meta, self, append_q, append_at, gather_rows, gather_slots,
                                mask[:, None, None, :], width)
 
     def _arrange(self, session_ids: list[int]) -> list[int]:
@@ -156,11 +160,11 @@ class DecodeWindow:
         old_rows, old_cols = self.rows_cap, self.cols_cap
         grown = []
         for k_cache, _ in self.kv_caches:
-            shape = (rows, cols) + tuple(k_cache.shape[2:])
+            shape = (rows, self.kv_heads, cols, self.head_dim)
             grown.append(tuple(torch.zeros(shape, dtype=k_cache.dtype, device=k_cache.device) for _ in range(2)))
         for (k_new, v_new), (k_old, v_old) in zip(grown, self.buffers):
-            k_new[:old_rows, :old_cols] = k_old
-            v_new[:old_rows, :old_cols] = v_old
+            k_new[:old_rows, :, :old_cols] = k_old
+            v_new[:old_rows, :, :old_cols] = v_old
         self.buffers, self.rows_cap, self.cols_cap = grown, rows, cols
         tokens = torch.full((len(self.ids), cols), -1, dtype=torch.long, device=self.device)
         if old_cols:
@@ -173,18 +177,18 @@ class DecodeWindow:
         """Write the round's K/V to the cache and the buffers, then attend: ``query`` [n, heads, head_dim]."""
         write_kv(key, value, k_cache, v_cache, plan.meta.slot_mapping)
         k_buf, v_buf = self.buffers[self.layers[k_cache.data_ptr()]]
-        kv_heads, head_dim = k_buf.shape[2:]
-        k_flat, v_flat = k_buf.view(-1, kv_heads, head_dim), v_buf.view(-1, kv_heads, head_dim)
+        kv_heads, head_dim = self.kv_heads, self.head_dim
         if plan.append_q is not None:
             key, value = key.index_select(0, plan.append_q), value.index_select(0, plan.append_q)
-        k_flat.index_copy_(0, plan.append_at, key.to(k_buf.dtype))
-        v_flat.index_copy_(0, plan.append_at, value.to(v_buf.dtype))
-        if plan.gather_at is not None:
-            k_flat.index_copy_(0, plan.gather_at, k_cache.view(-1, kv_heads, head_dim).index_select(0, plan.gather_slots))
-            v_flat.index_copy_(0, plan.gather_at, v_cache.view(-1, kv_heads, head_dim).index_select(0, plan.gather_slots))
+        k_buf.view(-1, head_dim).index_copy_(0, plan.append_at, key.reshape(-1, head_dim).to(k_buf.dtype))
+        v_buf.view(-1, head_dim).index_copy_(0, plan.append_at, value.reshape(-1, head_dim).to(v_buf.dtype))
+        if plan.gather_rows is not None:
+            rows, slots = plan.gather_slots.shape
+            for buf, cache in ((k_buf, k_cache), (v_buf, v_cache)):
+                gathered = cache.view(-1, kv_heads, head_dim).index_select(0, plan.gather_slots.flatten())
+                buf.index_copy_(0, plan.gather_rows, gathered.view(rows, slots, kv_heads, head_dim).transpose(1, 2))
         n = query.shape[0]
-        k = k_buf[:n, :plan.width].transpose(1, 2)
-        v = v_buf[:n, :plan.width].transpose(1, 2)
+        k, v = k_buf[:n, :, :plan.width], v_buf[:n, :, :plan.width]
         o = F.scaled_dot_product_attention(query.unsqueeze(2), k.to(query.dtype), v.to(query.dtype),
                                            attn_mask=plan.mask, scale=self.scale,
                                            enable_gqa=kv_heads != query.shape[1])
