@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from metronome.cpu import auto_dtype
 from metronome.errors import ConfigError
 
 # The paper's frame period B: the default of every adapter whose model does not fix its own
@@ -73,12 +74,14 @@ class EngineConfig:
     ``model`` is ``"smollm2-135m"`` (the packaged default) or a Hugging Face checkpoint directory.
     ``num_blocks=None`` sizes the KV pool from free memory (``kv_memory_fraction`` of it).
     ``max_chunk_tokens`` bounds one session's new input per step; it enters the reservation formula.
+    ``dtype="auto"`` becomes bfloat16 on a CPU that executes it natively (AMX or AVX512-BF16), float32
+    elsewhere (``metronome.cpu.auto_dtype``); the config always holds the resolved name.
     """
 
     model: str = "smollm2-135m"
     policy: KVPolicy = field(default_factory=KVPolicy)
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"
     num_blocks: int | None = None
     max_chunk_tokens: int = 256
     max_batch_tokens: int = 8192
@@ -88,8 +91,10 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.dtype == "auto":
+            object.__setattr__(self, "dtype", auto_dtype(self.device))
         if self.dtype not in ("float32", "float16", "bfloat16"):
-            raise ConfigError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+            raise ConfigError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ConfigError(f"num_blocks must be >= 2 (one is the null block), got {self.num_blocks}")
         if self.max_chunk_tokens < 1:

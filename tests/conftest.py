@@ -85,3 +85,16 @@ def chat_checkpoint(tmp_path_factory) -> str:
     make_checkpoint(path, "llama", vocab_size=CHAT_VOCAB, max_position_embeddings=2048)
     save_smollm2_tokenizer(path)
     return str(path)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def float32_unless_asked():
+    """``EngineConfig(dtype="auto")`` is float32 in tests whatever the CPU (on one with native bf16 it would be
+    bfloat16): the oracles compare in float32. Tests of the choice itself fake the capability they need."""
+    import metronome.config
+    from metronome.cpu import CpuCapability, auto_dtype
+
+    no_bf16 = CpuCapability("a CPU without native bf16", frozenset({"avx2"}), cores=1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(metronome.config, "auto_dtype", lambda device, capability=None: auto_dtype(device, no_bf16))
+        yield

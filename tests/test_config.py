@@ -24,3 +24,37 @@ def test_bad_policies_are_refused_with_a_clear_error(kwargs):
 def test_bad_engine_configs_are_refused(kwargs):
     with pytest.raises(ConfigError):
         EngineConfig(**kwargs)
+
+
+AMX = "flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+AVX2 = "flags\t\t: fpu sse2 avx avx2 fma\n"
+
+
+@pytest.mark.parametrize("flags,device,dtype", [
+    (AMX, "cpu", "bfloat16"), (AVX2, "cpu", "float32"),
+    ("flags\t\t: avx2 avx512f avx512_bf16\n", "cpu", "bfloat16"),   # AVX512-BF16 without AMX (AMD Zen 4)
+    (AMX, "cuda", "float32"),                                        # other devices: float32 unless asked
+])
+def test_auto_dtype_is_bf16_only_where_the_cpu_runs_it_natively(monkeypatch, tmp_path, flags, device, dtype):
+    import metronome.config
+    import metronome.cpu as cpu
+
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"processor\t: 0\nmodel name\t: Some CPU\n{flags}\nprocessor\t: 1\n")
+    real = cpu.read_capability
+    monkeypatch.setattr(cpu, "read_capability", lambda cpuinfo=str(info): real(cpuinfo))
+    monkeypatch.setattr(metronome.config, "auto_dtype", cpu.auto_dtype)   # undo the tests' float32 default
+    assert EngineConfig(device=device).dtype == dtype
+    assert EngineConfig(device=device, dtype="auto").dtype == dtype
+    for explicit in ("float32", "bfloat16"):                          # an explicit dtype always wins
+        assert EngineConfig(device=device, dtype=explicit).dtype == explicit
+
+
+def test_the_capability_line_names_the_cpu_and_its_bf16(tmp_path):
+    from metronome.cpu import read_capability
+
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum\n{AMX}")
+    line = read_capability(str(info)).describe()
+    assert "Intel(R) Xeon(R) Platinum" in line and "AMX-BF16" in line and "native bf16" in line
+    assert "no native bf16" in read_capability(str(tmp_path / "missing")).describe()

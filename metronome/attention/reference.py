@@ -60,16 +60,37 @@ def _group_rows(meta: PagedAttentionMetadata, num_heads: int) -> list[list[int]]
     return groups
 
 
-def _plan_group(meta: PagedAttentionMetadata, rows: list[int]) -> AttentionGroup:
+@dataclass(frozen=True)
+class LiveKeys:
+    """The keys sequences ``rows`` attend to in this forward, sinks then window, padded to ``[G, Kmax]``."""
+
+    token: torch.Tensor  # logical token index of each key (0 where padded)
+    slots: torch.Tensor  # its flat cache slot (0, the null block, where padded)
+    valid: torch.Tensor  # bool
+    count: list[int]     # keys per row
+
+
+def live_keys(meta: PagedAttentionMetadata, rows: list[int]) -> LiveKeys:
     device = meta.query_start.device
     spans = [_live_key_span(meta, b) for b in rows]
-    qmax = max(meta.query_lens[b] for b in rows)
     kmax = max(n for _, _, n in spans)
     row_t = torch.tensor(rows, device=device)
-    qlen = torch.tensor([meta.query_lens[b] for b in rows], device=device)
     n_sink = torch.tensor([s[0] for s in spans], device=device)
     w_start = torch.tensor([s[1] for s in spans], device=device)
     n_keys = torch.tensor([s[2] for s in spans], device=device)
+    kpos = torch.arange(kmax, device=device)[None, :]
+    k_valid = kpos < n_keys[:, None]
+    k_token = torch.where(kpos < n_sink[:, None], kpos, w_start[:, None] + kpos - n_sink[:, None])
+    k_token = torch.where(k_valid, k_token, 0)
+    k_slots = torch.where(k_valid, token_slots(meta, row_t, k_token), 0)
+    return LiveKeys(k_token, k_slots, k_valid, [s[2] for s in spans])
+
+
+def _plan_group(meta: PagedAttentionMetadata, rows: list[int]) -> AttentionGroup:
+    device = meta.query_start.device
+    qmax = max(meta.query_lens[b] for b in rows)
+    row_t = torch.tensor(rows, device=device)
+    qlen = torch.tensor([meta.query_lens[b] for b in rows], device=device)
     first_query = meta.context_lens_t[row_t] - qlen
 
     qpos = torch.arange(qmax, device=device)
@@ -77,11 +98,8 @@ def _plan_group(meta: PagedAttentionMetadata, rows: list[int]) -> AttentionGroup
     q_index = torch.where(q_valid, meta.query_start[row_t][:, None] + qpos[None, :], 0)
     q_token = first_query[:, None] + qpos[None, :]
 
-    kpos = torch.arange(kmax, device=device)[None, :]
-    k_valid = kpos < n_keys[:, None]
-    k_token = torch.where(kpos < n_sink[:, None], kpos, w_start[:, None] + kpos - n_sink[:, None])
-    k_token = torch.where(k_valid, k_token, 0)
-    k_slots = torch.where(k_valid, token_slots(meta, row_t, k_token), 0)
+    keys = live_keys(meta, rows)
+    k_valid, k_token, k_slots = keys.valid, keys.token, keys.slots
 
     kt, qt = k_token[:, None, :], q_token[:, :, None]
     mask = k_valid[:, None, :] & (kt <= qt)

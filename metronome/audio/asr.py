@@ -20,7 +20,6 @@ Typical use (model load is ~1 s; keep one instance per process)::
 from __future__ import annotations
 
 import importlib.util
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from metronome.audio.pcm import resample
+from metronome.cpu import ThreadPlan
 
 SAMPLE_RATE = 16000
 MAX_UTTERANCE_S = 30.0          # Whisper's input window; longer clips would be truncated
@@ -66,7 +66,8 @@ class WhisperAsr:
     """Whisper tiny.en on CPU through faster-whisper / CTranslate2.
 
     ``compute_type``: ``"int8"`` (default; weights quantised at load, fastest on CPU) or ``"float32"``.
-    ``cpu_threads``: CTranslate2 intra-op threads (0: ``min(4, os.cpu_count())``).
+    ``cpu_threads``: CTranslate2 intra-op threads (0: the ASR's share in this process's thread plan,
+    ``metronome.cpu.ThreadPlan``, so Whisper and the engine's torch threads do not take each other's cores).
     ``batch_size``: most utterances decoded in one model call (more are split into several calls).
     """
 
@@ -77,7 +78,7 @@ class WhisperAsr:
         except ImportError as e:  # pragma: no cover - depends on the environment
             raise RuntimeError("speech recognition needs the `faster-whisper` package (pip install faster-whisper)") from e
         self.model_dir = Path(model_dir) if model_dir is not None else whisper_model_dir()
-        threads = cpu_threads or min(4, os.cpu_count() or 1)
+        threads = cpu_threads or ThreadPlan.for_this_process(speech=True).asr
         t0 = time.perf_counter()
         # A local directory never touches the hub; local_files_only guards against a typo'd path being
         # taken for a hub model name.

@@ -23,6 +23,7 @@ from importlib import resources
 
 from metronome import Engine, EngineConfig, KVPolicy, SamplingParams, StepInput
 from metronome.cli.help import HelpFormatter
+from metronome.cpu import ThreadPlan, startup_line, usable_cores
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -60,6 +61,9 @@ def _prompt(tokenizer, question: str) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     if args.sessions < 1 or args.tokens_per_tick < 1:
         raise SystemExit("--sessions and --tokens-per-tick must be >= 1")
+    plan = ThreadPlan.for_box(usable_cores(), speech=args.speech)
+    plan.apply_to_torch()
+    print(startup_line(args.device, "auto", plan), flush=True)
     if args.speech:
         return asyncio.run(run_speech(args))
     print(f"loading {args.model} on {args.device} (the first run converts the packaged model once)...", flush=True)

@@ -16,13 +16,12 @@ import os
 import sys
 from importlib.metadata import version
 
-# gRPC's C core logs connection teardown (GOAWAY) on stderr at shutdown; errors still show.
-os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-
-from metronome.cli import bench, client, demo, serving  # noqa: E402  (after the gRPC setting)
+from metronome.cpu import quiet_thread_env
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from metronome.cli import bench, client, demo, serving   # they load torch: after main() set its threads' env
+
     parser = argparse.ArgumentParser(prog="metronome", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {version('metronome')}")
@@ -36,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")   # gRPC's C core logs connection teardown at shutdown
+    quiet_thread_env(os.environ)   # idle OpenMP threads sleep (read when torch loads; workers inherit it)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -21,9 +21,11 @@ import asyncio
 import logging
 import os
 import sys
+from dataclasses import replace
 
 from metronome.audio.registry import ADAPTERS, resolve_adapter
 from metronome.config import AimdConfig, EngineConfig, GatewayConfig, KVPolicy
+from metronome.cpu import PLAN_ENV, ThreadPlan, startup_line, usable_cores
 from metronome.serving.auth import API_KEY_ENV, TOKEN_ENV, new_token, read_secret
 
 log = logging.getLogger(__name__)
@@ -37,12 +39,14 @@ def _policy(args: argparse.Namespace) -> KVPolicy:
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="packaged model name or HF checkpoint directory")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="auto: bfloat16 on a CPU that runs it natively (AMX, AVX512-BF16), else float32")
     p.add_argument("--sinks", type=int, default=16, help="pinned attention-sink tokens (S)")
     p.add_argument("--window", type=int, default=1024, help="KV window in tokens (W); 0 = unbounded baseline")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None, help="KV pool size (default: from free memory)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: the engine's share of the cores in the thread plan)")
     p.add_argument("--adapter", default="auto", choices=["auto", *ADAPTERS],
                    help="audio front end. 'auto' (default): the omni model's own audio path for an omni "
                         "checkpoint (by config.json's model_type), else 'cascade'; "
@@ -126,13 +130,14 @@ def _resolve(args: argparse.Namespace) -> None:
 
 
 def run_worker_cmd(args: argparse.Namespace) -> int:
-    import torch
-
     _resolve(args)
     from metronome.serving.worker import WorkerConfig, run_worker
 
+    plan = ThreadPlan.for_this_process(speech=args.adapter == "cascade")
     if args.threads:
-        torch.set_num_threads(args.threads)
+        plan = replace(plan, worker=args.threads)
+    plan.apply_to_torch()
+    log.info("%s", startup_line(args.device, args.dtype, plan))
     engine = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, policy=_policy(args),
                           num_blocks=args.num_blocks)
     run_worker(WorkerConfig(engine, budget_ms=args.budget_ms, adapter=args.adapter, host=args.host, port=args.port,
@@ -159,7 +164,9 @@ def run_serve(args: argparse.Namespace) -> int:
         raise SystemExit("--workers must be >= 1")
     _resolve(args)
     api_key = _api_key(args)   # read now: a missing key file stops serve before any worker starts
-    threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)
+    plan = ThreadPlan.for_box(usable_cores(), speech=args.adapter == "cascade", workers=args.workers)
+    threads = args.threads or plan.worker
+    print(startup_line(args.device, args.dtype, plan), flush=True)
     commands = {}
     for i in range(args.workers):
         port = args.worker_port + i
@@ -173,7 +180,7 @@ def run_serve(args: argparse.Namespace) -> int:
             cmd += ["--num-blocks", str(args.num_blocks)]
         commands[f"127.0.0.1:{port}"] = cmd
     token = new_token()   # only this run's gateway can open sessions on its workers
-    supervisor = WorkerSupervisor(commands, worker_env(token), token)
+    supervisor = WorkerSupervisor(commands, {**worker_env(token), PLAN_ENV: plan.to_env()}, token)
     supervisor.start()
     try:
         print(f"starting {args.workers} worker(s) with {args.model}, adapter {args.adapter} "

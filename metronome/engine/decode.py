@@ -156,11 +156,17 @@ def decode(engine, works: list[Work]) -> int:
     """Sample the first token from each session's last hidden state, then decode in shared rounds."""
     active = [w for w in works if w.remaining > 0 and w.first_hidden is not None
               and w.session.status is SessionStatus.ACTIVE]
-    if active and pipelinable(engine, active):
-        return decode_pipelined(engine, active)
-    if active:
-        logits = engine.runner.compute_logits(torch.stack([w.first_hidden for w in active]))
-        emit(engine, active, logits)
+    with engine.runner.decode_rounds():
+        if active and pipelinable(engine, active):
+            return decode_pipelined(engine, active)
+        if active:
+            logits = engine.runner.compute_logits(torch.stack([w.first_hidden for w in active]))
+            emit(engine, active, logits)
+        return host_rounds(engine, works)
+
+
+def host_rounds(engine, works: list[Work]) -> int:
+    """Rounds that sample on the host: each round's tokens are fed to the next."""
     rounds = 0
     while True:
         active = [w for w in works if w.remaining > 0 and w.session.status is SessionStatus.ACTIVE]

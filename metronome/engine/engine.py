@@ -23,6 +23,7 @@ from typing import Sequence
 import torch
 
 from metronome.config import EngineConfig
+from metronome.cpu import read_capability
 from metronome.engine.blocks import BlockPool
 from metronome.engine.decode import Work, decode
 from metronome.engine.request import ForwardPlan, ForwardSegment, StepInput, StepOutput
@@ -110,9 +111,15 @@ class Engine:
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.last_timing = StepTiming(0.0, 0.0, 0, 0)
         self.closed = False
-        log.info("engine ready: %s, %d KV blocks of %d tokens, %d blocks per session, capacity %d sessions",
-                 self.checkpoint, num_blocks - 1, policy.block_size, self.scheduler.session_blocks,
-                 self.scheduler.capacity)
+        log.info("engine ready: %s in %s on %s, %d KV blocks of %d tokens, %d blocks per session, capacity %d "
+                 "sessions", self.checkpoint, config.dtype, self._device_line(), num_blocks - 1, policy.block_size,
+                 self.scheduler.session_blocks, self.scheduler.capacity)
+
+    def _device_line(self) -> str:
+        """The device as the log names it; on the CPU what it runs natively (the reason for ``dtype="auto"``)."""
+        if self.device.type != "cpu":
+            return str(self.device)
+        return f"cpu ({read_capability().describe()}, {torch.get_num_threads()} torch threads)"
 
     def _blocks_from_memory(self, block_bytes: int) -> int:
         budget = int(available_memory_bytes(self.device) * self.config.kv_memory_fraction)

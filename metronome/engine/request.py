@@ -121,6 +121,7 @@ class RebasePlan:
     slots: np.ndarray            # [K] int64 flat cache slots
     rows: np.ndarray             # [K] int32 index into deltas
     deltas: tuple[int, ...]      # one negative shift per moving session
+    sessions: tuple[int, ...] = ()  # the moving sessions' ids, one per delta
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,12 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+from contextlib import contextmanager
 
 import numpy as np
 import torch
 
+from metronome.attention.decode_window import DecodeWindow
 from metronome.attention.metadata import PagedAttentionMetadata
 from metronome.attention.reference import TorchPagedAttention
 from metronome.config import EngineConfig
@@ -88,6 +90,10 @@ class ModelRunner:
             self.attention = TritonPagedAttention(self.spec.num_heads, num_kv_heads=self.spec.num_kv_heads)
         else:
             self.attention = TorchPagedAttention(self.spec.num_heads)
+        # Torch attention only: decode rounds attend over keys gathered once per step (see decode_rounds).
+        self.decode_window = DecodeWindow(self.kv_caches, self.spec.num_heads) \
+            if isinstance(self.attention, TorchPagedAttention) else None
+        self._in_rounds = False
         if self.device.type == "cuda":
             self._warm_up_kernels()
 
@@ -189,8 +195,26 @@ class ModelRunner:
         else:
             embeds = self._inputs_embeds(segments)
         meta, positions = self._metadata(segments)
+        if self._in_rounds and all(q == 1 for q in meta.query_lens):
+            plan = self.decode_window.plan_round(meta, [s.session.session_id for s in segments])
+            return self.model(embeds, positions, self.kv_caches, self.decode_window, plan)
         plan = self.attention.prepare(meta)
         return self.model(embeds, positions, self.kv_caches, self.attention, plan)
+
+    @contextmanager
+    def decode_rounds(self):
+        """One step's decode rounds. With torch attention their keys are gathered from the paged cache once,
+        in the first round, and each later round appends to that copy (``DecodeWindow``)."""
+        if self.decode_window is None:
+            yield
+            return
+        self.decode_window.begin()
+        self._in_rounds = True
+        try:
+            yield
+        finally:
+            self._in_rounds = False
+            self.decode_window.begin()
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -201,6 +225,8 @@ class ModelRunner:
         """Apply the plan's rebase, run its segments and return their hidden states and each last row."""
         if plan.rebase is not None:
             self.rebase(plan.rebase)
+            if self._in_rounds:
+                self.decode_window.mark_moved(plan.rebase.sessions)
         if plan.empty:
             return ForwardResult(torch.empty(0), ())
         hidden = self.forward(list(plan.segments), input_ids)
@@ -251,4 +277,7 @@ class ModelRunner:
         self.graphs = None
         self.kv_caches = []
         self.attention = None
+        if self.decode_window is not None:
+            self.decode_window.release()
+            self.decode_window = None
         self.model = None

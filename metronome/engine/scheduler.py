@@ -227,7 +227,7 @@ class Scheduler:
     def _schedule_rebase(self, segments: list[ForwardSegment]) -> RebasePlan | None:
         """Move each rebasing session's attendable window keys back by its delta: the keys' slots for the
         runner to re-rotate by ``R(-delta)``, and the session's new position base."""
-        spans, deltas, moves = [], [], []
+        spans, deltas, moves, moving = [], [], [], []
         for seg in segments:
             session = seg.session
             delta = self.rebase_delta(session)
@@ -238,10 +238,11 @@ class Scheduler:
             if lo < session.num_tokens:
                 spans.append((session, lo, session.num_tokens))
                 deltas.append(-delta)
+                moving.append(session.session_id)
         plan = None
         if spans:
             slots, rows = window_slots(spans, self.policy.block_size)
-            plan = RebasePlan(slots, rows, tuple(deltas))
+            plan = RebasePlan(slots, rows, tuple(deltas), tuple(moving))
         for session, delta in moves:
             session.position_base += delta
         return plan

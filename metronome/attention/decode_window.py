@@ -1,0 +1,195 @@
+"""Decode rounds over a dense copy of each session's live keys, gathered once per step (the CPU path).
+
+The reference gathers every decoding session's sink + window keys out of the paged cache in every
+layer of every round; on a CPU that copy costs more than the attention it feeds. A ``DecodeWindow``
+copies them once, in the step's first decode round, into per-layer dense buffers with room to grow.
+Each later round appends its one new key/value per session and attends with one SDPA call per layer
+over all sessions, with a token-granular mask (the window slides one token a round; keys behind it
+stay in the buffer, masked). The paged cache stays the truth and is written every round too.
+
+A session is gathered again when it joins, when its keys moved in the cache (a rebase re-rotated them)
+or when its buffer row is full (the fresh gather drops the keys behind the window); sessions that
+leave are dropped by compacting the rows. The buffers stay allocated between steps, zero-initialised
+once, so padding is always finite and a freed block is never read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from metronome.attention.metadata import PagedAttentionMetadata, write_kv
+from metronome.attention.reference import live_keys
+
+# Spare columns per row beyond the longest gathered row: rounds append into them.
+SPARE_COLUMNS = 32
+
+
+@dataclass(frozen=True)
+class DecodeRoundPlan:
+    """One decode round: where each new key goes in the buffers, which rows are (re)gathered, the mask."""
+
+    meta: PagedAttentionMetadata
+    window: DecodeWindow
+    append_q: torch.Tensor | None  # query rows appended (None: rows 0..n-1, all of them)
+    append_at: torch.Tensor        # [appended * kv_heads] flat (row, head, column) index of each new key
+    gather_rows: torch.Tensor | None   # rows gathered whole from the cache this round
+    gather_slots: torch.Tensor | None  # [rows, columns] the cache slot of each column (0, the null block, padding)
+    mask: torch.Tensor             # [rows, 1, 1, width] bool, True = attend
+    width: int                     # columns attended
+
+
+class DecodeWindow:
+    """Per-layer dense K/V rows for the sessions of one step's decode rounds, in the rounds' order. It is
+    the attention backend of those rounds (same call as ``TorchPagedAttention``, with a ``DecodeRoundPlan``)."""
+
+    name = "torch-decode-window"
+
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_heads: int,
+                 scale: float | None = None) -> None:
+        self.kv_caches = kv_caches
+        self.num_heads = num_heads
+        self.scale = scale
+        self.layers = {k.data_ptr(): i for i, (k, _) in enumerate(kv_caches)}
+        self.device = kv_caches[0][0].device
+        self.kv_heads, self.head_dim = kv_caches[0][0].shape[2:]
+        # [rows_cap, kv_heads, cols_cap, head_dim]: head-major, the layout the CPU SDPA kernel reads fastest
+        self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.rows_cap = self.cols_cap = 0
+        self.begin()
+
+    # ------------------------------------------------------------------ per step
+    def begin(self) -> None:
+        """A new step: no session has rows yet (the buffers' storage is kept)."""
+        self.ids: list[int] = []
+        self.fill = np.zeros(0, dtype=np.int64)     # columns used per row
+        # [rows, cols_cap]: the logical token in each buffer column, -1 where empty
+        self.tokens = torch.empty(0, self.cols_cap, dtype=torch.long, device=self.device)
+        self.moved: set[int] = set()
+
+    def mark_moved(self, session_ids) -> None:
+        """These sessions' keys were re-rotated in the cache: gather them again next round."""
+        self.moved.update(session_ids)
+
+    def release(self) -> None:
+        """Drop the buffers and the cache references (the engine is closing)."""
+        self.buffers, self.rows_cap, self.cols_cap = [], 0, 0
+        self.kv_caches, self.layers = [], {}
+        self.begin()
+
+    # ------------------------------------------------------------------ planning (host side, once a round)
+    def plan_round(self, meta: PagedAttentionMetadata, session_ids: list[int]) -> DecodeRoundPlan:
+        """Plan a round of one new token per session (``meta``'s sequences, in ``session_ids`` order)."""
+        if any(q != 1 for q in meta.query_lens):
+            raise ValueError("a decode round has one query token per session")
+        n = len(session_ids)
+        gather = self._arrange(session_ids)
+        new_token = np.asarray(meta.context_lens, dtype=np.int64) - 1
+        full = np.flatnonzero(self.fill >= self.cols_cap)
+        gather = sorted(set(gather) | set(full.tolist()))
+        fresh = live_keys(meta, gather) if gather else None
+        need = max([self.cols_cap] + ([fresh.token.shape[1] + SPARE_COLUMNS] if fresh else []))
+        if n > self.rows_cap or need > self.cols_cap:
+            self._grow(max(n, self.rows_cap), need)
+        cols, device = self.cols_cap, self.device
+
+        gather_rows = gather_slots = None
+        if fresh is not None:   # whole rows: the columns past the live keys read the null block (zeros)
+            gather_rows = torch.tensor(gather, device=device)
+            width = fresh.token.shape[1]
+            self.tokens[gather_rows] = -1
+            self.tokens[gather_rows, :width] = torch.where(fresh.valid, fresh.token, -1)
+            self.fill[gather] = fresh.count
+            gather_slots = torch.zeros(len(gather), cols, dtype=torch.long, device=device)
+            gather_slots[:, :width] = fresh.slots
+        append = np.setdiff1d(np.arange(n), gather, assume_unique=True)
+        columns = self.fill[append]
+        self.tokens[torch.from_numpy(append), torch.from_numpy(columns)] = torch.from_numpy(new_token[append])
+        self.fill[append] += 1
+        heads = np.arange(self.kv_heads)
+        append_at = torch.from_numpy(((append[:, None] * self.kv_heads + heads) * cols + columns[:, None]).ravel())
+        append_at = append_at.to(device)
+        append_q = None if len(append) == n else torch.from_numpy(append).to(device)
+
+        width = int(self.fill.max())
+        tokens = self.tokens[:n, :width]
+        t = torch.from_numpy(new_token).to(device)[:, None]
+        mask = (tokens >= 0) & (tokens <= t)
+        if meta.window is not None:
+            mask &= (tokens < meta.sinks) | (tokens >= t - meta.window)
+        return DecodeRoundPlan(meta, self, append_q, append_at, gather_rows, gather_slots,
+                               mask[:, None, None, :], width)
+
+    def _arrange(self, session_ids: list[int]) -> list[int]:
+        """Put the rows in ``session_ids`` order (compacting away sessions that left); returns the new rows
+        to gather (sessions that joined or whose keys moved)."""
+        if session_ids == self.ids:
+            moved = [i for i, sid in enumerate(session_ids) if sid in self.moved]
+            self.moved.clear()
+            return moved
+        if len(session_ids) > self.rows_cap:
+            self._grow(len(session_ids), self.cols_cap)
+        where = {sid: i for i, sid in enumerate(self.ids)}
+        source = [where.get(sid, -1) for sid in session_ids]
+        kept = [i for i, s in enumerate(source) if s >= 0]
+        origin = [source[i] for i in kept]
+        if origin != kept:
+            self._move_rows(origin, kept)
+        fill = np.zeros(len(session_ids), dtype=np.int64)
+        fill[kept] = self.fill[origin]
+        tokens = torch.full((len(session_ids), self.cols_cap), -1, dtype=torch.long, device=self.device)
+        if kept:
+            tokens[kept] = self.tokens[origin]
+        self.ids, self.fill, self.tokens = list(session_ids), fill, tokens
+        gather = [i for i, (sid, s) in enumerate(zip(session_ids, source)) if s < 0 or sid in self.moved]
+        self.moved.clear()
+        return gather
+
+    def _move_rows(self, source: list[int], dest: list[int]) -> None:
+        """Copy buffer rows ``source`` to rows ``dest`` in every layer (through a copy: they may overlap)."""
+        src, dst = torch.tensor(source, device=self.device), torch.tensor(dest, device=self.device)
+        for k, v in self.buffers:
+            k.index_copy_(0, dst, k.index_select(0, src))
+            v.index_copy_(0, dst, v.index_select(0, src))
+
+    def _grow(self, rows: int, cols: int) -> None:
+        """Larger zeroed buffers holding what the current ones hold."""
+        old_rows, old_cols = self.rows_cap, self.cols_cap
+        grown = []
+        for k_cache, _ in self.kv_caches:
+            shape = (rows, self.kv_heads, cols, self.head_dim)
+            grown.append(tuple(torch.zeros(shape, dtype=k_cache.dtype, device=k_cache.device) for _ in range(2)))
+        for (k_new, v_new), (k_old, v_old) in zip(grown, self.buffers):
+            k_new[:old_rows, :, :old_cols] = k_old
+            v_new[:old_rows, :, :old_cols] = v_old
+        self.buffers, self.rows_cap, self.cols_cap = grown, rows, cols
+        tokens = torch.full((len(self.ids), cols), -1, dtype=torch.long, device=self.device)
+        if old_cols:
+            tokens[:, :old_cols] = self.tokens
+        self.tokens = tokens
+
+    # ------------------------------------------------------------------ per layer
+    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, plan: DecodeRoundPlan) -> torch.Tensor:
+        """Write the round's K/V to the cache and the buffers, then attend: ``query`` [n, heads, head_dim]."""
+        write_kv(key, value, k_cache, v_cache, plan.meta.slot_mapping)
+        k_buf, v_buf = self.buffers[self.layers[k_cache.data_ptr()]]
+        kv_heads, head_dim = self.kv_heads, self.head_dim
+        if plan.append_q is not None:
+            key, value = key.index_select(0, plan.append_q), value.index_select(0, plan.append_q)
+        k_buf.view(-1, head_dim).index_copy_(0, plan.append_at, key.reshape(-1, head_dim).to(k_buf.dtype))
+        v_buf.view(-1, head_dim).index_copy_(0, plan.append_at, value.reshape(-1, head_dim).to(v_buf.dtype))
+        if plan.gather_rows is not None:
+            rows, slots = plan.gather_slots.shape
+            for buf, cache in ((k_buf, k_cache), (v_buf, v_cache)):
+                gathered = cache.view(-1, kv_heads, head_dim).index_select(0, plan.gather_slots.flatten())
+                buf.index_copy_(0, plan.gather_rows, gathered.view(rows, slots, kv_heads, head_dim).transpose(1, 2))
+        n = query.shape[0]
+        k, v = k_buf[:n, :, :plan.width], v_buf[:n, :, :plan.width]
+        o = F.scaled_dot_product_attention(query.unsqueeze(2), k.to(query.dtype), v.to(query.dtype),
+                                           attn_mask=plan.mask, scale=self.scale,
+                                           enable_gqa=kv_heads != query.shape[1])
+        return o.squeeze(2)

@@ -1,0 +1,180 @@
+"""Decode rounds over the step's gathered window against a float64 dense masked softmax, round by round.
+
+A small paged cache is driven the way the engine drives it: every round each session appends one token
+(a new block when it needs one), blocks behind the window are freed and filled with NaN (as if another
+session had taken them), sessions leave and join between rounds and one session's keys are re-rotated
+in the cache (a rebase). Every round's output must equal the oracle over that session's whole history.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import metronome.attention.decode_window as dw
+from metronome.attention.decode_window import DecodeWindow
+from metronome.attention.metadata import PagedAttentionMetadata
+from tests.attention.test_reference import dense_oracle
+
+HEADS, KV_HEADS, DIM = 4, 2, 16
+
+
+class PagedSim:
+    """Sessions' keys/values in token order (the truth) and in a paged cache of ``layers`` layers."""
+
+    def __init__(self, sinks, window, block_size, layers=2, num_blocks=400, seed=0):
+        self.sinks, self.window, self.bs = sinks, window, block_size
+        self.sink_blocks = -(-sinks // block_size) if window is not None else 0
+        self.gen = torch.Generator().manual_seed(seed)
+        self.caches = []
+        for _ in range(layers):
+            k = torch.full((num_blocks, block_size, KV_HEADS, DIM), float("nan"), dtype=torch.float64)
+            v = torch.full_like(k, float("nan"))
+            k[0], v[0] = 0, 0  # the null block
+            self.caches.append((k, v))
+        self.free = list(range(1, num_blocks))
+        random.Random(seed).shuffle(self.free)
+        self.truth: dict[int, list[list[torch.Tensor]]] = {}   # sid -> per layer [keys, values]
+        self.blocks: dict[int, dict[int, int]] = {}            # sid -> logical -> physical
+
+    def live(self, sid):
+        return sorted(self.blocks[sid])
+
+    def table_row(self, sid):
+        return [self.blocks[sid][b] for b in self.live(sid)]
+
+    def window_first(self, sid):
+        window = [b for b in self.live(sid) if b >= self.sink_blocks]
+        return window[0] if window else self.sink_blocks
+
+    def length(self, sid):
+        return self.truth[sid][0][0].shape[0] if sid in self.truth else 0
+
+    def slot(self, sid, token):
+        return self.blocks[sid][token // self.bs] * self.bs + token % self.bs
+
+    def grow(self, sid, n):
+        """Append ``n`` tokens: their blocks, their K/V in the truth; returns per layer (keys, values) [n, ...]."""
+        self.blocks.setdefault(sid, {})
+        start = self.length(sid)
+        for t in range(start, start + n):
+            if t // self.bs not in self.blocks[sid]:
+                self.blocks[sid][t // self.bs] = self.free.pop()
+        new = [(torch.randn(n, KV_HEADS, DIM, generator=self.gen, dtype=torch.float64),
+                torch.randn(n, KV_HEADS, DIM, generator=self.gen, dtype=torch.float64)) for _ in self.caches]
+        if sid not in self.truth:
+            self.truth[sid] = [[k, v] for k, v in new]
+        else:
+            for pair, (k, v) in zip(self.truth[sid], new):
+                pair[0], pair[1] = torch.cat([pair[0], k]), torch.cat([pair[1], v])
+        return new
+
+    def write(self, sid, start, new):
+        for (k_cache, v_cache), (k, v) in zip(self.caches, new):
+            for i in range(k.shape[0]):
+                s = self.slot(sid, start + i)
+                k_cache.view(-1, KV_HEADS, DIM)[s] = k[i]
+                v_cache.view(-1, KV_HEADS, DIM)[s] = v[i]
+
+    def release_behind_window(self, sid):
+        if self.window is None:
+            return
+        below = max(0, (self.length(sid) - self.window) // self.bs)
+        for b in [b for b in self.live(sid) if self.sink_blocks <= b < below]:
+            physical = self.blocks[sid].pop(b)
+            for k, v in self.caches:
+                k[physical], v[physical] = float("nan"), float("nan")   # another session's garbage
+            self.free.append(physical)
+
+    def prefill(self, sid, n):
+        start = self.length(sid)
+        self.write(sid, start, self.grow(sid, n))
+        self.release_behind_window(sid)
+
+    def rotate(self, sid):
+        """A rebase stand-in: change the session's live window keys in the truth and the cache alike."""
+        keys = [pair[0] for pair in self.truth[sid]]
+        first = max(self.sinks, self.length(sid) - self.window) if self.window is not None else 0
+        for layer, (k_cache, _) in enumerate(self.caches):
+            keys[layer][first:] = -keys[layer][first:]
+            for t in range(first, self.length(sid)):
+                k_cache.view(-1, KV_HEADS, DIM)[self.slot(sid, t)] = keys[layer][t]
+
+    def round_meta(self, sids):
+        """Allocate each session's next token and return this round's metadata (before its K/V is written)."""
+        starts = [self.length(s) for s in sids]
+        for sid, start in zip(sids, starts):
+            if start // self.bs not in self.blocks[sid]:
+                self.blocks[sid][start // self.bs] = self.free.pop()
+        rows = [self.table_row(s) for s in sids]
+        table = torch.full((len(sids), max(map(len, rows))), -1, dtype=torch.int32)
+        for i, r in enumerate(rows):
+            table[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
+        ctx = [s + 1 for s in starts]
+        return PagedAttentionMetadata(
+            block_size=self.bs, sinks=self.sinks if self.window is not None else 0, window=self.window,
+            sink_blocks=self.sink_blocks, query_lens=[1] * len(sids), context_lens=ctx,
+            query_start=torch.arange(len(sids) + 1), context_lens_t=torch.tensor(ctx), block_tables=table,
+            window_first=torch.tensor([self.window_first(s) for s in sids]),
+            slot_mapping=torch.tensor([self.slot(s, t) for s, t in zip(sids, starts)]))
+
+
+def run_rounds(sim: PagedSim, schedule, moves=(), window: DecodeWindow | None = None) -> DecodeWindow:
+    """One step's rounds. ``schedule``: the session ids of each round; ``moves``: (round, sid) rebases before
+    that round; ``window``: the previous step's, to reuse its buffers."""
+    window = window or DecodeWindow(sim.caches, HEADS)
+    window.begin()
+    for r, sids in enumerate(schedule):
+        for sid in [s for rr, s in moves if rr == r]:
+            sim.rotate(sid)
+            window.mark_moved([sid])
+        meta = sim.round_meta(sids)
+        starts = [sim.length(s) for s in sids]
+        new = {sid: sim.grow(sid, 1) for sid in sids}
+        for layer, (k_cache, v_cache) in enumerate(sim.caches):
+            plan = window.plan_round(meta, list(sids)) if layer == 0 else plan
+            query = torch.randn(len(sids), HEADS, DIM, generator=sim.gen, dtype=torch.float64)
+            key = torch.cat([new[s][layer][0] for s in sids])
+            value = torch.cat([new[s][layer][1] for s in sids])
+            out = window(query, key, value, k_cache, v_cache, plan)
+            assert torch.isfinite(out).all(), f"round {r}: a freed (NaN) block reached the output"
+            for i, (sid, start) in enumerate(zip(sids, starts)):
+                keys, values = sim.truth[sid][layer]
+                expect = dense_oracle(query[i:i + 1], keys, values, start, sim.sinks, sim.window)
+                torch.testing.assert_close(out[i:i + 1], expect, atol=1e-10, rtol=1e-10,
+                                           msg=lambda m: f"round {r} session {sid} layer {layer}: {m}")
+        for sid in sids:
+            sim.release_behind_window(sid)
+    return window
+
+
+@pytest.mark.parametrize("sinks,window,block_size", [(4, 24, 4), (3, 21, 8), (0, 16, 4), (16, 32, 16), (4, None, 4)])
+def test_rounds_match_the_oracle_as_sessions_leave_join_and_move(sinks, window, block_size):
+    sim = PagedSim(sinks, window, block_size)
+    for sid, n in ((1, 70), (2, 5), (3, 41), (4, 12)):
+        sim.prefill(sid, n)
+    schedule = [[1, 2, 3]] * 4 + [[1, 3]] * 3 + [[3, 1]] * 2 + [[1, 3, 4]] * 4 + [[4]] * 3 + [[1, 2, 3, 4]] * 3
+    run_rounds(sim, schedule, moves=[(2, 1), (5, 3), (11, 4), (17, 2)])
+
+
+def test_full_rows_are_gathered_again_and_the_buffers_grow(monkeypatch):
+    """With little spare room rows fill up every few rounds: a windowed row is re-gathered without its
+    dead keys, a young one (no dead keys) makes the buffers grow; outputs never change."""
+    monkeypatch.setattr(dw, "SPARE_COLUMNS", 2)
+    sim = PagedSim(sinks=2, window=12, block_size=4)
+    sim.prefill(1, 30)
+    sim.prefill(2, 1)
+    window = run_rounds(sim, [[1, 2]] * 40)
+    assert window.cols_cap > 14 + 2        # grew past the first gather's width + spare
+
+
+def test_the_next_step_starts_from_the_cache_again():
+    """Buffers are reused across steps, but a new step never reads a previous step's rows."""
+    sim = PagedSim(sinks=4, window=16, block_size=4)
+    for sid in (1, 2):
+        sim.prefill(sid, 20)
+    window = run_rounds(sim, [[1, 2]] * 5)
+    sim.prefill(1, 9)                        # the session's next step: a prefill, then rounds again
+    run_rounds(sim, [[2, 1]] * 5, window=window)

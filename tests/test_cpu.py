@@ -1,0 +1,39 @@
+"""The thread plan: fixed shares of the box's cores, handed to worker processes through the environment."""
+
+from __future__ import annotations
+
+import pytest
+
+from metronome.cpu import PLAN_ENV, ThreadPlan, quiet_thread_env
+
+
+@pytest.mark.parametrize("cores", [1, 2, 3, 4, 6, 8, 12, 16, 64, 128])
+@pytest.mark.parametrize("speech", [True, False])
+@pytest.mark.parametrize("workers", [1, 2, 4])
+def test_shares_never_oversubscribe_a_box_of_two_or_more_cores(cores, speech, workers):
+    plan = ThreadPlan.for_box(cores, speech=speech, workers=workers)
+    assert plan.worker >= 1 and plan.vad == (1 if speech else 0) and (plan.asr >= 1) == speech
+    parts = workers * (1 + speech) + (cores >= 8)   # engines, ASRs, the gateway on a larger box
+    if cores >= parts:                              # with fewer cores than parts some must share
+        assert workers * (plan.worker + plan.asr) + plan.gateway <= cores
+    assert plan.asr <= 4       # Whisper tiny gains little past four threads
+
+
+def test_the_speech_front_end_takes_cores_from_the_engine_only_when_it_exists():
+    assert ThreadPlan.for_box(2, speech=True).worker == 1
+    assert ThreadPlan.for_box(2, speech=False).worker == 2
+
+
+def test_a_worker_reads_back_the_plan_serve_gave_it():
+    plan = ThreadPlan.for_box(16, speech=True, workers=2)
+    assert ThreadPlan.from_env(plan.to_env()) == plan
+    assert ThreadPlan.for_this_process(environ={PLAN_ENV: plan.to_env()}) == plan
+    for junk in ("", "worker=x", "cores=2 bogus=1", "=="):
+        assert ThreadPlan.from_env(junk) is None
+
+
+def test_quiet_thread_env_keeps_what_the_user_set():
+    env = {"OMP_WAIT_POLICY": "ACTIVE"}
+    added = quiet_thread_env(env)
+    assert env["OMP_WAIT_POLICY"] == "ACTIVE" and "OMP_WAIT_POLICY" not in added
+    assert env["KMP_BLOCKTIME"] == "0"
