@@ -24,6 +24,7 @@ import sys
 from dataclasses import replace
 
 from metronome.audio.registry import ADAPTERS, resolve_adapter
+from metronome.cli.help import HelpFormatter
 from metronome.config import AimdConfig, EngineConfig, GatewayConfig, KVPolicy
 from metronome.cpu import PLAN_ENV, ThreadPlan, startup_line, usable_cores
 from metronome.serving.auth import API_KEY_ENV, TOKEN_ENV, new_token, read_secret
@@ -38,17 +39,17 @@ def _policy(args: argparse.Namespace) -> KVPolicy:
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="packaged model name or HF checkpoint directory")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="auto: bfloat16 on a CPU that runs it natively (AMX, AVX512-BF16), else float32")
     p.add_argument("--sinks", type=int, default=16, help="pinned attention-sink tokens (S)")
     p.add_argument("--window", type=int, default=1024, help="KV window in tokens (W); 0 = unbounded baseline")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=None, help="KV pool size (default: from free memory)")
+    p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (None: sized from free memory)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: the engine's share of the cores in the thread plan)")
+                   help="torch CPU threads (None: the engine's share of the cores in the thread plan)")
     p.add_argument("--adapter", default="auto", choices=["auto", *ADAPTERS],
-                   help="audio front end. 'auto' (default): the omni model's own audio path for an omni "
+                   help="audio front end. 'auto': the omni model's own audio path for an omni "
                         "checkpoint (by config.json's model_type), else 'cascade'; "
                         "'cascade' = VAD + Whisper tiny.en into the chat model; "
                         "'energy' = deterministic loudness tokens (a stand-in for tests and benchmarks); "
@@ -57,54 +58,54 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 def _budget_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-ms", type=float, default=None,
-                   help="frame budget B per tick (default: the adapter's own; a gateway adopts its workers')")
+                   help="frame budget B per tick (None: the adapter's own; a gateway adopts its workers')")
 
 
 def _gateway_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--tokens-per-tick", type=int, default=25)
+    p.add_argument("--host", default="127.0.0.1", help="address the gateway listens on")
+    p.add_argument("--port", type=int, default=8000, help="the gateway's port (WebSocket and HTTP)")
+    p.add_argument("--tokens-per-tick", type=int, default=25, help="decode tokens per session per tick")
     p.add_argument("--max-sessions", type=int, default=None, help="static session cap (with the controller's)")
     p.add_argument("--api-key-file", default=None,
-                   help=f"require 'Authorization: Bearer KEY', KEY the file's first line (default: ${API_KEY_ENV})")
+                   help=f"require 'Authorization: Bearer KEY', KEY the file's first line (None: ${API_KEY_ENV} if set)")
     p.add_argument("--api-key", default=None,
                    help=f"the key itself: visible in ps; use --api-key-file or ${API_KEY_ENV}")
     p.add_argument("--idle-timeout-s", type=float, default=120.0,
                    help="close a session that sends no event for this long (audio, silence included, counts; 0: never)")
     p.add_argument("--target", type=float, default=0.3, help="AIMD latency target as a fraction of B")
-    p.add_argument("--initial-cap", type=int, default=4)
+    p.add_argument("--initial-cap", type=int, default=4, help="the admission cap a worker starts with")
 
 
 def add_parsers(sub) -> None:
     p = sub.add_parser("serve", help="worker(s) + gateway on one machine", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+                       formatter_class=HelpFormatter)
     _engine_args(p)
     _budget_args(p)
     _gateway_args(p)
-    p.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
+    p.add_argument("--workers", type=int, default=1, help="worker processes")
     p.add_argument("--worker-port", type=int, default=50051, help="first worker's gRPC port")
     p.set_defaults(run=run_serve)
 
-    p = sub.add_parser("worker", help="one gRPC worker")
+    p = sub.add_parser("worker", help="one gRPC worker", formatter_class=HelpFormatter)
     _engine_args(p)
     _budget_args(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--host", default="127.0.0.1", help="address the worker listens on")
+    p.add_argument("--port", type=int, default=50051, help="the worker's gRPC port")
     _token_args(p)
     p.set_defaults(run=run_worker_cmd)
 
-    p = sub.add_parser("gateway", help="the WebSocket gateway")
+    p = sub.add_parser("gateway", help="the WebSocket gateway", formatter_class=HelpFormatter)
     _budget_args(p)
     _gateway_args(p)
     p.add_argument("--workers", default="127.0.0.1:50051", help="comma-separated worker addresses")
-    p.add_argument("--model-name", default="metronome")
+    p.add_argument("--model-name", default="metronome", help="the model name /v1/models and /health show")
     _token_args(p)
     p.set_defaults(run=run_gateway_cmd)
 
 
 def _token_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-token-file", default=None,
-                   help=f"the token gateways send and workers require (default: ${TOKEN_ENV}; none: no check)")
+                   help=f"the token gateways send and workers require (None: ${TOKEN_ENV} if set, else no check)")
 
 
 def _api_key(args: argparse.Namespace) -> str | None:
