@@ -46,6 +46,7 @@ class AdapterContext:
     max_input_tokens: int
     budget_ms: float
     compute_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
+    voice: str = "auto"     # speech out for adapters that speak text answers ("none": text only)
 
 
 @dataclass

@@ -76,6 +76,20 @@ SPEECH_TOKENS_PER_S = 6   # fast speech (~200 words/min) in SmolLM2 tokens, with
 _NON_SPEECH = re.compile(r"\[[^\]]*\]|\([^)]*\)|\*[^*]*\*")
 
 
+def speech_out(voice: str) -> SpeechSynthesizer | None:
+    """The synthesizer that speaks answers in ``voice`` at the Realtime rate; None for "none", or (logged) when
+    the voice cannot load here: the assistant still answers, in text."""
+    if voice == "none":
+        return None
+    from metronome.audio.tts import SpeechSynthesizer, load_voice
+
+    try:
+        return SpeechSynthesizer(load_voice(voice))
+    except RuntimeError as exc:
+        log.warning("speech out is off: %s", exc)
+        return None
+
+
 def clean_transcript(text: str) -> str:
     """``text`` without Whisper's non-speech tags and surrounding/duplicated whitespace ("" if nothing is left).
 
@@ -128,7 +142,7 @@ class CascadeAdapter(InteractionAdapter):
 
     @classmethod
     def from_context(cls, context: AdapterContext) -> "CascadeAdapter":
-        return cls(context.tokenizer, max_input_tokens=context.max_input_tokens)
+        return cls(context.tokenizer, max_input_tokens=context.max_input_tokens, speech=speech_out(context.voice))
 
     def __init__(self, tokenizer, *, vad: SileroVad | None = None, asr=None, vad_config: VadConfig | None = None,
                  max_input_tokens: int = 1024, max_transcript_tokens: int = 128, max_response_tokens: int = 256,

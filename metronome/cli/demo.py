@@ -49,6 +49,8 @@ def add_parser(sub) -> None:
                    help="talk to the speech assistant: stream the bundled spoken questions through a served session")
     p.add_argument("--budget-ms", type=float, default=None,
                    help="--speech: frame budget B per tick (None: the speech adapter's own)")
+    p.add_argument("--voice", default="auto", choices=["auto", "piper", "espeak", "none"],
+                   help="--speech: spoken answers (auto: the packaged Piper voice, else espeak-ng's; none: text only)")
     p.add_argument("--speed", type=float, default=1.0, help="--speech: audio pacing (1 = real time, 0 = no pacing)")
     p.set_defaults(run=run)
 
@@ -150,7 +152,8 @@ async def run_speech(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     engine = EngineConfig(model=args.model, device=args.device,
                           policy=KVPolicy(sinks=args.sinks, window=args.window, block_size=16), num_blocks=None)
-    worker = await serve_worker(WorkerConfig(engine, budget_ms=args.budget_ms, adapter="cascade", port=0))
+    worker = await serve_worker(WorkerConfig(engine, budget_ms=args.budget_ms, adapter="cascade", port=0,
+                                             voice=args.voice))
     gateway = await serve_gateway(GatewayConfig(workers=(worker.address,), port=0, budget_ms=args.budget_ms,
                                                 tokens_per_tick=args.tokens_per_tick,
                                                 aimd=AimdConfig(initial_cap=4, min_cap=1)))
@@ -162,6 +165,7 @@ async def run_speech(args: argparse.Namespace) -> int:
         async with aiohttp.ClientSession() as http, http.ws_connect(url) as ws:
             answered = asyncio.Event()
             answer: list[str] = []
+            spoken = [0.0]     # seconds of the current answer's speech received
 
             async def read() -> None:
                 async for msg in ws:
@@ -176,9 +180,14 @@ async def run_speech(args: argparse.Namespace) -> int:
                             print("  said:  ", end="", flush=True)
                         answer.append(event["delta"])
                         print(event["delta"], end="", flush=True)
+                    elif kind == "response.output_audio.delta":
+                        spoken[0] += len(base64.b64decode(event["delta"])) / 2 / event.get("sample_rate", 24000)
                     elif kind == "response.done":
                         print(flush=True)
+                        if spoken[0]:
+                            print(f"  spoke: {spoken[0]:.1f} s of audio", flush=True)
                         answer.clear()
+                        spoken[0] = 0.0
                         answered.set()
                     elif kind == "metronome.tick":
                         ticks.append(event)

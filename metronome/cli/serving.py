@@ -56,6 +56,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "the others are the interaction models' own audio encoders (use with their checkpoint)")
 
 
+def _voice_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--voice", default="auto", choices=["auto", "piper", "espeak", "none"],
+                   help="the cascade's spoken answers: auto = the packaged Piper voice, else espeak-ng's; "
+                        "none = text only")
+
+
 def _budget_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-ms", type=float, default=None,
                    help="frame budget B per tick (None: the adapter's own; a gateway adopts its workers')")
@@ -80,6 +86,7 @@ def add_parsers(sub) -> None:
     p = sub.add_parser("serve", help="worker(s) + gateway on one machine", description=__doc__,
                        formatter_class=HelpFormatter)
     _engine_args(p)
+    _voice_args(p)
     _budget_args(p)
     _gateway_args(p)
     p.add_argument("--workers", type=int, default=1, help="worker processes")
@@ -88,6 +95,7 @@ def add_parsers(sub) -> None:
 
     p = sub.add_parser("worker", help="one gRPC worker", formatter_class=HelpFormatter)
     _engine_args(p)
+    _voice_args(p)
     _budget_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address the worker listens on")
     p.add_argument("--port", type=int, default=50051, help="the worker's gRPC port")
@@ -142,7 +150,7 @@ def run_worker_cmd(args: argparse.Namespace) -> int:
     engine = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, policy=_policy(args),
                           num_blocks=args.num_blocks)
     run_worker(WorkerConfig(engine, budget_ms=args.budget_ms, adapter=args.adapter, host=args.host, port=args.port,
-                            auth_token=read_secret(args.worker_token_file, TOKEN_ENV)))
+                            auth_token=read_secret(args.worker_token_file, TOKEN_ENV), voice=args.voice))
     return 0
 
 
@@ -174,7 +182,8 @@ def run_serve(args: argparse.Namespace) -> int:
         cmd = [sys.executable, "-m", "metronome", "--log-level", args.log_level, "worker",
                "--model", args.model, "--device", args.device, "--dtype", args.dtype, "--sinks", str(args.sinks),
                "--window", str(args.window), "--block-size", str(args.block_size),
-               "--host", "127.0.0.1", "--port", str(port), "--threads", str(threads), "--adapter", args.adapter]
+               "--host", "127.0.0.1", "--port", str(port), "--threads", str(threads), "--adapter", args.adapter,
+               "--voice", args.voice]
         if args.budget_ms is not None:
             cmd += ["--budget-ms", str(args.budget_ms)]
         if args.num_blocks:

@@ -33,6 +33,7 @@ class WorkerConfig:
     port: int = 50051
     max_message_bytes: int = 64 * 1024 * 1024
     auth_token: str | None = field(default=None, repr=False)  # required in every RPC's metadata (``auth.py``)
+    voice: str = "auto"      # the cascade's speech out: "auto", "piper", "espeak" or "none" (text only)
 
     def __post_init__(self) -> None:
         if self.adapter not in RECORDS:
@@ -62,7 +63,7 @@ def adapter_context(config: WorkerConfig, engine: Engine) -> AdapterContext:
         tokenizer=engine.tokenizer, checkpoint=engine.checkpoint, embed=engine.model.embed,
         device=engine.device, dtype=DTYPES[engine.config.dtype],
         max_input_tokens=config.max_input_tokens, budget_ms=config.budget_ms,
-        compute_logits=engine.model.compute_logits)
+        compute_logits=engine.model.compute_logits, voice=config.voice)
 
 
 def make_adapter(config: WorkerConfig, engine: Engine) -> InteractionAdapter:
