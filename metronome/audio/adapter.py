@@ -145,6 +145,10 @@ class InteractionAdapter(ABC):
         """PCM16 mono at ``output_sample_rate`` produced for the session this tick (b"" if none)."""
         return b""
 
+    def speaking(self, session_id: str) -> bool:
+        """Is the session's answer still being spoken? Its response stays open until the speech ends."""
+        return False
+
     def resolve_mode(self, mode: str) -> str:
         """``mode`` or the default; ``ValueError`` if this adapter does not support it."""
         mode = mode or self.default_mode

@@ -332,6 +332,10 @@ class CascadeAdapter(InteractionAdapter):
         """The answer's PCM16 at ``output_sample_rate`` that is ready now (b"" without a synthesizer)."""
         return b"".join(chunk.pcm16 for chunk in self.take_speech(session_id))
 
+    def speaking(self, session_id: str) -> bool:
+        state = self._sessions.get(session_id)
+        return state is not None and state.speech is not None
+
     # ------------------------------------------------------------------ introspection (tests, metrics)
     def session_state(self, session_id: str) -> dict:
         s = self._sessions[session_id]

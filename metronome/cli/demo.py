@@ -144,6 +144,7 @@ async def run_speech(args: argparse.Namespace) -> int:
 
     from metronome.config import AimdConfig, GatewayConfig
     from metronome.serving.gateway import serve_gateway
+    from metronome.serving.auth import new_token
     from metronome.serving.worker import WorkerConfig, serve_worker
 
     samples = sample_conversation()
@@ -152,10 +153,11 @@ async def run_speech(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     engine = EngineConfig(model=args.model, device=args.device,
                           policy=KVPolicy(sinks=args.sinks, window=args.window, block_size=16), num_blocks=None)
+    token = new_token()   # only this demo's gateway may open sessions on its worker
     worker = await serve_worker(WorkerConfig(engine, budget_ms=args.budget_ms, adapter="cascade", port=0,
-                                             voice=args.voice))
+                                             voice=args.voice, auth_token=token))
     gateway = await serve_gateway(GatewayConfig(workers=(worker.address,), port=0, budget_ms=args.budget_ms,
-                                                tokens_per_tick=args.tokens_per_tick,
+                                                tokens_per_tick=args.tokens_per_tick, worker_token=token,
                                                 aimd=AimdConfig(initial_cap=4, min_cap=1)))
     url = gateway.url
     budget_ms = worker.service.core.config.budget_ms

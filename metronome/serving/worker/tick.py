@@ -132,6 +132,7 @@ class TickCore:
         self._sessions: dict[str, int] = {}          # sid -> engine session id
         self._opened: dict[str, tuple[str, str]] = {}  # sid -> (mode, instructions), until its first step
         self._resamplers: dict[str, Resampler] = {}  # sid -> its stream's resampler
+        self._speaking_after_text: set[str] = set()   # sessions whose answer text ended, speech not yet
         self.health = self._snapshot()               # refreshed after every call that changes it
 
     @property
@@ -188,7 +189,20 @@ class TickCore:
         self._opened[sid] = (request.mode, request.instructions)
         return pb.OpenSessionResponse(ok=True)
 
+    def _finish_with_speech(self, sid: str, text_finished: bool) -> bool:
+        """A response ends when its text and its speech have: while the adapter still speaks an answer whose
+        text is done, the end waits (``_speaking_after_text``) for the tick that hands out the last audio."""
+        if self.adapter.speaking(sid):
+            if text_finished:
+                self._speaking_after_text.add(sid)
+            return False
+        if sid in self._speaking_after_text:
+            self._speaking_after_text.discard(sid)
+            return True
+        return text_finished
+
     def close(self, sid: str) -> pb.CloseSessionResponse:
+        self._speaking_after_text.discard(sid)
         eid = self._sessions.pop(sid, None)
         self._opened.pop(sid, None)
         self._resamplers.pop(sid, None)
@@ -296,6 +310,7 @@ class TickCore:
             audio = self.adapter.take_audio(out.sid)
             if audio:
                 out.audio_pcm16, out.audio_sample_rate = audio, self.adapter.output_sample_rate
+            out.finished = self._finish_with_speech(out.sid, out.finished)
         stats = self.engine.stats()
         self.health = self._snapshot()
         return pb.StepResponse(outputs=outputs, gpu_ms=prefill_ms + decode_ms, in_flight=len(self._sessions),
