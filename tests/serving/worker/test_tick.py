@@ -126,3 +126,15 @@ def test_a_burst_beyond_one_chunk_is_prefilled_in_pieces_within_the_tick(core):
     over = by_sid(core.step(pb.StepRequest(tick=2, tokens_per_tick=2, sessions=[
         pb.SessionInput(sid="small", text="word " * 400)])))["small"]
     assert "at most 256" in over.error and not over.tokens        # beyond max_input_tokens: refused
+
+
+def test_a_response_ends_with_its_speech_not_its_text(core):
+    """While the adapter still speaks an answer whose text is done, ``finished`` waits for the last audio."""
+    speaking = {"s": True}
+    core.adapter.speaking = lambda sid: speaking["s"]
+    assert core._finish_with_speech("s", text_finished=True) is False        # text done, speech streaming
+    assert core._finish_with_speech("s", text_finished=False) is False
+    speaking["s"] = False
+    assert core._finish_with_speech("s", text_finished=False) is True        # the tick with the last audio
+    assert core._finish_with_speech("s", text_finished=False) is False       # once
+    assert core._finish_with_speech("s", text_finished=True) is True         # a text-only answer ends at once
