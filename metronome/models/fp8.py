@@ -71,7 +71,12 @@ def scaled_mm_available(device: torch.device) -> bool:
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token (row) dynamic quantisation of activations [M, K]: E4M3 codes and float32 scales [M, 1]."""
+    """Per-token (row) dynamic quantisation of activations [M, K]: E4M3 codes and float32 scales [M, 1]
+    (on CUDA one Triton kernel, ``models/fp8_triton.py``)."""
+    if x.is_cuda:
+        from metronome.models.fp8_triton import quantize_rows_triton
+
+        return quantize_rows_triton(x, ACTIVATION_AMAX_FLOOR)
     scale = x.abs().amax(-1, keepdim=True).float().clamp_(min=ACTIVATION_AMAX_FLOOR) / E4M3_MAX
     return to_e4m3(x, scale), scale
 

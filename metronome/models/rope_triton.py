@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from metronome.models.fp8_triton import e4m3_grid
+
 
 @triton.jit
 def _rotate_in_place(ptr, cos, sin, mask, HALF: tl.constexpr):
@@ -21,9 +23,9 @@ def _rotate_in_place(ptr, cos, sin, mask, HALF: tl.constexpr):
     x2 = tl.load(ptr + HALF, mask=mask, other=0.0).to(tl.float32)
     y1 = x1 * cos[None, :] - x2 * sin[None, :]
     y2 = x2 * cos[None, :] + x1 * sin[None, :]
-    if ptr.dtype.element_ty == tl.float8e4nv:  # E4M3 keys (scaled per head; rotation keeps the scale) saturate
-        y1 = tl.clamp(y1, -448.0, 448.0)
-        y2 = tl.clamp(y2, -448.0, 448.0)
+    if ptr.dtype.element_ty == tl.float8e4nv:  # E4M3 keys (per-head scales; rotation keeps them): round exactly
+        y1 = e4m3_grid(y1)
+        y2 = e4m3_grid(y2)
     tl.store(ptr, y1.to(ptr.dtype.element_ty), mask=mask)
     tl.store(ptr + HALF, y2.to(ptr.dtype.element_ty), mask=mask)
 

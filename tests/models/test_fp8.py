@@ -220,3 +220,4 @@ def test_engine_greedy_tokens_with_fp8_weights(tmp_path):
             assert row.max() - row[token] <= 2 * LOGIT_BOUND
             same += int(row.argmax()) == token
     assert same >= 20  # of 24: where fp32's margin is wider than the bound, nothing may change
+
