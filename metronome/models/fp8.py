@@ -23,6 +23,7 @@ the dequantised weight. Stacked MoE experts keep block scales everywhere (their 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,7 +68,13 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, group: int, dtype: torc
 
 def scaled_mm_available(device: torch.device) -> bool:
     """FP8 tensor cores: CUDA with compute capability >= 8.9 (Ada, Hopper and later)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cuda" and _capability(device.index if device.index is not None
+                                                 else torch.cuda.current_device()) >= (8, 9)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,9 +104,6 @@ class Fp8Linear(nn.Module):
         self.out_features, self.in_features = codes.shape
         if scale.shape != (self.out_features, _cdiv(self.in_features, group)):
             raise ValueError(f"scales {tuple(scale.shape)} do not fit {tuple(codes.shape)} in groups of {group}")
-        # The tensor cores take one scale per output channel (and dimensions that are multiples of 16).
-        self.tensor_cores = scaled_mm_available(codes.device) and scale.shape[1] == 1 \
-            and self.in_features % 16 == 0 and self.out_features % 16 == 0
         self.group = group if scale.shape[1] > 1 else self.in_features
         self.register_buffer("weight", codes.contiguous())
         self.register_buffer("weight_scale", scale.float().contiguous())
@@ -125,6 +129,13 @@ class Fp8Linear(nn.Module):
         if parts[0].bias is not None:
             bias = nn.Parameter(torch.cat([p.bias.detach() for p in parts]), requires_grad=False)
         return cls(torch.cat([p.weight for p in parts]), scale, group or parts[0].in_features, bias)
+
+    @property
+    def tensor_cores(self) -> bool:
+        """Whether products run on the FP8 tensor cores: one scale per output channel, dimensions that are
+        multiples of 16, a device that has them."""
+        return (self.weight.is_cuda and self.weight_scale.shape[1] == 1 and self.in_features % 16 == 0
+                and self.out_features % 16 == 0 and scaled_mm_available(self.weight.device))
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize(self.weight, self.weight_scale, self.group, dtype)
