@@ -59,7 +59,8 @@ def quantize(w: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, t
     return to_e4m3(wf, scale[..., None]).flatten(-2)[..., :k].contiguous(), scale
 
 
-def dequantize(codes: torch.Tensor, scale: torch.Tensor, group: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, group: int,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``codes * scale`` [..., N, K] in ``dtype`` (computed in float32): scales [..., N, G] of ``group`` columns."""
     if scale.shape[-1] > 1:
         scale = scale.repeat_interleave(group, dim=-1)[..., :codes.shape[-1]]

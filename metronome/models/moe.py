@@ -107,8 +107,8 @@ class FusedExperts(nn.Module):
         for layers in (gate_up, down):
             if len({(m.group, m.weight_scale.shape[1]) for m in layers}) > 1:
                 raise ValueError("the experts' FP8 weights do not share one scale layout")
-        scales = ExpertScales(torch.stack([m.weight_scale for m in gate_up]), torch.stack([m.weight_scale for m in down]),
-                              gate_up[0].group, down[0].group)
+        scales = ExpertScales(torch.stack([m.weight_scale for m in gate_up]),
+                              torch.stack([m.weight_scale for m in down]), gate_up[0].group, down[0].group)
         return cls(torch.stack([m.weight for m in gate_up]), torch.stack([m.weight for m in down]), scales)
 
     def quantize_fp8_(self) -> None:

@@ -73,7 +73,8 @@ def test_fused_layers_concatenate_any_layouts():
     mixed = [Fp8Linear.from_linear(parts[0], 32), Fp8Linear.from_linear(parts[1]), parts[2]]  # block, channel, float
     fused = Fp8Linear.concat(mixed)
     assert fused.group == 32 and fused.weight_scale.shape == (80, 2)
-    want = torch.cat([mixed[0].dequantized(), mixed[1].dequantized(), Fp8Linear.from_linear(parts[2], 32).dequantized()])
+    third = Fp8Linear.from_linear(parts[2], 32)
+    want = torch.cat([mixed[0].dequantized(), mixed[1].dequantized(), third.dequantized()])
     assert torch.equal(fused.dequantized(), want)
     torch.testing.assert_close(fused.bias, torch.cat([p.bias for p in parts]))
 
