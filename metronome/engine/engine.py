@@ -91,6 +91,8 @@ class Engine:
             self.model, self.checkpoint = model, checkpoint
         if config.quantization == "fp8":
             quantize_decoder_(self.model)
+            if self.device.type == "cuda":  # the bf16 weights' memory goes back, so the KV pool can use it
+                torch.cuda.empty_cache()
         self.spec = self.model.spec
         self.max_model_len = self.spec.max_position_embeddings
         policy = config.policy
