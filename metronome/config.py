@@ -76,6 +76,11 @@ class EngineConfig:
     ``max_chunk_tokens`` bounds one session's new input per step; it enters the reservation formula.
     ``dtype="auto"`` becomes bfloat16 on a CPU that executes it natively (AMX or AVX512-BF16), float32
     elsewhere (``metronome.cpu.auto_dtype``); the config always holds the resolved name.
+
+    ``quantization="fp8"``: the decoder's linear layers and MoE experts hold E4M3 weights with per-channel
+    scales, quantised at load (an FP8 checkpoint, ``quantization_config.quant_method == "fp8"``, loads as
+    stored whatever this says). ``kv_cache_dtype="fp8"``: KV pages hold E4M3 with one scale per layer and
+    KV head, one byte per element (``"auto"``: the compute ``dtype``).
     """
 
     model: str = "smollm2-135m"
@@ -89,6 +94,8 @@ class EngineConfig:
     attention: str | None = None  # "torch" (reference) or "triton"; None: triton on CUDA, torch elsewhere
     cuda_graphs: bool = True      # capture decode rounds as CUDA graphs (CUDA with Triton attention only)
     seed: int = 0
+    quantization: str | None = None  # None (the checkpoint's dtype) or "fp8"
+    kv_cache_dtype: str = "auto"     # "auto" (the compute dtype) or "fp8"
 
     def __post_init__(self) -> None:
         if self.dtype == "auto":
@@ -109,6 +116,10 @@ class EngineConfig:
             object.__setattr__(self, "attention", "triton" if self.device.startswith("cuda") else "torch")
         if self.attention not in ("torch", "triton"):
             raise ConfigError(f"attention must be 'torch' or 'triton', got {self.attention!r}")
+        if self.quantization not in (None, "fp8"):
+            raise ConfigError(f"quantization must be None or 'fp8', got {self.quantization!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ConfigError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
 
 
 @dataclass(frozen=True)

@@ -74,8 +74,19 @@ def token_slots(meta: PagedAttentionMetadata, rows: torch.Tensor, tokens: torch.
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store the new tokens' keys/values ([T, kv_heads, head_dim]) at their slots."""
+             slot_mapping: torch.Tensor, kv_scale: torch.Tensor | None = None) -> None:
+    """Store the new tokens' keys/values ([T, kv_heads, head_dim]) at their slots.
+
+    ``kv_scale`` [2, kv_heads]: the caches are E4M3 and hold ``x / scale`` (``attention/fp8.py``).
+    """
     kv_heads, head_dim = key.shape[-2:]
+    if kv_scale is not None:
+        import torch
+
+        from metronome.attention.fp8 import to_e4m3
+
+        # Written as bytes: index_copy_ has no float8 kernel on the CPU.
+        key, value = (to_e4m3(x, s[:, None]).view(torch.uint8) for x, s in ((key, kv_scale[0]), (value, kv_scale[1])))
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))

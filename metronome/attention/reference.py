@@ -118,8 +118,12 @@ def plan_reference(meta: PagedAttentionMetadata, num_heads: int) -> ReferencePla
 
 
 def paged_attention_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              plan: ReferencePlan, scale: float | None = None) -> torch.Tensor:
-    """Attention of ``query`` [T, heads, head_dim] over the paged cache; returns [T, heads, head_dim]."""
+                              plan: ReferencePlan, scale: float | None = None,
+                              kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of ``query`` [T, heads, head_dim] over the paged cache; returns [T, heads, head_dim].
+
+    ``kv_scale`` [2, kv_heads]: E4M3 caches, dequantised per KV head as they are gathered.
+    """
     kv_heads, head_dim = k_cache.shape[-2:]
     k_flat, v_flat = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
     out = torch.empty_like(query)
@@ -130,7 +134,10 @@ def paged_attention_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cach
         q = query.index_select(0, g.q_index.flatten()).view(n, qmax, heads, head_dim).transpose(1, 2)
         k = k_flat.index_select(0, g.k_slots.flatten()).view(n, kmax, kv_heads, head_dim).transpose(1, 2)
         v = v_flat.index_select(0, g.k_slots.flatten()).view(n, kmax, kv_heads, head_dim).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k.to(query.dtype), v.to(query.dtype), attn_mask=g.mask,
+        if kv_scale is not None:
+            k, v = k.float() * kv_scale[0, :, None, None], v.float() * kv_scale[1, :, None, None]
+        k, v = k.to(query.dtype), v.to(query.dtype)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask,
                                            scale=scale, enable_gqa=kv_heads != heads)
         o = o.transpose(1, 2).reshape(n * qmax, heads, head_dim)
         if g.all_valid:
@@ -153,6 +160,7 @@ class TorchPagedAttention:
         return plan_reference(meta, self.num_heads)
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 k_cache: torch.Tensor, v_cache: torch.Tensor, plan: ReferencePlan) -> torch.Tensor:
-        write_kv(key, value, k_cache, v_cache, plan.meta.slot_mapping)
-        return paged_attention_reference(query, k_cache, v_cache, plan, self.scale)
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, plan: ReferencePlan,
+                 kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+        write_kv(key, value, k_cache, v_cache, plan.meta.slot_mapping, kv_scale)
+        return paged_attention_reference(query, k_cache, v_cache, plan, self.scale, kv_scale)

@@ -117,7 +117,7 @@ def _tile_blocks(it, sink_tiles, win0, t_last, n_sink, ws, wf, sink_blocks, bt_r
 # tick. The other ints (head and cache strides, sinks, window, sink blocks) are fixed for an engine.
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _paged_attn_fwd(
-    Q, K, V, O, BT, WF, ITEMS, LSE_P, O_P, TIMES,
+    Q, K, V, O, BT, WF, ITEMS, LSE_P, O_P, TIMES, KV_SCALE,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt,
@@ -125,10 +125,16 @@ def _paged_attn_fwd(
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HEAD_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr,
     KV_I64: tl.constexpr, DOT_F32: tl.constexpr, IEEE: tl.constexpr, TIMELINE: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     item = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    if KV_FP8:
+        # E4M3 pages with one scale per KV head ([2, KVH]: keys, values): the key scale folds into the scores
+        # and the value scale into the output, so a tile dequantises by its dtype conversion alone.
+        qk_scale = qk_scale * tl.load(KV_SCALE + kvh)
+        v_scale = tl.load(KV_SCALE + tl.num_programs(1) + kvh)
     if TIMELINE:
         # Stored at once, so no timer value stays live in registers through the loop.
         timeline_row = TIMES + ((split * tl.num_programs(0) + item) * tl.num_programs(1) + kvh) * 6
@@ -226,6 +232,8 @@ def _paged_attn_fwd(
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
+    if KV_FP8:
+        out = out * v_scale
     if SPLIT:
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
         base = ((split * tl.num_programs(0) + item) * tl.num_programs(1) + kvh) * BLOCK_M
@@ -421,8 +429,12 @@ def _single_buffered_decode(plan: TritonPlan, launch: TritonLaunch, head_dim: in
 def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: PagedAttentionMetadata, scale: float | None = None,
                            plan: TritonPlan | None = None, out: torch.Tensor | None = None,
-                           timelines: list[torch.Tensor] | None = None, kernels: list | None = None) -> torch.Tensor:
+                           timelines: list[torch.Tensor] | None = None, kernels: list | None = None,
+                           kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of ``query`` [T, H, D] over the paged cache; returns [T, H, D] in ``query.dtype``.
+
+    ``kv_scale``: the per-KV-head scales [2, KVH] (float32) of E4M3 caches (``attention/fp8.py``); required
+    with them, and only with them.
 
     ``timelines`` (CUDA only, for benchmarks): one int64 tensor per launch of the plan, ``[splits, items,
     KV heads, 6]``, that each program fills with its SM, start and end (``%globaltimer`` ns), start and end
@@ -439,6 +451,10 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         query = query.contiguous()
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("the caches' last dimension must be contiguous")
+    kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if kv_fp8 != (kv_scale is not None) or (kv_fp8 and (kv_scale.shape != (2, kv_heads) or not kv_scale.is_contiguous()
+                                                         or kv_scale.dtype != torch.float32)):
+        raise ValueError("E4M3 caches need their contiguous float32 scales [2, KV heads]; other caches none")
     if out is None:
         out = torch.empty((t, heads, head_dim), dtype=query.dtype, device=query.device)
     if t == 0:
@@ -454,7 +470,7 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     window = meta.window if meta.window is not None else 0
     common = dict(G=g, BLOCK_N=plan.block_n, BLOCK_D=block_d, HEAD_D=head_dim, BLOCK_SIZE=meta.block_size,
                   HAS_WINDOW=meta.window is not None, KV_I64=kv_i64, DOT_F32=interp,
-                  IEEE=query.dtype == torch.float32)
+                  IEEE=query.dtype == torch.float32, KV_FP8=kv_fp8)
     if timelines is not None:
         if interp:
             raise ValueError("launch timelines read GPU clocks: they need compiled kernels on a CUDA device")
@@ -480,6 +496,7 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         times = timelines[i] if timelines is not None else ln.items  # unused without a timeline
         kernel = _paged_attn_fwd[(ln.num_items, kv_heads, ln.num_splits)](
             query, k_cache, v_cache, out, tables, meta.window_first, ln.items, lse_p, o_p, times,
+            kv_scale if kv_fp8 else ln.items,  # unused for float caches
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -531,7 +548,7 @@ class TritonPagedAttention:
 
     def warm_up(self, k_cache: torch.Tensor, v_cache: torch.Tensor, *, block_size: int, sinks: int,
                 window: int | None, sink_blocks: int, block: int,
-                dtype: torch.dtype) -> set[tuple[int, bool, int]]:
+                dtype: torch.dtype, kv_scale: torch.Tensor | None = None) -> set[tuple[int, bool, int]]:
         """Launch every kernel variant a forward can use once, before the first step: decode and prefill
         tiles, each without and with split-KV, and an unsplit single-buffered decode tile (what a decode
         launch of many programs uses, see :func:`choose_stages`). A variant compiles at its first launch,
@@ -539,8 +556,8 @@ class TritonPagedAttention:
         (docs/experiments/admission-gpu-short).
 
         Attends over cache block ``block`` only (the runner's scratch block) and writes nothing to the
-        caches. Returns the ``(BLOCK_M, split, num_stages)`` triples launched, e.g. ``{(16, False, 3),
-        (16, True, 3), (16, False, 2), (64, False, 3), (64, True, 3)}``.
+        caches (``kv_scale``: an E4M3 cache's scales). Returns the ``(BLOCK_M, split, num_stages)`` triples
+        launched, e.g. ``{(16, False, 3), (16, True, 3), (16, False, 2), (64, False, 3), (64, True, 3)}``.
 
         On a GPU it also settles the single-buffered decode launch's register cap, unless one was given: where
         ptxas compiled that kernel past ``SINGLE_BUFFERED_MAX_REGISTERS``, ``options["max_registers"]`` caps it
@@ -569,7 +586,8 @@ class TritonPagedAttention:
                 if stages is not None:
                     plan.launches = [dataclasses.replace(ln, num_stages=stages) for ln in plan.launches]
                 kernels: list = []
-                paged_attention_triton(query, k_cache, v_cache, meta, self.scale, plan, kernels=kernels)
+                paged_attention_triton(query, k_cache, v_cache, meta, self.scale, plan, kernels=kernels,
+                                       kv_scale=kv_scale)
                 launched.update((ln.block_m, ln.num_splits > 1, launch_stages(plan, ln, head_dim))
                                 for ln in plan.launches)
                 registers = getattr(kernels[0], "n_regs", None) if kernels else None
@@ -577,17 +595,18 @@ class TritonPagedAttention:
                         and registers > SINGLE_BUFFERED_MAX_REGISTERS):
                     self.options["max_registers"] = SINGLE_BUFFERED_MAX_REGISTERS
                     plan.max_registers = SINGLE_BUFFERED_MAX_REGISTERS
-                    paged_attention_triton(query, k_cache, v_cache, meta, self.scale, plan)
+                    paged_attention_triton(query, k_cache, v_cache, meta, self.scale, plan, kv_scale=kv_scale)
         return launched
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 k_cache: torch.Tensor, v_cache: torch.Tensor, plan) -> torch.Tensor:
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, plan,
+                 kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         if isinstance(plan, _LazyPlan):
             if plan.plan is None:
                 plan.plan = self._plan(plan.meta, k_cache.shape[2])
             plan = plan.plan
-        write_kv(key, value, k_cache, v_cache, plan.meta.slot_mapping)
-        return paged_attention_triton(query, k_cache, v_cache, plan.meta, self.scale, plan)
+        write_kv(key, value, k_cache, v_cache, plan.meta.slot_mapping, kv_scale)
+        return paged_attention_triton(query, k_cache, v_cache, plan.meta, self.scale, plan, kv_scale=kv_scale)
 
 
 @dataclass

@@ -40,6 +40,8 @@ def add_parser(sub) -> None:
                        description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--model", default="smollm2-135m", help="packaged model name or HF checkpoint directory")
     p.add_argument("--device", default="cpu", help="torch device")
+    p.add_argument("--quantization", default=None, choices=["fp8"], help="FP8 (E4M3) decoder weights")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="fp8: E4M3 KV pages")
     p.add_argument("--sessions", type=int, default=4, help="concurrent sessions")
     p.add_argument("--tokens-per-tick", type=int, default=8, help="decode tokens per session per tick")
     p.add_argument("--sinks", type=int, default=16, help="pinned attention-sink tokens S")
@@ -72,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     engine = Engine(EngineConfig(model=args.model, device=args.device,
                                  policy=KVPolicy(sinks=args.sinks, window=args.window, block_size=16),
-                                 num_blocks=None))
+                                 num_blocks=None, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype))
     tok = engine.tokenizer
     stats = engine.stats()
     print(f"ready in {time.perf_counter() - t0:.1f}s: {stats.kv_blocks_total} KV blocks, "
@@ -152,7 +154,8 @@ async def run_speech(args: argparse.Namespace) -> int:
           flush=True)
     t0 = time.perf_counter()
     engine = EngineConfig(model=args.model, device=args.device,
-                          policy=KVPolicy(sinks=args.sinks, window=args.window, block_size=16), num_blocks=None)
+                          policy=KVPolicy(sinks=args.sinks, window=args.window, block_size=16), num_blocks=None,
+                          quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     token = new_token()   # only this demo's gateway may open sessions on its worker
     worker = await serve_worker(WorkerConfig(engine, budget_ms=args.budget_ms, adapter="cascade", port=0,
                                              voice=args.voice, auth_token=token))

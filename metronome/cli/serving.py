@@ -42,6 +42,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="auto: bfloat16 on a CPU that runs it natively (AMX, AVX512-BF16), else float32")
+    p.add_argument("--quantization", default=None, choices=["fp8"], help="FP8 (E4M3) decoder weights")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="fp8: E4M3 KV pages")
     p.add_argument("--sinks", type=int, default=16, help="pinned attention-sink tokens (S)")
     p.add_argument("--window", type=int, default=1024, help="KV window in tokens (W); 0 = unbounded baseline")
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
@@ -148,7 +150,8 @@ def run_worker_cmd(args: argparse.Namespace) -> int:
     plan.apply_to_torch()
     log.info("%s", startup_line(args.device, args.dtype, plan))
     engine = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, policy=_policy(args),
-                          num_blocks=args.num_blocks)
+                          num_blocks=args.num_blocks, quantization=args.quantization,
+                          kv_cache_dtype=args.kv_cache_dtype)
     run_worker(WorkerConfig(engine, budget_ms=args.budget_ms, adapter=args.adapter, host=args.host, port=args.port,
                             auth_token=read_secret(args.worker_token_file, TOKEN_ENV), voice=args.voice))
     return 0
@@ -183,7 +186,9 @@ def run_serve(args: argparse.Namespace) -> int:
                "--model", args.model, "--device", args.device, "--dtype", args.dtype, "--sinks", str(args.sinks),
                "--window", str(args.window), "--block-size", str(args.block_size),
                "--host", "127.0.0.1", "--port", str(port), "--threads", str(threads), "--adapter", args.adapter,
-               "--voice", args.voice]
+               "--voice", args.voice, "--kv-cache-dtype", args.kv_cache_dtype]
+        if args.quantization:
+            cmd += ["--quantization", args.quantization]
         if args.budget_ms is not None:
             cmd += ["--budget-ms", str(args.budget_ms)]
         if args.num_blocks:

@@ -27,10 +27,11 @@ from metronome.cpu import read_capability
 from metronome.engine.blocks import BlockPool
 from metronome.engine.decode import Work, decode
 from metronome.engine.request import ForwardPlan, ForwardSegment, StepInput, StepOutput
-from metronome.engine.runner import DTYPES, ModelRunner, available_memory_bytes
+from metronome.engine.runner import DTYPES, ModelRunner, available_memory_bytes, kv_dtype
 from metronome.engine.scheduler import InvariantError, Scheduler
 from metronome.engine.session import Session, SessionStatus
 from metronome.errors import ConfigError, MetronomeError
+from metronome.models.fp8 import quantize_decoder_
 from metronome.models.llama import LlamaFamilyForCausalLM
 from metronome.models.loader import load_model, load_tokenizer
 
@@ -89,10 +90,14 @@ class Engine:
             self.model, self.checkpoint = load_model(config.model, dtype, self.device)
         else:
             self.model, self.checkpoint = model, checkpoint
+        if config.quantization == "fp8":
+            quantize_decoder_(self.model)
+            if self.device.type == "cuda":  # the bf16 weights' memory goes back, so the KV pool can use it
+                torch.cuda.empty_cache()
         self.spec = self.model.spec
         self.max_model_len = self.spec.max_position_embeddings
         policy = config.policy
-        block_bytes = self.spec.kv_bytes_per_token(dtype) * policy.block_size
+        block_bytes = self.spec.kv_bytes_per_token(kv_dtype(config)) * policy.block_size  # 1 byte an element in FP8
         num_blocks = config.num_blocks or self._blocks_from_memory(block_bytes)
         self.kv_bytes_per_block = block_bytes
         self.scheduler = Scheduler(policy, BlockPool(num_blocks), config.max_chunk_tokens,

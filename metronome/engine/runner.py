@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from metronome.attention.decode_window import DecodeWindow
+from metronome.attention.fp8 import E4M3, E4M3_MAX, CalibratingAttention
 from metronome.attention.metadata import PagedAttentionMetadata
 from metronome.attention.reference import TorchPagedAttention
 from metronome.config import EngineConfig
@@ -29,6 +30,11 @@ from metronome.models.llama import LlamaFamilyForCausalLM
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def kv_dtype(config: EngineConfig) -> torch.dtype:
+    """What the KV pages store: the compute dtype, or E4M3 (``kv_cache_dtype="fp8"``)."""
+    return E4M3 if config.kv_cache_dtype == "fp8" else DTYPES[config.dtype]
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -79,20 +85,28 @@ class ModelRunner:
         # Uninitialised (zeroing gigabytes costs seconds at start-up): a block is only ever read after
         # its session wrote it, except the null block 0, which padded gathers read and must be zero.
         self.kv_caches = []
-        for _ in range(self.spec.num_layers):
-            k, v = (torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(2))
+        # FP8 pages carry one scale per (layer, K/V, KV head) as a third element of each layer's cache; the
+        # first forward sets them from its own keys and values (attention/fp8.py), before any page is written.
+        self.kv_dtype = kv_dtype(config)
+        self.kv_scales = None
+        if self.kv_dtype == E4M3:
+            self.kv_scales = torch.ones((self.spec.num_layers, 2, self.spec.num_kv_heads), device=self.device)
+        self.kv_calibrated = self.kv_scales is None
+        for layer in range(self.spec.num_layers):
+            k, v = (torch.empty(shape, dtype=self.kv_dtype, device=self.device) for _ in range(2))
             k[0].zero_()
             v[0].zero_()
-            self.kv_caches.append((k, v))
+            self.kv_caches.append((k, v) if self.kv_scales is None else (k, v, self.kv_scales[layer]))
         if config.attention == "triton":
             from metronome.attention.triton_paged import TritonPagedAttention  # needs the triton package
 
             self.attention = TritonPagedAttention(self.spec.num_heads, num_kv_heads=self.spec.num_kv_heads)
         else:
             self.attention = TorchPagedAttention(self.spec.num_heads)
-        # Torch attention only: decode rounds attend over keys gathered once per step (see decode_rounds).
+        # Torch attention over compute-dtype pages only: decode rounds attend over keys gathered once per step
+        # (see decode_rounds); E4M3 pages go through the reference, which applies their scales.
         self.decode_window = DecodeWindow(self.kv_caches, self.spec.num_heads) \
-            if isinstance(self.attention, TorchPagedAttention) else None
+            if isinstance(self.attention, TorchPagedAttention) and self.kv_dtype != E4M3 else None
         self._in_rounds = False
         if self.device.type == "cuda":
             self._warm_up_kernels()
@@ -101,12 +115,13 @@ class ModelRunner:
         """Compile the Triton kernels a step may launch for the first time mid-run (a compile inside a tick
         blows its deadline): every attention variant, and the re-rotation of rebasing windows. They touch
         only the scratch block."""
-        k, v = self.kv_caches[0]
+        k, v = self.kv_caches[0][:2]
         if not isinstance(self.attention, TorchPagedAttention):
             self.attention.warm_up(k, v, block_size=self.block_size,
                                    sinks=self.retention.sinks, window=self.retention.window,
                                    sink_blocks=self.sink_blocks,
-                                   block=self.num_blocks, dtype=self.dtype)
+                                   block=self.num_blocks, dtype=self.dtype,
+                                   kv_scale=None if self.kv_scales is None else self.kv_scales[0])
         if self.policy.bounded:  # any bounded session may ask for rebased positions at open_session
             from metronome.models.rope_triton import rerotate_keys_
 
@@ -186,7 +201,7 @@ class ModelRunner:
         ``input_ids`` (decode rounds: one token per segment): this round's tokens as a device tensor, used
         in place of the segments' token ids, so the tokens sampled last round never visit the host.
         """
-        if self.graphs is not None and self.graphs.fits(segments):
+        if self.graphs is not None and self.kv_calibrated and self.graphs.fits(segments):
             return self.graphs.run(segments, input_ids)
         if input_ids is not None:
             if len(input_ids) != len(segments) or any(len(s) != 1 or s.embeds is not None for s in segments):
@@ -198,8 +213,11 @@ class ModelRunner:
         if self._in_rounds and all(q == 1 for q in meta.query_lens):
             plan = self.decode_window.plan_round(meta, [s.session.session_id for s in segments])
             return self.model(embeds, positions, self.kv_caches, self.decode_window, plan)
-        plan = self.attention.prepare(meta)
-        return self.model(embeds, positions, self.kv_caches, self.attention, plan)
+        attention = self.attention if self.kv_calibrated else CalibratingAttention(self.attention)
+        plan = attention.prepare(meta)
+        hidden = self.model(embeds, positions, self.kv_caches, attention, plan)
+        self.kv_calibrated = True
+        return hidden
 
     @contextmanager
     def decode_rounds(self):
@@ -262,13 +280,17 @@ class ModelRunner:
 
             half = cos.shape[1] // 2
             cos, sin = cos[:, :half].contiguous(), sin[:, :half].contiguous()
-            for k_cache, _ in self.kv_caches:
+            for k_cache, *_ in self.kv_caches:
                 rerotate_keys_(k_cache, slots_dev, rows, cos, sin)
         else:
             cos, sin = cos[rows.long()], sin[rows.long()]
-            for k_cache, _ in self.kv_caches:
+            for k_cache, *_ in self.kv_caches:
                 flat = k_cache.view(-1, self.spec.num_kv_heads, self.spec.head_dim)
-                flat.index_copy_(0, slots_dev, self.model.rotary.apply(flat.index_select(0, slots_dev), cos, sin))
+                keys = self.model.rotary.apply(flat.index_select(0, slots_dev).float(), cos, sin)
+                if flat.dtype == E4M3:  # rotation is linear, so the per-head scale stays; bytes: no fp8 index_copy_
+                    flat = flat.view(torch.uint8)
+                    keys = keys.clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3).view(torch.uint8)
+                flat.index_copy_(0, slots_dev, keys.to(flat.dtype))
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:

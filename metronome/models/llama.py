@@ -14,17 +14,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from metronome.models.fp8 import Fp8Linear
 from metronome.models.rope import Rotary
 from metronome.models.spec import DecoderSpec
 
 
 class AttentionBackend(Protocol):
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 k_cache: torch.Tensor, v_cache: torch.Tensor, plan: Any) -> torch.Tensor: ...
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, plan: Any,
+                 kv_scale: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
-def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
-    """One Linear whose output is the concatenation of ``parts``' outputs."""
+def _fused_linear(parts: list[nn.Module]) -> nn.Module:
+    """One Linear whose output is the concatenation of ``parts``' outputs (FP8 when any part is)."""
+    if any(isinstance(p, Fp8Linear) for p in parts):
+        return Fp8Linear.concat(parts)
     weight = torch.cat([p.weight for p in parts], 0)
     fused = nn.Linear(weight.shape[1], weight.shape[0], bias=parts[0].bias is not None,
                       device=weight.device, dtype=weight.dtype)
@@ -101,7 +105,8 @@ class Attention(nn.Module):
             rope_qk_(q, k, rope.positions, rope.rotary.inv_freq, rope.rotary.attention_scaling)
         else:
             q, k = Rotary.apply(q, rope.cos, rope.sin), Rotary.apply(k, rope.cos, rope.sin)
-        o = attention(q, k, v, kv[0], kv[1], plan)
+        # An FP8 cache's layer carries its per-head scales as a third element (attention/fp8.py).
+        o = attention(q, k, v, kv[0], kv[1], plan, kv[2] if len(kv) > 2 else None)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 

@@ -17,6 +17,10 @@ Three expert paths compute the same function:
   (``models/moe_triton.py``): two launches per layer, no host synchronisation (CUDA-graph safe).
 * ``"torch"`` (CPU default): sort assignments by expert, one matmul pair per used expert, scatter-add.
 * ``"loop"``: the naive per-expert loop with masks (as transformers' eager code); kept for benchmarks.
+
+FP8 experts (``quantize_fp8_``, or an FP8 checkpoint's per-expert layers) keep E4M3 codes in the same stacked
+tensors with scales beside them (``models/fp8.py``): the grouped GEMM dequantises each weight tile in registers
+(half the bytes streamed per decode round), the torch paths dequantise one used expert at a time.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from metronome.models.fp8 import ExpertScales, Fp8Linear, dequantize, quantize
 from metronome.models.llama import LlamaFamilyForCausalLM
 from metronome.models.spec import DecoderSpec
 
@@ -59,13 +64,27 @@ class ExpertMLP(nn.Module):
 
 
 class FusedExperts(nn.Module):
-    """All experts' weights stacked: ``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]."""
+    """All experts' weights stacked: ``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]; in FP8, E4M3 codes
+    with ``scales`` beside them."""
 
-    def __init__(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> None:
+    def __init__(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, scales: ExpertScales | None = None) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(gate_up_proj, requires_grad=False)
         self.down_proj = nn.Parameter(down_proj, requires_grad=False)
+        self._set_scales(scales)
         self.backend = "auto"
+
+    def _set_scales(self, scales: ExpertScales | None) -> None:
+        self.register_buffer("gate_up_scale", None if scales is None else scales.gate_up)
+        self.register_buffer("down_scale", None if scales is None else scales.down)
+        self.groups = (0, 0) if scales is None else (scales.gate_up_group, scales.down_group)
+
+    @property
+    def scales(self) -> ExpertScales | None:
+        """The FP8 scales, or None for float experts."""
+        if self.gate_up_scale is None:
+            return None
+        return ExpertScales(self.gate_up_scale, self.down_scale, *self.groups)
 
     @classmethod
     def empty(cls, num_experts: int, hidden: int, inter: int) -> "FusedExperts":
@@ -73,10 +92,33 @@ class FusedExperts(nn.Module):
 
     @classmethod
     def stack(cls, experts: nn.ModuleList) -> "FusedExperts":
+        if any(isinstance(m, Fp8Linear) for x in experts for m in (x.gate_proj, x.up_proj, x.down_proj)):
+            return cls._stack_fp8(experts)
         with torch.no_grad():
             gate_up = torch.stack([torch.cat([x.gate_proj.weight, x.up_proj.weight], 0) for x in experts])
             down = torch.stack([x.down_proj.weight for x in experts])
         return cls(gate_up, down)
+
+    @classmethod
+    def _stack_fp8(cls, experts: nn.ModuleList) -> "FusedExperts":
+        """FP8 experts (from a checkpoint) stacked: codes and scales alike (every expert in the same layout)."""
+        gate_up = [Fp8Linear.concat([x.gate_proj, x.up_proj]) for x in experts]
+        down = [d if isinstance(d, Fp8Linear) else Fp8Linear.from_linear(d) for d in (x.down_proj for x in experts)]
+        for layers in (gate_up, down):
+            if len({(m.group, m.weight_scale.shape[1]) for m in layers}) > 1:
+                raise ValueError("the experts' FP8 weights do not share one scale layout")
+        scales = ExpertScales(torch.stack([m.weight_scale for m in gate_up]),
+                              torch.stack([m.weight_scale for m in down]), gate_up[0].group, down[0].group)
+        return cls(torch.stack([m.weight for m in gate_up]), torch.stack([m.weight for m in down]), scales)
+
+    def quantize_fp8_(self) -> None:
+        """Hold the experts as E4M3 codes with one scale per output channel (in place; once)."""
+        if self.scales is not None:
+            return
+        (gate_up, gate_up_scale), (down, down_scale) = quantize(self.gate_up_proj), quantize(self.down_proj)
+        self.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
+        self.down_proj = nn.Parameter(down, requires_grad=False)
+        self._set_scales(ExpertScales(gate_up_scale, down_scale, gate_up.shape[-1], down.shape[-1]))
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         backend = self.backend
@@ -85,11 +127,11 @@ class FusedExperts(nn.Module):
         if backend == "triton":
             from metronome.models.moe_triton import grouped_moe
 
-            return grouped_moe(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights)
+            return grouped_moe(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights, scales=self.scales)
         if backend == "torch":
-            return experts_sorted(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights)
+            return experts_sorted(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights, self.scales)
         if backend == "loop":
-            return experts_loop(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights)
+            return experts_loop(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights, self.scales)
         raise ValueError(f"unknown expert backend {backend!r}; use one of {EXPERT_BACKENDS}")
 
 
@@ -98,8 +140,17 @@ def _swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch
     return F.linear(F.silu(gate) * up, down)
 
 
+def _expert(w_gate_up: torch.Tensor, w_down: torch.Tensor, scales: ExpertScales | None, expert: int,
+            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert ``expert``'s two weights as the product uses them (dequantised to ``dtype`` when FP8)."""
+    if scales is None:
+        return w_gate_up[expert], w_down[expert]
+    return (dequantize(w_gate_up[expert], scales.gate_up[expert], scales.gate_up_group, dtype),
+            dequantize(w_down[expert], scales.down[expert], scales.down_group, dtype))
+
+
 def experts_sorted(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
-                   topk_weights: torch.Tensor) -> torch.Tensor:
+                   topk_weights: torch.Tensor, scales: ExpertScales | None = None) -> torch.Tensor:
     """The torch path: assignments sorted by expert, one matmul pair per used expert (no per-token loop)."""
     t, k = topk_ids.shape
     flat = topk_ids.reshape(-1)
@@ -111,19 +162,20 @@ def experts_sorted(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tenso
     begin = 0
     for expert, n in enumerate(counts):
         if n:
-            out[begin:begin + n] = _swiglu(rows[begin:begin + n], w_gate_up[expert], w_down[expert])
+            out[begin:begin + n] = _swiglu(rows[begin:begin + n], *_expert(w_gate_up, w_down, scales, expert, x.dtype))
             begin += n
     out *= topk_weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
     return torch.zeros_like(x).index_add_(0, tokens, out)
 
 
 def experts_loop(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
-                 topk_weights: torch.Tensor) -> torch.Tensor:
+                 topk_weights: torch.Tensor, scales: ExpertScales | None = None) -> torch.Tensor:
     """The naive path: for each used expert, find its tokens with a mask and run them (benchmark baseline)."""
     y = torch.zeros_like(x)
     for expert in torch.unique(topk_ids).tolist():
         token, slot = torch.where(topk_ids == expert)
-        out = _swiglu(x[token], w_gate_up[expert], w_down[expert]) * topk_weights[token, slot, None].to(x.dtype)
+        weights = _expert(w_gate_up, w_down, scales, expert, x.dtype)
+        out = _swiglu(x[token], *weights) * topk_weights[token, slot, None].to(x.dtype)
         y.index_add_(0, token, out)
     return y
 

@@ -16,6 +16,12 @@ so a decode round that uses it can be captured in a CUDA graph: the grid has an 
 ``cdiv(M, BLOCK_M) + min(E, M)`` row tiles (each expert's rows are padded to whole tiles); the tiles
 past the real ones find the sentinel expert ``E`` and return at once.
 
+FP8 experts (``scales``, ``models/fp8.py``): the E4M3 weight tiles are converted to the activations' dtype in
+registers (W8A16: decode rounds stream half the bytes; the products stay bf16 on the tensor cores). A scale per
+output channel multiplies the accumulator once after the reduction; block scales (one per row and group of
+``G`` columns) multiply each reduction step's partial product, so every step must lie in one group
+(``G % BLOCK_K == 0``).
+
 CPU: the kernels run under ``TRITON_INTERPRET=1`` (tests). The interpreter mishandles bf16 in
 ``tl.dot`` (see ``attention/triton_paged.py``), so when interpreting the operands are upcast to fp32.
 fp32 operands use IEEE fp32 products (``input_precision="ieee"``), not TF32, so float32 models match
@@ -30,6 +36,11 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from metronome.models.fp8 import ExpertScales
+
+# How expert weights are scaled (the kernels' SCALE): float weights, E4M3 per output channel, E4M3 per group.
+NO_SCALE, CHANNEL_SCALE, GROUP_SCALE = 0, 1, 2
 
 
 def _interpreting() -> bool:
@@ -85,10 +96,28 @@ def _tile_rows(tile_expert_ptr, tile_start_ptr, start_ptr, count_ptr, order_ptr,
 
 
 @triton.jit
-def _gate_up_act(x_ptr, w_ptr, act_ptr, order_ptr, start_ptr, count_ptr, tile_expert_ptr, tile_start_ptr,
+def _partial(a, b, acc, scale, DOT_F32: tl.constexpr, SCALE: tl.constexpr):
+    """``acc + a @ b`` of one reduction step; ``b`` (float or E4M3) is converted to ``a``'s dtype, and with group
+    scales the step's product is scaled per output column first."""
+    if DOT_F32:
+        a, b = a.to(tl.float32), b.to(tl.float32)
+    else:
+        b = b.to(a.dtype)
+    if SCALE == 2:
+        if DOT_F32:
+            return acc + tl.dot(a, b, input_precision="ieee") * scale[None, :]
+        return acc + tl.dot(a, b) * scale[None, :]
+    if DOT_F32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _gate_up_act(x_ptr, w_ptr, act_ptr, order_ptr, start_ptr, count_ptr, tile_expert_ptr, tile_start_ptr, s_ptr,
                  H, I, TOPK, NUM_EXPERTS,
-                 stride_x, stride_we, stride_wn, stride_act,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+                 stride_x, stride_we, stride_wn, stride_act, stride_se, stride_sn,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+                 SCALE: tl.constexpr, GROUP_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if tl.load(tile_expert_ptr + pid_m) >= NUM_EXPERTS:
@@ -99,6 +128,10 @@ def _gate_up_act(x_ptr, w_ptr, act_ptr, order_ptr, start_ptr, count_ptr, tile_ex
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
     w_base = w_ptr + e.to(tl.int64) * stride_we
+    s_gate = s_ptr + e.to(tl.int64) * stride_se + offs_n * stride_sn  # this tile's columns' scale rows
+    s_up = s_gate + I * stride_sn
+    scale_gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    scale_up = scale_gate
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -109,23 +142,25 @@ def _gate_up_act(x_ptr, w_ptr, act_ptr, order_ptr, start_ptr, count_ptr, tile_ex
         w_mask = k_mask[:, None] & n_mask[None, :]
         g = tl.load(w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
         u = tl.load(w_base + (offs_n[None, :] + I).to(tl.int64) * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
-        if DOT_F32:
-            a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
-            acc_gate = tl.dot(a, g, acc_gate, input_precision="ieee")
-            acc_up = tl.dot(a, u, acc_up, input_precision="ieee")
-        else:
-            acc_gate = tl.dot(a, g, acc_gate)
-            acc_up = tl.dot(a, u, acc_up)
+        if SCALE == 2:
+            scale_gate = tl.load(s_gate + k0 // GROUP_K, mask=n_mask, other=0.0)
+            scale_up = tl.load(s_up + k0 // GROUP_K, mask=n_mask, other=0.0)
+        acc_gate = _partial(a, g, acc_gate, scale_gate, DOT_F32, SCALE)
+        acc_up = _partial(a, u, acc_up, scale_up, DOT_F32, SCALE)
+    if SCALE == 1:
+        acc_gate = acc_gate * tl.load(s_gate, mask=n_mask, other=0.0)[None, :]
+        acc_up = acc_up * tl.load(s_up, mask=n_mask, other=0.0)[None, :]
     h = acc_gate * tl.sigmoid(acc_gate) * acc_up
     out = act_ptr + sorted_row[:, None].to(tl.int64) * stride_act + offs_n[None, :]
     tl.store(out, h.to(act_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
-def _down(act_ptr, w_ptr, out_ptr, weight_ptr, order_ptr, start_ptr, count_ptr, tile_expert_ptr, tile_start_ptr,
+def _down(act_ptr, w_ptr, out_ptr, weight_ptr, order_ptr, start_ptr, count_ptr, tile_expert_ptr, tile_start_ptr, s_ptr,
           H, I, NUM_EXPERTS,
-          stride_act, stride_we, stride_wn, stride_out,
-          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+          stride_act, stride_we, stride_wn, stride_out, stride_se, stride_sn,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+          SCALE: tl.constexpr, GROUP_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if tl.load(tile_expert_ptr + pid_m) >= NUM_EXPERTS:
@@ -135,6 +170,8 @@ def _down(act_ptr, w_ptr, out_ptr, weight_ptr, order_ptr, start_ptr, count_ptr, 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
     w_base = w_ptr + e.to(tl.int64) * stride_we
+    s_rows = s_ptr + e.to(tl.int64) * stride_se + offs_n * stride_sn
+    scale = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -143,11 +180,11 @@ def _down(act_ptr, w_ptr, out_ptr, weight_ptr, order_ptr, start_ptr, count_ptr, 
                     mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None],
                     mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        if DOT_F32:
-            a, b = a.to(tl.float32), b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
+        if SCALE == 2:
+            scale = tl.load(s_rows + k0 // GROUP_K, mask=n_mask, other=0.0)
+        acc = _partial(a, b, acc, scale, DOT_F32, SCALE)
+    if SCALE == 1:
+        acc = acc * tl.load(s_rows, mask=n_mask, other=0.0)[None, :]
     weight = tl.load(weight_ptr + assign, mask=row_mask, other=0.0).to(tl.float32)
     acc = acc * weight[:, None]
     out = out_ptr + assign[:, None].to(tl.int64) * stride_out + offs_n[None, :]
@@ -200,39 +237,57 @@ def choose_launch(num_assignments: int, num_experts: int, itemsize: int = 2) -> 
     return launch
 
 
+def _scale_args(w: torch.Tensor, scale: torch.Tensor | None, group: int, tiles: TileConfig) -> tuple[dict, tuple]:
+    """The scale operands of one kernel: its SCALE mode, GROUP_K and a reduction step that fits the groups,
+    then (pointer, expert stride, row stride); ``w`` stands in for the pointer of float weights (unused)."""
+    if scale is None:
+        return dict(SCALE=NO_SCALE, GROUP_K=1, BLOCK_K=tiles.block_k), (w, 0, 0)
+    scale = scale.contiguous()
+    if scale.shape[-1] == 1:
+        return dict(SCALE=CHANNEL_SCALE, GROUP_K=1, BLOCK_K=tiles.block_k), (scale, scale.stride(0), scale.stride(1))
+    block_k = min(tiles.block_k, group & -group)  # a power of two that divides the group
+    if block_k < 16:
+        raise ValueError(f"FP8 scale groups of {group} columns do not split into reduction steps of {block_k}")
+    return (dict(SCALE=GROUP_SCALE, GROUP_K=group, BLOCK_K=block_k), (scale, scale.stride(0), scale.stride(1)))
+
+
 def launch_gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, act: torch.Tensor, routing: Routing, top_k: int,
-                   tiles: TileConfig, dot_f32: bool) -> None:
+                   tiles: TileConfig, dot_f32: bool, scale: torch.Tensor | None = None, group: int = 0) -> None:
     """``act[j] = silu(gate)·up`` of the j-th sorted assignment's token under its expert."""
     e, two_i, h = w_gate_up.shape
     inter = two_i // 2
     grid = (routing.tile_expert.numel(), triton.cdiv(inter, tiles.block_n))
+    mode, (s, stride_se, stride_sn) = _scale_args(w_gate_up, scale, group, tiles)
     _gate_up_act[grid](
-        x, w_gate_up, act, routing.order, routing.start, routing.count, routing.tile_expert, routing.tile_start,
-        h, inter, top_k, e, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0),
-        BLOCK_M=routing.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT_F32=dot_f32,
+        x, w_gate_up, act, routing.order, routing.start, routing.count, routing.tile_expert, routing.tile_start, s,
+        h, inter, top_k, e, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0), stride_se, stride_sn,
+        BLOCK_M=routing.block_m, BLOCK_N=tiles.block_n, DOT_F32=dot_f32, **mode,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
 def launch_down(act: torch.Tensor, w_down: torch.Tensor, out: torch.Tensor, weights: torch.Tensor, routing: Routing,
-                tiles: TileConfig, dot_f32: bool) -> None:
+                tiles: TileConfig, dot_f32: bool, scale: torch.Tensor | None = None, group: int = 0) -> None:
     """``out[assignment] = weight · down(act)`` (fp32), every assignment in its own row."""
     e, h, inter = w_down.shape
     grid = (routing.tile_expert.numel(), triton.cdiv(h, tiles.block_n))
+    mode, (s, stride_se, stride_sn) = _scale_args(w_down, scale, group, tiles)
     _down[grid](
         act, w_down, out, weights, routing.order, routing.start, routing.count, routing.tile_expert,
-        routing.tile_start, h, inter, e, act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
-        BLOCK_M=routing.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT_F32=dot_f32,
+        routing.tile_start, s, h, inter, e, act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
+        stride_se, stride_sn,
+        BLOCK_M=routing.block_m, BLOCK_N=tiles.block_n, DOT_F32=dot_f32, **mode,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
 def grouped_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor, *, launch: MoeLaunch | None = None,
-                block_m: int | None = None) -> torch.Tensor:
+                block_m: int | None = None, scales: ExpertScales | None = None) -> torch.Tensor:
     """``sum_j topk_weights[t, j] · expert_{topk_ids[t, j]}(x[t])`` for every token ``t``.
 
     ``x`` [T, H]; ``w_gate_up`` [E, 2I, H] (gate rows first, then up); ``w_down`` [E, H, I];
     ``topk_ids`` [T, k] (int); ``topk_weights`` [T, k]. Returns [T, H] in ``x``'s dtype. ``launch``
-    overrides the tiles ``choose_launch`` picks (``block_m`` only their row height).
+    overrides the tiles ``choose_launch`` picks (``block_m`` only their row height). ``scales``: the weights
+    are E4M3 codes with these scales.
     """
     t, h = x.shape
     e, two_i, h_w = w_gate_up.shape
@@ -253,6 +308,8 @@ def grouped_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, 
     out = torch.empty((m, h), dtype=torch.float32, device=x.device)
     # fp32 operands multiply in IEEE fp32 (not TF32), as do the interpreter's upcast bf16 operands.
     dot_f32 = _interpreting() or not x.is_cuda or x.dtype == torch.float32
-    launch_gate_up(x, w_gate_up, act, routing, k, launch.gate_up, dot_f32)
-    launch_down(act, w_down, out, topk_weights.reshape(-1).contiguous(), routing, launch.down, dot_f32)
+    gate_up_scale = (scales.gate_up, scales.gate_up_group) if scales is not None else (None, 0)
+    down_scale = (scales.down, scales.down_group) if scales is not None else (None, 0)
+    launch_gate_up(x, w_gate_up, act, routing, k, launch.gate_up, dot_f32, *gate_up_scale)
+    launch_down(act, w_down, out, topk_weights.reshape(-1).contiguous(), routing, launch.down, dot_f32, *down_scale)
     return out.view(t, k, h).sum(1).to(x.dtype)

@@ -13,14 +13,21 @@ import torch
 import triton
 import triton.language as tl
 
+from metronome.models.fp8_triton import e4m3_grid
+
 
 @triton.jit
 def _rotate_in_place(ptr, cos, sin, mask, HALF: tl.constexpr):
     """Rotate-half RoPE of the [heads, HALF] pairs at ``ptr`` and ``ptr + HALF`` by float32 ``cos``/``sin``."""
     x1 = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(ptr + HALF, mask=mask, other=0.0).to(tl.float32)
-    tl.store(ptr, (x1 * cos[None, :] - x2 * sin[None, :]).to(ptr.dtype.element_ty), mask=mask)
-    tl.store(ptr + HALF, (x2 * cos[None, :] + x1 * sin[None, :]).to(ptr.dtype.element_ty), mask=mask)
+    y1 = x1 * cos[None, :] - x2 * sin[None, :]
+    y2 = x2 * cos[None, :] + x1 * sin[None, :]
+    if ptr.dtype.element_ty == tl.float8e4nv:  # E4M3 keys (per-head scales; rotation keeps them): round exactly
+        y1 = e4m3_grid(y1)
+        y2 = e4m3_grid(y2)
+    tl.store(ptr, y1.to(ptr.dtype.element_ty), mask=mask)
+    tl.store(ptr + HALF, y2.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

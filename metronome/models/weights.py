@@ -16,6 +16,7 @@ from safetensors import safe_open
 from torch import nn
 
 from metronome.errors import ModelLoadError
+from metronome.models.fp8 import E4M3, Fp8Checkpoint, per_channel_for_tensor_cores_
 from metronome.models.llama import LlamaFamilyForCausalLM
 from metronome.models.spec import DecoderSpec
 
@@ -44,13 +45,16 @@ def fill_weights(net: nn.Module, checkpoint: Path, rename: Callable[[str], str |
 
     ``rename`` maps a checkpoint name to the module's name, or to ``None`` for tensors this module
     does not hold (an omni checkpoint's audio tower or talker when only the decoder loads here).
+    An FP8 checkpoint's E4M3 weights come with their scales (``models/fp8.py``: ``Fp8Checkpoint.install``).
     """
     params = dict(net.named_parameters())
     missing = set(params)
-    for file in weight_files(checkpoint):
+    files = weight_files(checkpoint)
+    fp8 = Fp8Checkpoint.read(read_config(checkpoint), files) if (checkpoint / "config.json").exists() else None
+    for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for stored in f.keys():
-                if stored.endswith(_IGNORED_SUFFIXES):
+                if stored.endswith(_IGNORED_SUFFIXES) or (fp8 is not None and fp8.is_extra(stored)):
                     continue
                 name = rename(stored)
                 if name is None:
@@ -61,8 +65,11 @@ def fill_weights(net: nn.Module, checkpoint: Path, rename: Callable[[str], str |
                 if tuple(tensor.shape) != tuple(params[name].shape):
                     raise ModelLoadError(
                         f"{file.name}: {stored} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
-                with torch.no_grad():
-                    params[name].copy_(tensor)
+                if tensor.dtype == E4M3 and fp8 is not None:
+                    fp8.install(net, name, stored, tensor)
+                else:
+                    with torch.no_grad():
+                        params[name].copy_(tensor)
                 missing.discard(name)
     if missing:
         raise ModelLoadError(f"{checkpoint}: weights missing from the checkpoint: {sorted(missing)[:5]}")
@@ -82,6 +89,7 @@ def load_decoder_weights(net: nn.Module, checkpoint: Path, dtype: torch.dtype, d
 
     fill_weights(net, checkpoint, tied_aware)
     net.fuse_projections()
+    per_channel_for_tensor_cores_(net)
     net.init_rotary(device)
     return net.eval().requires_grad_(False)
 

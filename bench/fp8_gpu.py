@@ -1,0 +1,230 @@
+"""FP8 on one GPU, bf16 against FP8: quality (SmolLM2 perplexity), the layers (linear, MoE experts) and engine ticks.
+
+    python bench/fp8_gpu.py --out results/fp8_gpu.json            # every part (about 10 minutes on an H200)
+    python bench/fp8_gpu.py --parts perplexity,linear --out results/fp8_quick.json
+
+Parts:
+
+* ``perplexity``: SmolLM2-135M-Instruct (the packaged checkpoint, real weights) on ``--tokens`` tokens of English
+  prose in chunks of 256 through a sink + window session (S = 16, W = 1024): bf16, FP8 weights, FP8 KV, both.
+* ``linear``: ``Fp8Linear`` (``torch._scaled_mm``, activations quantised per token) against bf16 ``F.linear`` at
+  Qwen2.5-7B's four layer shapes, for decode-sized and prefill-sized row counts: µs per call, and the weight
+  bytes streamed per µs (decode rounds are weight-bound: FP8 halves the bytes).
+* ``moe``: the grouped GEMM over Qwen3-Omni-30B-A3B's experts (E = 128, k = 8, H = 2048, I = 768), bf16 against
+  E4M3 experts, at decode batches of N tokens: µs per layer, and the floor of streaming the experts that round
+  touches once (at the measured copy bandwidth).
+* ``engine``: a Qwen2.5-7B-shaped decoder (random weights): one tick of N sessions (26 tokens prefilled, 25
+  decoded, windows full) in bf16, with FP8 weights, with FP8 weights and FP8 KV; and each pool's capacity
+  (sessions that fit at ``kv_memory_fraction`` 0.85 beside the weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+VARIANTS = {"bf16": (None, "auto"), "fp8-weights": ("fp8", "auto"), "fp8-kv": (None, "fp8"), "fp8-both": ("fp8", "fp8")}
+
+
+def timed_us(fn, reps: int = 50) -> float:
+    """Median of ``reps`` CUDA-event timings of ``fn`` (after a warm-up), in µs."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    a = torch.empty(1 << 28, dtype=torch.bfloat16, device="cuda")
+    b = torch.empty_like(a)
+    us = timed_us(lambda: b.copy_(a), reps=10)
+    return 2 * a.numel() * 2 / (us * 1e-6)
+
+
+def release() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------- parts
+def bench_perplexity(args) -> dict:
+    from metronome import Engine, EngineConfig, KVPolicy, StepInput
+    from metronome.experiments.quality import perplexity, text_tokens
+    from metronome.models.loader import load_tokenizer, resolve_checkpoint
+
+    checkpoint = resolve_checkpoint("smollm2-135m")
+    tokens, chars = text_tokens(load_tokenizer(checkpoint), args.tokens)
+    out = {"tokens": len(tokens), "chars": chars, "perplexity": {}}
+    for name, (quantization, kv) in VARIANTS.items():
+        engine = Engine(EngineConfig(model=str(checkpoint), device="cuda", dtype="bfloat16", num_blocks=400,
+                                     quantization=quantization, kv_cache_dtype=kv,
+                                     policy=KVPolicy(sinks=16, window=1024, block_size=16)))
+        sid = engine.open_session()
+        logprobs = []
+        for k in range(0, len(tokens), 256):
+            res, = engine.step([StepInput(sid, token_ids=tokens[k:k + 256], prompt_logprobs=True)])
+            logprobs += res.prompt_logprobs
+        engine.close()
+        out["perplexity"][name] = perplexity(logprobs)
+        release()
+    base = out["perplexity"]["bf16"]
+    out["vs_bf16"] = {k: v / base - 1 for k, v in out["perplexity"].items()}
+    return out
+
+
+def bench_linear(args) -> dict:
+    from metronome.models.fp8 import Fp8Linear
+
+    hidden, inter, heads, kv_heads, d = 3584, 18944, 28, 4, 128  # Qwen2.5-7B
+    shapes = {"qkv": (hidden, (heads + 2 * kv_heads) * d), "o": (heads * d, hidden), "gate_up": (hidden, 2 * inter),
+              "down": (inter, hidden)}
+    rows = [int(x) for x in args.rows.split(",")]
+    out = []
+    for name, (k, n) in shapes.items():
+        linear = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+        fp8 = Fp8Linear.from_linear(linear)
+        assert fp8.tensor_cores, "needs FP8 tensor cores (compute capability >= 8.9)"
+        for m in rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            bf16_us = timed_us(lambda: F.linear(x, linear.weight))
+            fp8_us = timed_us(lambda: fp8(x))
+            out.append({"layer": name, "K": k, "N": n, "rows": m, "bf16_us": bf16_us, "fp8_us": fp8_us,
+                        "speedup": bf16_us / fp8_us, "bf16_weight_GBps": 2 * k * n / bf16_us / 1e3,
+                        "fp8_weight_GBps": k * n / fp8_us / 1e3})
+            print(json.dumps(out[-1]), flush=True)
+        del linear, fp8
+        release()
+    return {"shape": "qwen2.5-7b", "layers": out}
+
+
+def bench_moe(args, copy_bps: float) -> dict:
+    from metronome.models.fp8 import ExpertScales, quantize
+    from metronome.models.moe_triton import grouped_moe
+
+    e, k, h, inter = 128, 8, 2048, 768  # Qwen3-Omni-30B-A3B's thinker layer
+    gate_up = torch.randn(e, 2 * inter, h, device="cuda", dtype=torch.bfloat16) * 0.02
+    down = torch.randn(e, h, inter, device="cuda", dtype=torch.bfloat16) * 0.02
+    (gu, gu_s), (dn, dn_s) = quantize(gate_up), quantize(down)
+    scales = ExpertScales(gu_s, dn_s, h, inter)
+    out = []
+    for n in [int(x) for x in args.moe_tokens.split(",")]:
+        gen = torch.Generator(device="cuda").manual_seed(n)
+        x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16)
+        w, ids = torch.softmax(torch.randn(n, e, device="cuda", generator=gen), -1).topk(k, -1)
+        w = (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)
+        touched = int(torch.unique(ids).numel())
+        bf16_us = timed_us(lambda: grouped_moe(x, gate_up, down, ids, w))
+        fp8_us = timed_us(lambda: grouped_moe(x, gu, dn, ids, w, scales=scales))
+        per_expert = 3 * h * inter  # weights of one expert (gate, up, down)
+        floors = {name: touched * per_expert * size / copy_bps * 1e6 for name, size in (("bf16", 2), ("fp8", 1))}
+        out.append({"tokens": n, "experts_touched": touched, "bf16_us": bf16_us, "fp8_us": fp8_us,
+                    "bf16_floor_us": floors["bf16"], "fp8_floor_us": floors["fp8"],
+                    "bf16_x_floor": bf16_us / floors["bf16"], "fp8_x_floor": fp8_us / floors["fp8"]})
+        print(json.dumps(out[-1]), flush=True)
+    del gate_up, down, gu, dn
+    release()
+    return {"shape": "qwen3-omni-30b-a3b layer", "rounds": out}
+
+
+def bench_engine(args) -> dict:
+    from metronome import Engine, EngineConfig, KVPolicy, StepInput
+    from metronome.experiments.random_weights import random_decoder
+    from metronome.experiments.shapes import shape_config
+    from metronome.models.llama import LlamaFamilyForCausalLM
+    from metronome.models.spec import spec_from_hf_config
+
+    spec = spec_from_hf_config(shape_config("qwen2.5-7b"))
+    policy = KVPolicy(sinks=16, window=1024, block_size=16)
+    out = {}
+    for name in ("bf16", "fp8-weights", "fp8-both"):
+        quantization, kv = VARIANTS[name]
+        net = random_decoder(LlamaFamilyForCausalLM, spec, "cuda", torch.bfloat16)
+        engine = Engine(EngineConfig(model="random", device="cuda", dtype="bfloat16", policy=policy,
+                                     quantization=quantization, kv_cache_dtype=kv, kv_memory_fraction=0.85,
+                                     max_chunk_tokens=256, max_batch_tokens=16384), model=net)
+        del net
+        stats = engine.stats()
+        rows = {"capacity": stats.capacity, "kv_blocks": stats.kv_blocks_total,
+                "weights_GB": sum(t.numel() * t.element_size() for t in
+                                  [*engine.model.parameters(), *engine.model.buffers()]) / 1e9, "ticks": []}
+        gen = torch.Generator().manual_seed(0)
+        for n in [int(x) for x in args.sessions.split(",")]:
+            if n > stats.capacity:
+                rows["ticks"].append({"N": n, "skipped": f"the pool holds {stats.capacity} sessions"})
+                continue
+            sids = [engine.open_session() for _ in range(n)]
+            for _ in range(math.ceil((policy.window + policy.sinks) / 256)):  # fill the windows
+                engine.step([StepInput(s, token_ids=torch.randint(0, spec.vocab_size, (256,), generator=gen).tolist())
+                             for s in sids])
+            ticks = []
+            for t in range(args.ticks + 1):
+                inputs = [StepInput(s, token_ids=torch.randint(0, spec.vocab_size, (26,), generator=gen).tolist(),
+                                    max_new_tokens=25) for s in sids]
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                engine.step(inputs)
+                elapsed = (time.perf_counter() - start) * 1e3
+                if t:
+                    ticks.append({"tick_ms": elapsed, "prefill_ms": engine.last_timing.prefill_ms,
+                                  "decode_ms": engine.last_timing.decode_ms})
+            for s in sids:
+                engine.close_session(s)
+            rows["ticks"].append({"N": n, "median_ms": statistics.median(x["tick_ms"] for x in ticks),
+                                  "median_decode_ms": statistics.median(x["decode_ms"] for x in ticks),
+                                  "median_prefill_ms": statistics.median(x["prefill_ms"] for x in ticks),
+                                  "ticks": ticks})
+            print(json.dumps({name: {k: v for k, v in rows["ticks"][-1].items() if k != "ticks"}}), flush=True)
+        engine.close()
+        release()
+        out[name] = rows
+    return {"shape": "qwen2.5-7b", "variants": out}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", default="perplexity,linear,moe,engine")
+    p.add_argument("--tokens", type=int, default=4096, help="perplexity: tokens of text")
+    p.add_argument("--rows", default="1,16,64,256,1024,8192", help="linear: rows per call")
+    p.add_argument("--moe-tokens", default="64,128,256,320", help="moe: tokens per decode round")
+    p.add_argument("--sessions", default="64,128,256,320,512", help="engine: sessions per tick")
+    p.add_argument("--ticks", type=int, default=3)
+    p.add_argument("--out", default="results/fp8_gpu.json")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/fp8_gpu.py needs a CUDA device")
+    copy_bps = copy_bandwidth()
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "platform": platform.platform(),
+               "date": time.strftime("%Y-%m-%d"), "args": vars(args), "copy_bytes_per_s": copy_bps}
+    parts = [x for x in args.parts.split(",") if x]
+    runners = {"perplexity": lambda: bench_perplexity(args), "linear": lambda: bench_linear(args),
+               "moe": lambda: bench_moe(args, copy_bps), "engine": lambda: bench_engine(args)}
+    for part in parts:
+        start = time.perf_counter()
+        results[part] = runners[part]()
+        results[part]["elapsed_s"] = round(time.perf_counter() - start, 1)
+        print(f"{part}: done in {results[part]['elapsed_s']} s", flush=True)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    if "perplexity" in results:
+        print("perplexity:", {k: round(v, 4) for k, v in results["perplexity"]["perplexity"].items()},
+              "vs bf16:", {k: f"{v:+.2%}" for k, v in results["perplexity"]["vs_bf16"].items()})
+
+
+if __name__ == "__main__":
+    main()

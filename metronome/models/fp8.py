@@ -1,0 +1,255 @@
+"""FP8 (E4M3) weights: quantisation, the FP8 linear layer, and the FP8 checkpoint layout.
+
+A weight [N, K] is held as E4M3 codes with float32 scales [N, G], ``w = codes * scale``: one scale per output
+channel (G = 1), or one per row and group of ``group`` columns (G = ceil(K / group)). Every layout of the
+vLLM / Hugging Face FP8 checkpoints maps onto it exactly: a per-tensor ``weight_scale`` repeats down the
+rows, a per-channel one is a column, and a block-wise ``weight_scale_inv`` [ceil(N / bn), ceil(K / bk)] repeats
+each block row bn times. Scales by row make fused projections (q/k/v, gate/up, stacked experts) a
+concatenation, wherever their block edges fall.
+
+Products: on CUDA with compute capability >= 8.9 and bf16 activations a per-channel weight runs on the FP8
+tensor cores (``torch._scaled_mm``) with the activations quantised per token on the fly; a block-wise weight is
+rescaled per channel once loaded there (``per_channel_for_tensor_cores_``: one more E4M3 rounding). Elsewhere the
+weight is dequantised to the activations' dtype for each product, so on the CPU the layer computes exactly with
+the dequantised weight. Stacked MoE experts keep block scales everywhere (their grouped GEMM applies them).
+
+>>> w = torch.tensor([[1.0, -0.5, 0.26], [100.0, 3.0, -7.0]])
+>>> codes, scale = quantize(w)             # one scale per row: its largest magnitude maps to 448
+>>> (scale * 448).flatten().tolist()
+[1.0, 100.0]
+>>> [[round(x, 3) for x in row] for row in dequantize(codes, scale, group=3).tolist()]
+[[1.0, -0.5, 0.268], [100.0, 2.902, -7.143]]
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+
+from metronome.attention.fp8 import E4M3, E4M3_MAX, to_e4m3
+from metronome.errors import ModelLoadError
+
+# Tensors an FP8 checkpoint stores beside its weights that are not weights: scales, and the static activation
+# and KV scales of checkpoints calibrated for them (activations are scaled per token here, the KV per head).
+SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv")
+UNUSED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale")
+# Smallest activation amax a row is scaled by (an all-zero row must not divide by zero).
+ACTIVATION_AMAX_FLOOR = 1e-12
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def quantize(w: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 codes of ``w`` [..., N, K] and float32 scales [..., N, G]: each row's (or row group's) largest
+    magnitude maps to 448. ``group=None``: one scale per row."""
+    k = w.shape[-1]
+    group = group or k
+    groups = _cdiv(k, group)
+    wf = F.pad(w.float(), (0, groups * group - k)).unflatten(-1, (groups, group))
+    amax = wf.abs().amax(-1)
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    return to_e4m3(wf, scale[..., None]).flatten(-2)[..., :k].contiguous(), scale
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, group: int,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``codes * scale`` [..., N, K] in ``dtype`` (computed in float32): scales [..., N, G] of ``group`` columns."""
+    if scale.shape[-1] > 1:
+        scale = scale.repeat_interleave(group, dim=-1)[..., :codes.shape[-1]]
+    return (codes.float() * scale).to(dtype)
+
+
+def scaled_mm_available(device: torch.device) -> bool:
+    """FP8 tensor cores: CUDA with compute capability >= 8.9 (Ada, Hopper and later)."""
+    return device.type == "cuda" and _capability(device.index if device.index is not None
+                                                 else torch.cuda.current_device()) >= (8, 9)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token (row) dynamic quantisation of activations [M, K]: E4M3 codes and float32 scales [M, 1]
+    (on CUDA one Triton kernel, ``models/fp8_triton.py``)."""
+    if x.is_cuda:
+        from metronome.models.fp8_triton import quantize_rows_triton
+
+        return quantize_rows_triton(x, ACTIVATION_AMAX_FLOOR)
+    scale = x.abs().amax(-1, keepdim=True).float().clamp_(min=ACTIVATION_AMAX_FLOOR) / E4M3_MAX
+    return to_e4m3(x, scale), scale
+
+
+def fp8_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x @ (codes * scale).T`` on the FP8 tensor cores: x [M, K] bf16, codes [N, K], per-channel scale [N, 1]."""
+    if x.shape[0] == 0:
+        return x.new_empty((0, codes.shape[0]))
+    xq, x_scale = quantize_rows(x)
+    return torch._scaled_mm(xq, codes.t(), scale_a=x_scale, scale_b=scale.t(), out_dtype=x.dtype)
+
+
+class Fp8Linear(nn.Module):
+    """A linear layer of E4M3 codes [N, K] and float32 scales [N, G] (buffers) and an optional bias."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, group: int, bias: nn.Parameter | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        if scale.shape != (self.out_features, _cdiv(self.in_features, group)):
+            raise ValueError(f"scales {tuple(scale.shape)} do not fit {tuple(codes.shape)} in groups of {group}")
+        self.group = group if scale.shape[1] > 1 else self.in_features
+        self.register_buffer("weight", codes.contiguous())
+        self.register_buffer("weight_scale", scale.float().contiguous())
+        self.bias = bias
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: int | None = None) -> "Fp8Linear":
+        """Quantise a float layer: one scale per output channel, or per ``group`` columns of each row."""
+        codes, scale = quantize(linear.weight.detach(), group)
+        return cls(codes, scale, group or linear.in_features, linear.bias)
+
+    @classmethod
+    def concat(cls, parts: list[nn.Module]) -> "Fp8Linear":
+        """One layer whose output is the concatenation of ``parts``' outputs (float parts are quantised)."""
+        groups = {p.group for p in parts if isinstance(p, Fp8Linear) and p.weight_scale.shape[1] > 1}
+        if len(groups) > 1:
+            raise ValueError(f"cannot fuse FP8 layers of different scale groups {sorted(groups)}")
+        group = groups.pop() if groups else None
+        parts = [p if isinstance(p, Fp8Linear) else cls.from_linear(p, group) for p in parts]
+        width = max(p.weight_scale.shape[1] for p in parts)
+        scale = torch.cat([p.weight_scale.expand(-1, width) for p in parts])  # a row's one scale fills its groups
+        bias = None
+        if parts[0].bias is not None:
+            bias = nn.Parameter(torch.cat([p.bias.detach() for p in parts]), requires_grad=False)
+        return cls(torch.cat([p.weight for p in parts]), scale, group or parts[0].in_features, bias)
+
+    @property
+    def tensor_cores(self) -> bool:
+        """Whether products run on the FP8 tensor cores: one scale per output channel, dimensions that are
+        multiples of 16, a device that has them."""
+        return (self.weight.is_cuda and self.weight_scale.shape[1] == 1 and self.in_features % 16 == 0
+                and self.out_features % 16 == 0 and scaled_mm_available(self.weight.device))
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize(self.weight, self.weight_scale, self.group, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tensor_cores and x.dtype == torch.bfloat16:
+            out = fp8_matmul(x.reshape(-1, self.in_features), self.weight, self.weight_scale)
+            out = out.reshape(*x.shape[:-1], self.out_features)
+            return out if self.bias is None else out.add_(self.bias)
+        return F.linear(x, self.dequantized(x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, group={self.group}"
+
+
+@dataclass(frozen=True)
+class ExpertScales:
+    """Scales of stacked E4M3 expert weights: ``gate_up`` [E, 2I, G1], ``down`` [E, H, G2], and the columns each
+    scale covers (the row's whole width when G is 1)."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    gate_up_group: int
+    down_group: int
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+def row_scales(stored: torch.Tensor, n: int, k: int, block: tuple[int, int] | None) -> tuple[torch.Tensor, int]:
+    """A checkpoint's scale tensor for an [N, K] weight as float32 scales [N, G] and the columns G covers:
+    per tensor (one value), per channel ([N] or [N, 1]) or per ``block`` = (bn, bk) ([ceil(N/bn), ceil(K/bk)])."""
+    stored = stored.float()
+    if stored.numel() == 1:
+        return stored.reshape(1, 1).expand(n, 1).contiguous(), k
+    if tuple(stored.shape) in ((n,), (n, 1)):
+        return stored.reshape(n, 1).contiguous(), k
+    if block is not None and tuple(stored.shape) == (_cdiv(n, block[0]), _cdiv(k, block[1])):
+        return stored.repeat_interleave(block[0], dim=0)[:n].contiguous(), block[1]
+    raise ModelLoadError(f"an FP8 scale of shape {tuple(stored.shape)} fits neither a tensor, a channel nor a "
+                         f"block ({block}) of a [{n}, {k}] weight")
+
+
+@dataclass(frozen=True)
+class Fp8Checkpoint:
+    """What an FP8 checkpoint (``quantization_config.quant_method == "fp8"``) stores beside its weights:
+    each quantised weight's scale tensor (by the weight's stored name) and the block shape of block scales."""
+
+    scales: dict[str, torch.Tensor]
+    block: tuple[int, int] | None
+
+    @classmethod
+    def read(cls, config: dict, files: list[Path]) -> "Fp8Checkpoint | None":
+        """The scales of an FP8 checkpoint; None for any other checkpoint."""
+        quant = config.get("quantization_config") or {}
+        if quant.get("quant_method") != "fp8":
+            return None
+        block = quant.get("weight_block_size")
+        scales = {}
+        for file in files:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for stored in f.keys():
+                    if stored.endswith(SCALE_SUFFIXES):
+                        scales[stored.rpartition(".")[0] + ".weight"] = f.get_tensor(stored)
+        return cls(scales, tuple(block) if block else None)
+
+    @staticmethod
+    def is_extra(stored: str) -> bool:
+        """A tensor that is not a weight: a scale (read with its weight) or an unused static scale."""
+        return stored.endswith(SCALE_SUFFIXES + UNUSED_SUFFIXES)
+
+    def install(self, net: nn.Module, name: str, stored: str, codes: torch.Tensor) -> None:
+        """Put the E4M3 weight ``codes`` stored as ``stored`` into ``net``'s parameter ``name``: a linear layer of
+        the decoder's layers becomes an ``Fp8Linear``; anything else (an LM head) takes the dequantised weight."""
+        if stored not in self.scales:
+            raise ModelLoadError(f"{stored} is stored as FP8 without a weight_scale or weight_scale_inv beside it")
+        path = name.removesuffix(".weight")
+        module = net.get_submodule(path)
+        scale, group = row_scales(self.scales[stored], *codes.shape, self.block)
+        if isinstance(module, nn.Linear) and ".layers." in f".{path}":
+            device = module.weight.device
+            _replace(net, path, Fp8Linear(codes.to(device), scale.to(device), group, module.bias))
+            return
+        param = net.get_parameter(name)
+        with torch.no_grad():
+            param.copy_(dequantize(codes, scale, group, param.dtype))
+
+
+def _replace(root: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, child = path.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, child, module)
+
+
+def per_channel_for_tensor_cores_(net: nn.Module) -> nn.Module:
+    """On a device with FP8 tensor cores, rescale every block-scaled ``Fp8Linear`` of ``net`` per output channel
+    (in place; the tensor-core product takes one scale per channel). Elsewhere nothing changes."""
+    for path, module in list(net.named_modules()):
+        if isinstance(module, Fp8Linear) and module.weight_scale.shape[1] > 1 and scaled_mm_available(
+                module.weight.device):
+            codes, scale = quantize(module.dequantized())
+            _replace(net, path, Fp8Linear(codes, scale, module.in_features, module.bias))
+    return net
+
+
+def quantize_decoder_(net: nn.Module) -> nn.Module:
+    """Swap every linear layer of ``net.model.layers`` for an ``Fp8Linear`` (per-channel scales) and quantise the
+    stacked MoE experts (``quantize_fp8_``), in place. Embeddings, norms, the LM head and MoE routers stay as
+    they are (small, and the router's choices are sensitive). Layers already in FP8 are left alone."""
+    for layer in net.model.layers:
+        routers = {id(m.gate) for m in layer.modules()
+                   if hasattr(m, "experts") and isinstance(getattr(m, "gate", None), nn.Linear)}
+        for path, module in list(layer.named_modules()):
+            if isinstance(module, nn.Linear) and id(module) not in routers:
+                _replace(layer, path, Fp8Linear.from_linear(module))
+            elif hasattr(module, "quantize_fp8_"):
+                module.quantize_fp8_()
+    return net
+

@@ -1,0 +1,71 @@
+"""FP8 weights on a CUDA device with FP8 tensor cores (compute capability >= 8.9): the ``torch._scaled_mm`` product
+with per-token activation scales, block checkpoints rescaled per channel, and the grouped MoE GEMM over E4M3
+experts in bf16. Skipped elsewhere (the CPU tests cover the same layers dequantised)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from metronome.models.fp8 import Fp8Linear, dequantize, per_channel_for_tensor_cores_, quantize, scaled_mm_available
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or not scaled_mm_available(torch.device("cuda")),
+                                reason="needs FP8 tensor cores (CUDA, compute capability >= 8.9)")
+
+
+@pytest.mark.parametrize("rows", [1, 37, 300])
+def test_tensor_core_linear_within_the_activation_rounding_bound(rows):
+    """Against float64 over the same E4M3 weights: each activation is off by at most half an E4M3 step
+    (2**-4 of itself, or 2**-10 of its row's scale), so an output by at most ``2**-4 |x| @ |W|.T`` plus that
+    floor times ``|W|`` summed, plus bf16's rounding of the output (2**-8 of it)."""
+    g = torch.Generator().manual_seed(rows)
+    linear = torch.nn.Linear(1024, 768, bias=True)
+    torch.nn.init.normal_(linear.weight, std=0.03, generator=g)
+    layer = Fp8Linear.from_linear(linear.cuda())
+    assert layer.tensor_cores
+    x = (torch.randn(rows, 1024, generator=g) * torch.logspace(-1, 1, 1024)).to("cuda", torch.bfloat16)
+    got = layer(x).double()
+    w = layer.dequantized().double()
+    xd = x.double()
+    want = xd @ w.T + layer.bias.double()
+    row_scale = xd.abs().amax(1, keepdim=True) / 448
+    bound = 2 ** -4 * xd.abs() @ w.abs().T + 2 ** -10 * row_scale * w.abs().sum(1) + 2 ** -8 * want.abs() + 1e-3
+    assert ((got - want).abs() <= bound).all()
+    assert (got - want).abs().max() < 0.03 * want.abs().max()
+
+
+def test_block_scaled_layers_rescale_per_channel_for_the_tensor_cores():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(384, 512, generator=g) * torch.logspace(-2, 0, 512)
+    codes, scale = quantize(w, 128)
+    net = torch.nn.Sequential(Fp8Linear(codes.cuda(), scale.cuda(), 128, None))
+    assert not net[0].tensor_cores  # block scales: the tensor cores cannot take them
+    block = net[0].dequantized().cpu()
+    per_channel_for_tensor_cores_(net)
+    assert net[0].tensor_cores and net[0].weight_scale.shape == (384, 1)
+    s = net[0].weight_scale.cpu()
+    # One more E4M3 rounding: within half a step at the row's scale.
+    assert ((net[0].dequantized().cpu() - block).abs() <= torch.maximum(block.abs() * 2 ** -4, s * 2 ** -10)).all()
+
+
+@pytest.mark.parametrize("group", [None, 128])
+def test_grouped_moe_with_fp8_experts_in_bf16(group):
+    """The compiled grouped GEMM at decode and prefill loads (the default tiles), E4M3 experts dequantised in
+    registers, bf16 products: within bf16's tolerance of float64 over the dequantised experts."""
+    from metronome.models.fp8 import ExpertScales
+    from metronome.models.moe_triton import grouped_moe
+    from tests.models.test_moe_triton import _oracle, _routing
+
+    e, h, inter, k = 16, 256, 128, 4
+    g = torch.Generator().manual_seed(2)
+    gate_up = torch.randn(e, 2 * inter, h, generator=g) / h ** 0.5
+    down = torch.randn(e, h, inter, generator=g) / inter ** 0.5
+    (gu, gu_s), (dn, dn_s) = quantize(gate_up, group), quantize(down, group)
+    scales = ExpertScales(gu_s.cuda(), dn_s.cuda(), group or h, group or inter)
+    gu_f, dn_f = dequantize(gu, gu_s, group or h), dequantize(dn, dn_s, group or inter)
+    for t in (8, 700):
+        x = torch.randn(t, h, generator=g).to("cuda", torch.bfloat16)
+        ids, w = _routing(t, e, k, seed=t)
+        got = grouped_moe(x, gu.cuda(), dn.cuda(), ids, w.to(torch.bfloat16), scales=scales)
+        want = _oracle(x.float(), gu_f, dn_f, ids, w.to(torch.bfloat16).float())
+        torch.testing.assert_close(got.double().cpu(), want, atol=3e-2, rtol=3e-2)

@@ -1,0 +1,69 @@
+"""E4M3 in Triton (interpreted on the CPU): rounding onto the E4M3 grid against torch's cast, and the per-token
+activation quantiser against the torch ops it replaces."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from metronome.models import fp8  # noqa: E402
+from metronome.models.fp8_triton import e4m3_grid, quantize_rows_triton  # noqa: E402
+
+E4M3 = torch.float8_e4m3fn
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@triton.jit
+def _cast(X, Q, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + offs, mask=offs < N)
+    tl.store(Q + offs, e4m3_grid(x).to(Q.dtype.element_ty), mask=offs < N)
+
+
+def _triton_e4m3(x: torch.Tensor) -> torch.Tensor:
+    q = torch.empty(x.shape, dtype=E4M3, device=x.device)
+    _cast[(triton.cdiv(x.numel(), 1024),)](x, q, x.numel(), BLOCK=1024)
+    return q
+
+
+def test_rounding_onto_the_e4m3_grid_is_torchs():
+    """Every E4M3 value, every midpoint between neighbours and one float32 step either side of it (ties go to
+    even), subnormals, out of range (saturates), NaN: the same codes as torch's cast. (The interpreter's own cast
+    turns NaN into a number, triton-lang/triton#11897, so NaN is checked compiled only.)"""
+    grid = torch.arange(256, dtype=torch.uint8).view(E4M3).float()
+    grid = grid[torch.isfinite(grid)].unique()
+    mid = (grid[1:] + grid[:-1]) / 2
+    inf = torch.tensor(float("inf"))
+    x = torch.cat([grid, mid, mid.nextafter(inf), mid.nextafter(-inf),
+                   torch.tensor([464.0, 465.0, 1e9, -1e9, float("inf"), 2.0 ** -11, -(2.0 ** -10)])])
+    got = _triton_e4m3(x.to(DEVICE)).cpu()
+    assert torch.equal(got.view(torch.uint8), x.to(E4M3).view(torch.uint8))
+    if DEVICE == "cuda":
+        assert torch.isnan(_triton_e4m3(torch.tensor([float("nan")], device=DEVICE)).float()).all()
+
+
+def test_row_quantisation_kernel_matches_torch():
+    """The same scales as the torch ops, and codes that differ by at most one E4M3 step where the division
+    rounds differently (float32 division is not correctly rounded on a GPU)."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 1500, generator=g) * torch.logspace(-2, 3, 5)[:, None]
+    x[2] = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(DEVICE, dtype)
+        codes, scale = quantize_rows_triton(xd, fp8.ACTIVATION_AMAX_FLOOR)
+        want_codes, want_scale = fp8.quantize_rows(xd.cpu())
+        torch.testing.assert_close(scale.cpu(), want_scale, rtol=1e-6, atol=0)
+        back, want = codes.cpu().float() * scale.cpu(), want_codes.float() * want_scale
+        assert ((back - want).abs() <= torch.maximum(want.abs() * 2 ** -3, want_scale * 2 ** -9)).all()
+        assert (back == want).float().mean() > 0.999
+        assert (back[2] == 0).all()
