@@ -173,8 +173,12 @@ class DecodeWindow:
 
     # ------------------------------------------------------------------ per layer
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, plan: DecodeRoundPlan) -> torch.Tensor:
-        """Write the round's K/V to the cache and the buffers, then attend: ``query`` [n, heads, head_dim]."""
+               v_cache: torch.Tensor, plan: DecodeRoundPlan, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """Write the round's K/V to the cache and the buffers, then attend: ``query`` [n, heads, head_dim].
+
+        Pages in the compute dtype only (``kv_scale`` None): the runner sends E4M3 pages to the reference."""
+        if kv_scale is not None:
+            raise ValueError("the decode window holds compute-dtype keys; E4M3 pages go through the reference")
         write_kv(key, value, k_cache, v_cache, plan.meta.slot_mapping)
         k_buf, v_buf = self.buffers[self.layers[k_cache.data_ptr()]]
         kv_heads, head_dim = self.kv_heads, self.head_dim
