@@ -103,10 +103,11 @@ class ModelRunner:
             self.attention = TritonPagedAttention(self.spec.num_heads, num_kv_heads=self.spec.num_kv_heads)
         else:
             self.attention = TorchPagedAttention(self.spec.num_heads)
-        # Torch attention over compute-dtype pages only: decode rounds attend over keys gathered once per step
-        # (see decode_rounds); E4M3 pages go through the reference, which applies their scales.
+        # The CPU path's torch attention over compute-dtype pages: decode rounds attend over keys gathered once
+        # per step (see decode_rounds); E4M3 pages go through the reference, which applies their scales.
         self.decode_window = DecodeWindow(self.kv_caches, self.spec.num_heads) \
-            if isinstance(self.attention, TorchPagedAttention) and self.kv_dtype != E4M3 else None
+            if (isinstance(self.attention, TorchPagedAttention) and self.device.type == "cpu"
+                and self.kv_dtype != E4M3) else None
         self._in_rounds = False
         if self.device.type == "cuda":
             self._warm_up_kernels()

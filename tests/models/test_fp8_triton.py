@@ -16,10 +16,10 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from metronome.attention.fp8 import E4M3, E4M3_MAX  # noqa: E402
 from metronome.models import fp8  # noqa: E402
 from metronome.models.fp8_triton import e4m3_grid, quantize_rows_triton  # noqa: E402
 
-E4M3 = torch.float8_e4m3fn
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -47,7 +47,8 @@ def test_rounding_onto_the_e4m3_grid_is_torchs():
     x = torch.cat([grid, mid, mid.nextafter(inf), mid.nextafter(-inf),
                    torch.tensor([464.0, 465.0, 1e9, -1e9, float("inf"), 2.0 ** -11, -(2.0 ** -10)])])
     got = _triton_e4m3(x.to(DEVICE)).cpu()
-    assert torch.equal(got.view(torch.uint8), x.to(E4M3).view(torch.uint8))
+    # Saturating: ±inf become ±448 (torch's own cast of inf gives NaN, which no quantiser wants).
+    assert torch.equal(got.view(torch.uint8), x.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).view(torch.uint8))
     if DEVICE == "cuda":
         assert torch.isnan(_triton_e4m3(torch.tensor([float("nan")], device=DEVICE)).float()).all()
 
@@ -65,5 +66,6 @@ def test_row_quantisation_kernel_matches_torch():
         torch.testing.assert_close(scale.cpu(), want_scale, rtol=1e-6, atol=0)
         back, want = codes.cpu().float() * scale.cpu(), want_codes.float() * want_scale
         assert ((back - want).abs() <= torch.maximum(want.abs() * 2 ** -3, want_scale * 2 ** -9)).all()
-        assert (back == want).float().mean() > 0.999
+        # The codes themselves: the scales may differ in their last bit, which moves every product a little.
+        assert (codes.cpu().view(torch.uint8) == want_codes.view(torch.uint8)).float().mean() > 0.999
         assert (back[2] == 0).all()
