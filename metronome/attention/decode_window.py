@@ -107,16 +107,16 @@ class DecodeWindow:
             gather_slots[:, :width] = fresh.slots
         append = np.setdiff1d(np.arange(n), gather, assume_unique=True)
         columns = self.fill[append]
-        self.tokens[torch.from_numpy(append), torch.from_numpy(columns)] = torch.from_numpy(new_token[append])
+        on = lambda a: torch.from_numpy(a).to(device)  # noqa: E731  (host plans, the device indexes)
+        self.tokens[on(append), on(columns)] = on(new_token[append])
         self.fill[append] += 1
         heads = np.arange(self.kv_heads)
-        append_at = torch.from_numpy(((append[:, None] * self.kv_heads + heads) * cols + columns[:, None]).ravel())
-        append_at = append_at.to(device)
-        append_q = None if len(append) == n else torch.from_numpy(append).to(device)
+        append_at = on(((append[:, None] * self.kv_heads + heads) * cols + columns[:, None]).ravel())
+        append_q = None if len(append) == n else on(append)
 
         width = int(self.fill.max())
         tokens = self.tokens[:n, :width]
-        t = torch.from_numpy(new_token).to(device)[:, None]
+        t = on(new_token)[:, None]
         mask = (tokens >= 0) & (tokens <= t)
         if meta.window is not None:
             mask &= (tokens < meta.sinks) | (tokens >= t - meta.window)
