@@ -4,6 +4,7 @@
     GET|HEAD /health        JSON: workers, their caps, live sessions (503 when no worker is ready)
     GET|HEAD /v1/models     the served model's name, OpenAI list format
     GET|HEAD /metrics       Prometheus text
+    GET|HEAD /              the talk page (``page.py``; its files under /page/)
 
 Anything else: 404 for an unknown path, 405 (``Allow: GET, HEAD``) for another method. Public answers
 name the model, never a path on the workers' machine. A client address whose API keys failed
@@ -20,6 +21,7 @@ from collections.abc import Callable, Mapping
 
 from metronome.config import GatewayConfig
 from metronome.serving.gateway.client_session import TokenBucket
+from metronome.serving.gateway.page import TalkPage
 from metronome.serving.gateway.ws_transport import HttpReply
 from metronome.serving.metrics import CONTENT_TYPE, GatewayMetrics
 
@@ -64,6 +66,7 @@ class HttpEndpoints:
         self.metrics = metrics
         self.health = health
         self.throttle = AuthThrottle(config.auth_failures_per_min)
+        self.page = TalkPage(config.model_name, auth_required=bool(config.api_key))
 
     def request(self, method: str, path: str, headers: Mapping[str, str], peer: str = "") -> HttpReply | None:
         path = path.split("?", 1)[0]
@@ -80,6 +83,9 @@ class HttpEndpoints:
                 {"id": self.config.model_name, "object": "model", "owned_by": "metronome"}]})
         if path == "/metrics":
             return HttpReply(200, self.metrics.render(), CONTENT_TYPE)
+        page = self.page.reply(path)
+        if page is not None:
+            return page
         return _error(404, "invalid_request_error", "not_found", f"no endpoint {path}")
 
     def _realtime(self, headers: Mapping[str, str], peer: str) -> HttpReply | None:

@@ -6,12 +6,13 @@ const body = document.body;
 const $ = (id) => document.getElementById(id);
 
 // What the page has heard, said and played; the browser tests read it.
-const state = window.metronomeState = { heard: [], said: [], playedSamples: 0, errors: [], connected: false };
+const state = window.metronomeState =
+  { heard: [], said: [], sentChunks: 0, ticks: 0, playedSamples: 0, errors: [], connected: false };
 
 let socket = null, audio = null, capture = null, micStream = null;
 let playhead = 0, playing = [], answerEl = null, answerText = "", misses = 0;
 
-if (body.dataset.authRequired === "true") $("key-field").hidden = false;
+if (body.dataset.authRequired === "true") { $("key-needed").hidden = false; $("talk").disabled = true; }
 $("model").textContent = body.dataset.model || "";
 $("talk").addEventListener("click", () => (socket ? stop() : start()));
 
@@ -52,10 +53,8 @@ async function start() {
     fail("microphone unavailable: " + err.message);
     return;
   }
-  const key = $("api-key").value.trim();
   const url = (location.protocol === "https:" ? "wss://" : "ws://") + location.host + "/v1/realtime";
-  // Browsers cannot set an Authorization header on a WebSocket: the key travels as a subprotocol, as for OpenAI.
-  socket = new WebSocket(url, key ? ["realtime", "openai-insecure-api-key." + key] : ["realtime"]);
+  socket = new WebSocket(url);
   socket.onopen = () => {
     state.connected = true;
     socket.send(JSON.stringify({ type: "session.update", session: {
@@ -65,10 +64,13 @@ async function start() {
     const source = audio.createMediaStreamSource(micStream);
     capture = new AudioWorkletNode(audio, "pcm16-capture");
     capture.port.onmessage = (e) => {
-      if (socket && socket.readyState === WebSocket.OPEN)
+      if (socket && socket.readyState === WebSocket.OPEN) {
         socket.send(JSON.stringify({ type: "input_audio_buffer.append", audio: toBase64(e.data) }));
+        state.sentChunks++;
+      }
     };
     source.connect(capture);
+    capture.connect(audio.destination);     // a node off the graph's path to the speakers is never run; it outputs silence
     $("talk").textContent = "Stop";
     $("talk").classList.add("live");
     $("talk").disabled = false;
@@ -159,6 +161,7 @@ function onEvent(event) {
       setStatus("listening");
       break;
     case "metronome.tick":
+      state.ticks++;
       $("latency").value = Math.min(1, event.latency_ms / event.budget_ms);
       $("latency-text").textContent = event.latency_ms.toFixed(0) + " / " + event.budget_ms.toFixed(0) + " ms";
       if (!event.deadline_met) $("misses").textContent = String(++misses);

@@ -2,7 +2,8 @@
 class Pcm16Capture extends AudioWorkletProcessor {
   constructor() {
     super();
-    this.chunk = new Int16Array(Math.round(sampleRate / 50));
+    this.size = Math.round(sampleRate / 50);
+    this.chunk = new Int16Array(this.size);
     this.filled = 0;
   }
   process(inputs) {
@@ -11,9 +12,9 @@ class Pcm16Capture extends AudioWorkletProcessor {
     for (let i = 0; i < channel.length; i++) {
       const s = Math.max(-1, Math.min(1, channel[i]));
       this.chunk[this.filled++] = s < 0 ? s * 0x8000 : s * 0x7fff;
-      if (this.filled === this.chunk.length) {
-        this.port.postMessage(this.chunk.buffer, [this.chunk.buffer]);
-        this.chunk = new Int16Array(this.chunk.length);
+      if (this.filled === this.size) {
+        this.port.postMessage(this.chunk.buffer, [this.chunk.buffer]);   // transferred: the array is empty now
+        this.chunk = new Int16Array(this.size);
         this.filled = 0;
       }
     }
