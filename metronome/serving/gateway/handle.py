@@ -27,6 +27,8 @@ class TickReport:
     engine_ms: float = 0.0     # the worker's engine time (prefill + decode) within latency_ms
     frontend_ms: float = 0.0   # the worker's audio front end within latency_ms
     worker_ms: float = 0.0     # the whole Step in the worker; latency_ms - worker_ms is transport and gateway
+    kv_blocks_used: int = 0    # the worker's KV pool after the tick
+    kv_blocks_total: int = 0
 
 
 @dataclass

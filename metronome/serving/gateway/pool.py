@@ -434,7 +434,8 @@ class WorkerPool:
             return None
         latency_ms = (loop.time() - started) * 1e3
         report = TickReport(handle.ticks, latency_ms, drift * 1e3, latency_ms <= self.budget_ms, len(sessions),
-                            response.gpu_ms, response.frontend_ms, response.worker_ms)
+                            response.gpu_ms, response.frontend_ms, response.worker_ms,
+                            response.kv_blocks_used, response.kv_blocks_total)
         handle.last_tick = report
         m, name = self.metrics, handle.address
         m.worker_time.labels(name, "frontend").inc(response.frontend_ms / 1e3)

@@ -49,7 +49,8 @@ def tick_events(session: ClientSession, out: pb.SessionOutput, report: TickRepor
                    "budget_ms": budget_ms, "deadline_met": report.deadline_met,
                    "batch": report.batch, "drift_ms": round(report.drift_ms, 3), "preempted": out.preempted,
                    "engine_ms": round(report.engine_ms, 3), "frontend_ms": round(report.frontend_ms, 3),
-                   "worker_ms": round(report.worker_ms, 3),
+                   "worker_ms": round(report.worker_ms, 3), "kv_blocks_used": report.kv_blocks_used,
+                   "kv_blocks_total": report.kv_blocks_total,
                    "input_dbfs": round(out.input_dbfs, 1), "input_clipping": round(out.input_clipping, 4)})
     return events
 
