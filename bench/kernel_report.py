@@ -124,7 +124,8 @@ def compile_variant(v: Variant, *, heads: int, kv_heads: int, head_dim: int, blo
     block_d = max(16, 1 << (head_dim - 1).bit_length())
     partial = "*fp32" if v.split else "*bf16"
     pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "BT": "*i32", "WF": "*i64",
-                "ITEMS": "*i32", "LSE_P": partial, "O_P": partial, "TIMES": "*i64" if v.timeline else "*i32"}
+                "ITEMS": "*i32", "LSE_P": partial, "O_P": partial, "TIMES": "*i64" if v.timeline else "*i32",
+                "KV_SCALE": "*fp32"}
     qkv_width = (heads + 2 * kv_heads) * head_dim   # q is a view into the fused qkv projection
     ints = dict(stride_qt=qkv_width, stride_qh=head_dim, stride_ot=heads * head_dim, stride_oh=head_dim,
                 stride_kb=block_size * kv_heads * head_dim, stride_ks=kv_heads * head_dim, stride_kh=head_dim,
@@ -133,7 +134,7 @@ def compile_variant(v: Variant, *, heads: int, kv_heads: int, head_dim: int, blo
     not_specialised = {"num_splits", "stride_bt"}
     constexprs = dict(G=g, BLOCK_M=v.block_m, BLOCK_N=block_n, BLOCK_D=block_d, HEAD_D=head_dim,
                       BLOCK_SIZE=block_size, HAS_WINDOW=True, SPLIT=v.split, KV_I64=False, DOT_F32=False,
-                      IEEE=False, TIMELINE=v.timeline)
+                      IEEE=False, TIMELINE=v.timeline, KV_FP8=False)
     signature, consts, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in pointers:

@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import html
-from importlib import resources
+from pathlib import Path
 
 from metronome.serving.gateway.ws_transport import HttpReply
 
@@ -17,7 +17,7 @@ CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; c
 
 class TalkPage:
     def __init__(self, model_name: str, auth_required: bool) -> None:
-        folder = resources.files("metronome.serving.gateway") / "page"
+        folder = Path(__file__).with_name("page")     # package data beside this module
         self.files = {f.name: f.read_bytes() for f in folder.iterdir() if f.name.endswith(tuple(CONTENT_TYPES))}
         index = self.files.pop("index.html").decode()
         index = index.replace("{{AUTH_REQUIRED}}", "true" if auth_required else "false")
