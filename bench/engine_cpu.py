@@ -317,6 +317,8 @@ def profile_tick(checkpoint: str, n: int, args) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     arm = MetronomeArm("auto", checkpoint, args)
+    if args.per_round_gather:   # the reference's path: every round gathers the keys again
+        arm.engine.runner.decode_window = None
     gen = torch.Generator().manual_seed(n)
     ids = lambda k: torch.randint(0, SMOLLM2["vocab_size"], (n, k), generator=gen).tolist()  # noqa: E731
     state = arm.open(ids(args.history))
@@ -336,7 +338,8 @@ def profile_tick(checkpoint: str, n: int, args) -> dict:
     ops = sum(split.values())
     split["outside torch ops (Python, scheduling)"] = max(0.0, tick.ms - ops)
     top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
-    return {"sessions": n, "dtype": arm.engine.config.dtype, "tick_ms": round(tick.ms, 1),
+    return {"sessions": n, "dtype": arm.engine.config.dtype, "per_round_gather": args.per_round_gather,
+            "tick_ms": round(tick.ms, 1),
             "prefill_ms": round(tick.prefill_ms, 1), "decode_ms": round(tick.decode_ms, 1),
             "split_ms": {k: round(v, 1) for k, v in split.items()},
             "top_ops": [{"op": e.key, "self_ms": round(e.self_cpu_time_total / 1e3, 1), "calls": e.count} for e in top]}
@@ -364,6 +367,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch threads [default: usable cores]")
     p.add_argument("--random-weights", action="store_true", help="SmolLM2's shapes with random weights")
     p.add_argument("--profile", default=None, metavar="N[,N]", help="profile one tick at each N instead")
+    p.add_argument("--per-round-gather", action="store_true",
+                   help="--profile: decode rounds gather the keys every round (the reference) instead of once a step")
     p.add_argument("--merge", nargs="+", default=None, help="print one report from these result files")
     p.add_argument("--out", default="results/engine_cpu.json")
     args = p.parse_args(argv)

@@ -167,7 +167,7 @@ class ThreadPlan:
 def startup_line(device: str, dtype: str, plan: ThreadPlan | None) -> str:
     """What ``metronome serve`` and ``demo`` print at start-up: the CPU, the dtype and why, the threads."""
     if not device.startswith("cpu"):
-        return f"engine on {device} in {dtype}"
+        return f"engine on {device} in {auto_dtype(device) if dtype == 'auto' else dtype}"
     cap = read_capability()
     why = f"auto: {'native' if cap.native_bf16 else 'no native'} bf16" if dtype == "auto" else "as asked"
     line = f"cpu: {cap.describe()}; engine dtype {auto_dtype(device, cap) if dtype == 'auto' else dtype} ({why})"

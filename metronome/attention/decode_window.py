@@ -9,8 +9,9 @@ stay in the buffer, masked). The paged cache stays the truth and is written ever
 
 A session is gathered again when it joins, when its keys moved in the cache (a rebase re-rotated them)
 or when its buffer row is full (the fresh gather drops the keys behind the window); sessions that
-leave are dropped by compacting the rows. The buffers stay allocated between steps, zero-initialised
-once, so padding is always finite and a freed block is never read.
+leave are dropped by compacting the rows. The buffers stay allocated between steps (about one more
+copy of the decoding sessions' live K/V), zero-initialised once, so padding is always finite and a
+freed block is never read.
 """
 
 from __future__ import annotations
