@@ -262,7 +262,7 @@ def table(headers: list[str], rows: list[list]) -> str:
 
 
 def targets(runs: dict, auto: str, native_bf16: bool) -> list[dict]:
-    """The issue's targets for Metronome in the dtype ``auto`` picks, each with its measured value."""
+    """The CPU targets for Metronome in the dtype ``auto`` picks, each with its measured value."""
     ours = runs.get(f"metronome-{auto}")
     if ours is None or ours.get("capacity") is None:
         return []
