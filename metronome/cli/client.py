@@ -165,15 +165,15 @@ async def receive(ws, out: Transcript, sent: asyncio.Event, args: argparse.Names
             deadline = time.monotonic() + args.timeout_s
         if deadline is not None and not out.answering and out.done_after_audio:
             return EXIT_OK
+        if deadline is not None and time.monotonic() > deadline:   # checked every event: ticks keep coming
+            if out.created:     # a free-running model streams on; what it said has been printed
+                print(f"\n(still answering {args.timeout_s:g} s after the audio's end; stopping)", file=sys.stderr)
+                return EXIT_OK
+            print(f"no answer within {args.timeout_s:g} s of the audio's end", file=sys.stderr)
+            return EXIT_ERROR
         try:
-            msg = await asyncio.wait_for(ws.receive(), timeout=0.25)
+            msg = await ws.receive(timeout=0.25)
         except asyncio.TimeoutError:
-            if deadline is not None and time.monotonic() > deadline:
-                if out.created:     # a free-running model streams on; what it said has been printed
-                    print(f"\n(still answering {args.timeout_s:g} s after the audio's end; stopping)", file=sys.stderr)
-                    return EXIT_OK
-                print(f"no answer within {args.timeout_s:g} s of the audio's end", file=sys.stderr)
-                return EXIT_ERROR
             continue
         if msg.type != aiohttp.WSMsgType.TEXT:
             reason = f" ({ws.close_code}{': ' + msg.extra if isinstance(msg.extra, str) and msg.extra else ''})"
