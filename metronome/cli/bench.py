@@ -35,6 +35,10 @@ def csv_ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(","))
 
 
+def csv_paths(text: str) -> tuple[Path, ...]:
+    return tuple(Path(x) for x in text.split(",") if x)
+
+
 def csv_words(text: str) -> tuple[str, ...]:
     return tuple(text.split(","))
 
@@ -53,10 +57,14 @@ def add_parser(sub) -> None:
                         "minutes of an H200 hold (all but quality)")
     p.add_argument("--out", type=Path, default=None,
                    help="results folder (default: results/experiments/<experiment>-<preset>-<timestamp>/)")
-    p.add_argument("--from", dest="from_raw", type=Path, default=None,
-                   help="re-analyse an existing raw.json (or raw.json.gz) instead of running")
+    p.add_argument("--from", dest="from_raw", type=csv_paths, default=None,
+                   help="re-analyse an existing raw.json (or raw.json.gz) instead of running; cliff and fill-model "
+                        "join several parts of one sweep given comma-separated (see --first-run)")
     p.add_argument("--sessions", type=csv_ints, default=None, help="override the preset's N values, e.g. 8,16")
     p.add_argument("--runs", type=int, default=None, help="override the runs per point R")
+    p.add_argument("--first-run", type=int, default=0,
+                   help="cliff and fill-model: number (and seed) the runs from here, to split R over several "
+                        "processes or machines' time slots")
     p.add_argument("--duration-s", type=float, default=None, help="override the run length")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     g = p.add_argument_group("quality")
@@ -88,8 +96,17 @@ def out_dir(args: argparse.Namespace, preset_name: str) -> Path:
     if args.out:
         return args.out
     if args.from_raw:
-        return Path(args.from_raw).parent
+        return Path(args.from_raw[0]).parent
     return Path("results/experiments") / f"{args.experiment}-{preset_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def one_raw(args: argparse.Namespace):
+    """``--from`` for the experiments that re-analyse a single run."""
+    from metronome.experiments.report import load_raw
+
+    if len(args.from_raw) != 1:
+        raise SystemExit(f"{args.experiment} re-analyses one run: give --from a single raw.json")
+    return load_raw(args.from_raw[0])
 
 
 def run_own_module(args: argparse.Namespace) -> tuple[str, Path]:
@@ -98,9 +115,7 @@ def run_own_module(args: argparse.Namespace) -> tuple[str, Path]:
     out = out_dir(args, preset.name)
     progress = not args.no_progress
     if args.from_raw:
-        from metronome.experiments.report import load_raw
-
-        raw = load_raw(args.from_raw)
+        raw = one_raw(args)
     elif args.experiment == "recycling":
         raw = module.run_recycling(preset, out, sessions=args.sessions, runs=args.runs,
                                    duration_s=args.duration_s, progress=progress)
@@ -119,30 +134,32 @@ def run_own_module(args: argparse.Namespace) -> tuple[str, Path]:
 def run_sweep(args: argparse.Namespace) -> tuple[str, Path]:
     """cliff and fill-model: one sweep of fresh servers per data point, two analyses."""
     from metronome.experiments.presets import PRESETS
-    from metronome.experiments.report import load_raw, write_report
+    from metronome.experiments.report import load_raw, merge_raws, write_report
 
     preset = preset_of(PRESETS, args)
     out = out_dir(args, preset.name)
     if args.from_raw:
-        raw = load_raw(args.from_raw)
+        try:
+            raw = merge_raws([load_raw(path) for path in args.from_raw])
+        except ValueError as exc:
+            raise SystemExit(f"--from: {exc}") from None
     else:
         from metronome.experiments.sweep import run_sweep as sweep
 
         raw = sweep(preset, out, sessions=args.sessions, runs=args.runs, duration_s=args.duration_s,
-                    progress=not args.no_progress)
+                    first_run=args.first_run, progress=not args.no_progress)
     return write_report(raw, out, focus=args.experiment), out
 
 
 def run_admission(args: argparse.Namespace) -> tuple[str, Path]:
     from metronome.experiments.admission import ARMS, PRESETS, PROFILES, run_admission as admission
     from metronome.experiments.admission_report import write_report
-    from metronome.experiments.report import load_raw
 
     preset = preset_of(PRESETS, args)
     if args.from_raw:
         if args.arrival_rate is not None or args.offered is not None:
             raise SystemExit("--arrival-rate and --offered shape a new run; --from re-analyses a finished one")
-        return write_report(load_raw(args.from_raw), out_dir(args, preset.name)), out_dir(args, preset.name)
+        return write_report(one_raw(args), out_dir(args, preset.name)), out_dir(args, preset.name)
     for arm in args.arms or ():
         if arm not in ARMS:
             raise SystemExit(f"unknown arm {arm!r}; one of {', '.join(ARMS)}")

@@ -70,4 +70,11 @@ GPU = Preset(name="gpu", model="random:qwen2.5-7b", device="cuda", dtype="bfloat
 # blocks are filled by 128 Unbounded sessions (25 tokens/s each, arrived by 16 s) at ~35 s.
 GPU_SHORT = replace(GPU, name="gpu-short", sessions=(128,), runs=3, duration_s=60.0, num_blocks=5400, window=256)
 
-PRESETS = {"cpu": CPU, "gpu": GPU, "gpu-short": GPU_SHORT}
+# The cliff at R = 10 per arm: N = 128 one-minute runs, arrivals within 4 s (32/s). Unbounded sessions grow
+# the pool by ~192 blocks/s (25 audio + 25 decoded tokens per 2-s tick each), so the fill model puts the stall
+# at (3,000 + ~384) / 192 ≈ 18 s and the quiet wall (~26 s later in the gpu-short runs) inside the minute.
+# SinkWindow reserves 22 blocks a session, 2,816 for 128: it fits. Runs can be split over several
+# processes with ``--first-run`` and joined with ``--from a.json.gz,b.json.gz``.
+GPU_CLIFF = replace(GPU_SHORT, name="gpu-cliff", runs=10, num_blocks=3000, arrival_rate=32.0)
+
+PRESETS = {"cpu": CPU, "gpu": GPU, "gpu-short": GPU_SHORT, "gpu-cliff": GPU_CLIFF}

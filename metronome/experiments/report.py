@@ -54,6 +54,7 @@ def analyse(raw: dict) -> dict:
             "arm": arm, "sessions": n, "runs": len(rs),
             "latency_walls": sum(r["latency_wall"] for r in rs), "quiet_walls": sum(r["quiet_wall"] for r in rs),
             "walls": sum(r["walled"] for r in rs),
+            "walls_ci95": wilson_interval(sum(r["walled"] for r in rs), len(rs)),
             "latency_wall_onset_s": _mean([r["latency_wall_onset_s"] for r in rs]),
             "quiet_wall_onset_s": _mean([r["quiet_wall_onset_s"] for r in rs]),
             "first_preempted_s": _mean([r["first_preempted_s"] for r in rs]),
@@ -186,12 +187,14 @@ def markdown(raw: dict, analysis: dict, plots: list[str], focus: str) -> str:
          f"{p['wall_ms']:g} ms = {p['wall_ms'] / p['budget_ms']:g}·B (the paper: 10 s / 500 ms at B = 2 s, i.e. 5·B / 0.25·B); quiet wall: the "
          f"same over the preempted-frame fraction > {p['quiet_fraction']:g}", ""]
     L += ["## Cliff", "",
-          "| arm | N | walls (either) | latency walls | quiet walls | latency-wall onset s | quiet-wall onset s "
+          "| arm | N | walls (either) | walled, 95 % CI | latency walls | quiet walls | latency-wall onset s | quiet-wall onset s "
           "| first preemption s | preempted frames | empty frames (1 − delivery) | deadline misses | p50 ms | p99 ms "
           "| max ms | engine p50 ms |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in analysis["table"]:
-        L.append(f"| {r['arm']} | {r['sessions']} | {r['walls']}/{r['runs']} | {r['latency_walls']}/{r['runs']} | "
+        lo, hi = r["walls_ci95"]
+        L.append(f"| {r['arm']} | {r['sessions']} | {r['walls']}/{r['runs']} | {lo:.0%}–{hi:.0%} | "
+                 f"{r['latency_walls']}/{r['runs']} | "
                  f"{r['quiet_walls']}/{r['runs']} | {_fmt(r['latency_wall_onset_s'])} | {_fmt(r['quiet_wall_onset_s'])} | "
                  f"{_fmt(r['first_preempted_s'])} | "
                  f"{r['preempted_fraction']:.1%} | {r['empty_fraction']:.1%} | {r['deadline_miss_fraction']:.1%} | "
@@ -247,6 +250,40 @@ def write_outputs(raw: dict, out: Path, analyse, plot, markdown) -> str:
 
 def write_report(raw: dict, out: Path, focus: str = "cliff") -> str:
     return write_outputs(raw, out, analyse, plot, lambda r, a, p: markdown(r, a, p, focus))
+
+
+def wilson_interval(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval (95 % by default) for k successes in n trials: it stays inside [0, 1] and
+    is honest at k = 0 or k = n, where the normal approximation collapses to a point."""
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return max(0.0, float(centre - half)), min(1.0, float(centre + half))
+
+
+def merge_raws(raws: list[dict]) -> dict:
+    """Parts of one sweep run in separate processes (``--first-run``) as one raw result.
+
+    The parts must share the preset and run length, and no (arm, N, run) may appear twice."""
+    first = raws[0]
+    for other in raws[1:]:
+        if other["preset"] != first["preset"] or other["duration_s"] != first["duration_s"]:
+            raise ValueError("the parts were run with different settings; only parts of one sweep can be joined")
+    points = [pt for raw in raws for pt in raw["points"]]
+    keys = [(pt["arm"], pt["spec"]["sessions"], pt["run"]) for pt in points]
+    if len(set(keys)) != len(keys):
+        raise ValueError("two parts hold the same (arm, N, run): give each part its own --first-run")
+    runs = {(pt["arm"], pt["spec"]["sessions"]): set() for pt in points}
+    for arm, n, r in keys:
+        runs[(arm, n)].add(r)
+    return {**first, "points": points, "runs_per_point": min(len(v) for v in runs.values()),
+            "command": " + ".join(raw["command"] for raw in raws),
+            "started": min(raw["started"] for raw in raws), "finished": max(raw.get("finished", "") for raw in raws),
+            "elapsed_s": sum(raw.get("elapsed_s", 0.0) for raw in raws),
+            "parts": [{"machine": raw["machine"], "started": raw["started"], "command": raw["command"]}
+                      for raw in raws]}
 
 
 def load_raw(path) -> dict:

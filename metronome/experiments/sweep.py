@@ -93,8 +93,11 @@ def machine() -> dict:
 
 
 def run_sweep(preset: Preset, out_dir: Path, *, sessions=None, runs=None, duration_s=None, arms=None,
-              progress: bool = True) -> dict:
-    """All data points; returns the raw result (also written to ``out_dir/raw.json`` as it goes)."""
+              first_run: int = 0, progress: bool = True) -> dict:
+    """All data points; returns the raw result (also written to ``out_dir/raw.json`` as it goes).
+
+    Runs are numbered (and seeded) from ``first_run``, so a sweep split over several processes draws
+    different audio in each part and the parts join without clashes (``report.merge_raws``)."""
     from tqdm import tqdm
 
     sessions = tuple(sessions or preset.sessions)
@@ -104,15 +107,16 @@ def run_sweep(preset: Preset, out_dir: Path, *, sessions=None, runs=None, durati
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "logs").mkdir(exist_ok=True)
     raw = {"preset": preset.to_dict(), "machine": machine(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-           "command": " ".join(sys.argv), "runs_per_point": runs, "duration_s": duration_s, "points": []}
+           "command": " ".join(sys.argv), "runs_per_point": runs, "first_run": first_run, "duration_s": duration_s,
+           "points": []}
     # Interleave arms and N inside each repetition so slow drift of a shared machine hits both arms alike.
-    plan = [(r, n, arm) for r in range(runs) for n in sessions for arm in arms]
+    plan = [(r, n, arm) for r in range(first_run, first_run + runs) for n in sessions for arm in arms]
     t_start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="metronome-bench-") as tmp:
         model = prepare_model(preset.model, tmp, preset.max_position_embeddings)
         bar = tqdm(plan, desc=f"{preset.name} sweep", unit="run", disable=not progress, dynamic_ncols=True)
         for r, n, arm in bar:
-            bar.set_description(f"{arm} N={n} run {r + 1}/{runs}")
+            bar.set_description(f"{arm} N={n} run {r + 1}/{first_run + runs}")
             spec = {**server_spec(preset, model["model"], arm, n, seed=r), **model}
             t_point = time.monotonic()
             server = Server(spec, out_dir / "logs" / f"{arm}-N{n}-r{r}.log")
