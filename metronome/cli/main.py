@@ -14,9 +14,17 @@ import argparse
 import logging
 import os
 import sys
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 
 from metronome.cpu import quiet_thread_env
+
+
+def installed_version() -> str:
+    """The installed distribution's version; a source tree run through PYTHONPATH has none."""
+    try:
+        return version("metronome")
+    except PackageNotFoundError:
+        return "(not installed: running from a source tree)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="metronome", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--version", action="version", version=f"%(prog)s {version('metronome')}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {installed_version()}")
     parser.add_argument("--log-level", default="WARNING", help="Python logging level")
     sub = parser.add_subparsers(dest="command", required=True)
     demo.add_parser(sub)
