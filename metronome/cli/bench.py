@@ -23,7 +23,7 @@ from pathlib import Path
 from metronome.cli.help import HelpFormatter
 
 EXPERIMENTS = ("cliff", "fill-model", "admission", "recycling", "ablation", "quality")
-PRESET_NAMES = ("cpu", "gpu", "gpu-short")
+PRESET_NAMES = ("cpu", "gpu", "gpu-short", "gpu-cliff")
 # Experiments whose module holds its own PRESETS and run function, and where their write_report lives.
 OWN_MODULE = {"recycling": "metronome.experiments.recycling", "ablation": "metronome.experiments.ablation",
               "quality": "metronome.experiments.quality"}
@@ -54,7 +54,8 @@ def add_parser(sub) -> None:
                         "recycling vs SinkWindow; ablation: W and S; quality: perplexity and the spoken-question probe")
     p.add_argument("--preset", choices=PRESET_NAMES, default="cpu",
                    help="cpu: minutes on this machine; gpu: the paper's scale on an H200; gpu-short: what 30 "
-                        "minutes of an H200 hold (all but quality)")
+                        "minutes of an H200 hold (all but quality); gpu-cliff: cliff and fill-model only, R = 10 one-minute runs "
+                        "at N = 128 (split them with --first-run)")
     p.add_argument("--out", type=Path, default=None,
                    help="results folder (default: results/experiments/<experiment>-<preset>-<timestamp>/)")
     p.add_argument("--from", dest="from_raw", type=csv_paths, default=None,
