@@ -46,26 +46,32 @@ def test_triton_fp8_kv_matches_the_reference_backend(checkpoints):
 
 
 @pytest.mark.parametrize("positions", ["absolute", "rebased"])
-def test_bf16_fp8_engine_with_graphs_close_to_bf16(checkpoints, positions):
-    """bf16 with FP8 weights on the tensor cores, E4M3 pages and captured decode rounds, against plain bf16."""
+def test_bf16_fp8_engine_with_graphs_close_to_float32(checkpoints, positions):
+    """bf16 with FP8 weights on the tensor cores, E4M3 pages and captured decode rounds: the captured rounds
+    replay the eager ones exactly, and the log-probabilities stay near the float32 engine's."""
     path, _ = checkpoints["qwen3"]
 
-    def run(fp8: bool):
-        engine = Engine(EngineConfig(model=path, device="cuda", dtype="bfloat16", num_blocks=300, max_chunk_tokens=32,
+    def run(dtype: str, fp8: bool, graphs: bool):
+        engine = Engine(EngineConfig(model=path, device="cuda", dtype=dtype, num_blocks=300, max_chunk_tokens=32,
                                      max_batch_tokens=128, quantization="fp8" if fp8 else None,
-                                     kv_cache_dtype="fp8" if fp8 else "auto",
+                                     kv_cache_dtype="fp8" if fp8 else "auto", cuda_graphs=graphs,
                                      policy=KVPolicy(sinks=4, window=40, block_size=16, positions=positions,
                                                      rebase_every=16 if positions == "rebased" else None)))
-        assert engine.runner.graphs is not None
+        assert (engine.runner.graphs is not None) == graphs
         if fp8:
             layer = engine.model.model.layers[0]
             assert isinstance(layer.mlp.gate_up_proj, Fp8Linear) and layer.mlp.gate_up_proj.tensor_cores
         return drive(engine)
 
-    bf16, fp8 = run(False), run(True)
+    fp8 = run("bfloat16", fp8=True, graphs=True)
     assert torch.isfinite(fp8).all()
-    # Log-probabilities of the tiny random model (~ -5): bf16 alone moves them by ~0.02, E4M3 by ~0.03 more.
-    assert (fp8 - bf16).abs().max() <= 0.15
+    torch.testing.assert_close(fp8, run("bfloat16", fp8=True, graphs=False), atol=1e-3, rtol=1e-3)
+    # The oracle is float32 without FP8. Single log-probabilities of the tiny random model (~ -5) are
+    # heavy-tailed: bf16 alone moves the worst of 365 by 0.3-0.4 on the H200, so the bounds are on the
+    # mean and the 99th percentile. Measured there: bf16 alone mean 0.005, FP8 mean 0.021-0.025, p99 0.12-0.22.
+    error = (fp8 - run("float32", fp8=False, graphs=False)).abs()
+    assert error.mean() <= 0.05
+    assert error.quantile(0.99) <= 0.3
 
 
 @pytest.mark.slow
