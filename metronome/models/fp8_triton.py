@@ -9,9 +9,16 @@ The FP8 linear layer scales every activation row by its own amax before the tens
 that is half a dozen small kernels (abs, amax, cast, divide, clamp, cast) per layer input; inside a captured
 decode round each costs a launch, so one program per row does the lot: a pass for the amax, a pass to write
 the E4M3 codes.
+
+A decode round has a few rows per layer input, where the product is bound by reading the weight, not by the
+arithmetic: ``w8a16_linear`` reads the E4M3 codes (half the bytes of bf16), converts each tile to the
+activations' dtype in registers and multiplies on the bf16 tensor cores, so the activations are not
+quantised at all. Interpreted (CPU tests), the operands are upcast to float32, as in ``moe_triton.py``.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -70,3 +77,51 @@ def quantize_rows_triton(x: torch.Tensor, amax_floor: float) -> tuple[torch.Tens
         _quantize_rows[(m,)](x, codes, scale, k, x.stride(0), codes.stride(0), amax_floor,
                              BLOCK=min(BLOCK_K, triton.next_power_of_2(k)))
     return codes, scale
+
+
+@triton.jit
+def _w8a16(X, W, S, B, Y, M, N, K, stride_x, stride_w, stride_y, HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr,
+           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        a = tl.load(X + offs_m[:, None].to(tl.int64) * stride_x + offs_k[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(W + offs_n[None, :].to(tl.int64) * stride_w + offs_k[:, None],
+                    mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if DOT_F32:
+            acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w.to(a.dtype), acc)
+    acc = acc * tl.load(S + offs_n, mask=n_mask, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc = acc + tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + offs_m[:, None].to(tl.int64) * stride_y + offs_n[None, :], acc.to(Y.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+def w8a16_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ (codes * scale).T + bias`` for x [M, K] (few rows), E4M3 codes [N, K], per-channel scales [N, 1]."""
+    m, k = x.shape
+    n = codes.shape[0]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    # Narrow column tiles: a decode round's few rows leave the weight stream as the work, and 32 columns
+    # give the GPU's SMs several programs each at the hidden sizes of 7B models (N >= 3584).
+    block_n = 32 if n >= 2048 else 16
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    _w8a16[grid](x, codes, scale, bias if bias is not None else scale, y, m, n, k,
+                 x.stride(0), codes.stride(0), y.stride(0), HAS_BIAS=bias is not None,
+                 DOT_F32=interpreting or x.dtype == torch.float32,
+                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, num_warps=4, num_stages=4)
+    return y

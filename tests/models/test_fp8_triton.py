@@ -1,5 +1,5 @@
-"""E4M3 in Triton (interpreted on the CPU): rounding onto the E4M3 grid against torch's cast, and the per-token
-activation quantiser against the torch ops it replaces."""
+"""E4M3 in Triton (interpreted on the CPU): rounding onto the E4M3 grid against torch's cast, the per-token
+activation quantiser against the torch ops it replaces, and the weight-only product against float64."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import triton.language as tl  # noqa: E402
 
 from metronome.attention.fp8 import E4M3, E4M3_MAX  # noqa: E402
 from metronome.models import fp8  # noqa: E402
-from metronome.models.fp8_triton import e4m3_grid, quantize_rows_triton  # noqa: E402
+from metronome.models.fp8_triton import e4m3_grid, quantize_rows_triton, w8a16_linear  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -69,3 +69,26 @@ def test_row_quantisation_kernel_matches_torch():
         # The codes themselves: the scales may differ in their last bit, which moves every product a little.
         assert (codes.cpu().view(torch.uint8) == want_codes.view(torch.uint8)).float().mean() > 0.999
         assert (back[2] == 0).all()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 37])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_weight_only_product_against_float64(rows, dtype, with_bias):
+    """Against float64 over the same dequantised weight: fp32 accumulation, then the output's own rounding
+    (one bf16 step, 2**-7 of it: the interpreter truncates where the GPU rounds to nearest); column and
+    reduction sizes that are not whole tiles."""
+    g = torch.Generator().manual_seed(rows)
+    linear = torch.nn.Linear(300, 80, bias=with_bias)
+    torch.nn.init.normal_(linear.weight, std=0.05, generator=g)
+    codes, scale = fp8.quantize(linear.weight.detach())
+    x = torch.randn(rows, 300, generator=g).to(dtype)
+    bias = linear.bias.detach().to(dtype) if with_bias else None
+    got = w8a16_linear(x.to(DEVICE), codes.to(DEVICE), scale.to(DEVICE), None if bias is None else bias.to(DEVICE))
+    assert got.dtype == dtype and got.shape == (rows, 80)
+    want = x.double() @ (codes.double() * scale.double()).T
+    if bias is not None:
+        want += bias.double()
+    eps = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -20
+    bound = eps * want.abs() + 1e-5 * (x.double().abs() @ (codes.double() * scale.double()).abs().T) + 1e-6
+    assert ((got.cpu().double() - want).abs() <= bound).all()
