@@ -145,7 +145,7 @@ class SessionConfig(msgspec.Struct):
         given = max_tokens(self.max_output_tokens)
         return given if given is not None else max_tokens(self.max_response_output_tokens)
 
-    def output_modalities_given(self) -> tuple[str, ...] | None:
+    def modalities_given(self) -> tuple[str, ...] | None:
         return modalities(self.output_modalities if self.output_modalities is not None else self.modalities)
 
 
@@ -160,6 +160,9 @@ class ResponseConfig(msgspec.Struct):
     def output_tokens(self) -> int | None:
         given = max_tokens(self.max_output_tokens)
         return given if given is not None else max_tokens(self.max_response_output_tokens)
+
+    def modalities_given(self) -> tuple[str, ...] | None:
+        return modalities(self.output_modalities if self.output_modalities is not None else self.modalities)
 
 
 class _Event(msgspec.Struct, tag_field="type"):

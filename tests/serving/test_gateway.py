@@ -14,17 +14,18 @@ import pytest
 
 from metronome.config import AimdConfig, EngineConfig, GatewayConfig, KVPolicy
 from metronome.serving.gateway import serve_gateway
+from metronome.serving.protocol import DEFAULT_SAMPLE_RATE
 from metronome.serving.worker import WorkerConfig, serve_worker
 
 BUDGET_MS = 150.0
 
 
-def tone(seconds: float, rate: int = 16000, amplitude: float = 0.2) -> bytes:
+def tone(seconds: float, rate: int = DEFAULT_SAMPLE_RATE, amplitude: float = 0.2) -> bytes:
     t = np.arange(int(seconds * rate)) / rate
     return (np.sin(2 * math.pi * 440 * t) * amplitude * 32767).astype("<i2").tobytes()
 
 
-def chunks(pcm: bytes, rate: int = 16000, ms: int = 20):
+def chunks(pcm: bytes, rate: int = DEFAULT_SAMPLE_RATE, ms: int = 20):
     step = rate * 2 * ms // 1000
     for i in range(0, len(pcm), step):
         yield base64.b64encode(pcm[i:i + step]).decode()
@@ -77,7 +78,12 @@ async def test_a_session_streams_audio_and_gets_deltas_and_ticks(worker):
     async with running_gateway([worker]) as (gateway, addr), aiohttp.ClientSession() as http:
         async with http.ws_connect(f"ws://{addr}/v1/realtime") as ws:
             created = (await recv_until(ws, of_type("session.created")))[-1]
-            assert created["session"]["input_audio_sample_rate"] == 16000
+            session = created["session"]
+            # The GA defaults for a client that sets nothing: PCM16 at 24 kHz, server VAD, audio out.
+            assert session["audio"]["input"]["format"] == {"type": "audio/pcm", "rate": 24000}
+            assert session["input_audio_sample_rate"] == 24000
+            assert session["audio"]["input"]["turn_detection"]["type"] == "server_vad"
+            assert session["output_modalities"] == ["audio"] and session["type"] == "realtime"
             await ws.send_json({"type": "session.update", "session": {"mode": "free_running"}})
             await recv_until(ws, of_type("session.updated"))
             for chunk in chunks(tone(0.4)):
