@@ -804,3 +804,20 @@ async def test_stopping_the_gateway_closes_every_session_on_the_worker(recording
         await client.close_frame()
         client.close()
     assert not server.gateway._tasks
+
+
+@pytest.mark.parametrize("transport", ["picows", "aiohttp"])
+async def test_a_browser_sends_the_api_key_as_a_subprotocol_and_gets_realtime_echoed(worker, transport):
+    config = GatewayConfig(workers=(worker.address,), port=0, budget_ms=BUDGET_MS, tokens_per_tick=4, api_key="sekret",
+                           aimd=AimdConfig(initial_cap=2, min_cap=2, target_fraction=1.0))
+    serving = running_gateway([worker], api_key="sekret") if transport == "picows" else aiohttp_gateway(config)
+    async with serving as (gateway, addr), aiohttp.ClientSession() as http:
+        # As OpenAI's browser clients: new WebSocket(url, ["realtime", "openai-insecure-api-key." + key]).
+        async with http.ws_connect(f"ws://{addr}/v1/realtime",
+                                   protocols=("realtime", "openai-insecure-api-key.sekret")) as ws:
+            assert ws.protocol == "realtime"
+            await recv_until(ws, of_type("session.created"))
+        for offered in [("realtime", "openai-insecure-api-key.wrong"), ("realtime",)]:
+            with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+                await http.ws_connect(f"ws://{addr}/v1/realtime", protocols=offered)
+            assert refused.value.status == 401
