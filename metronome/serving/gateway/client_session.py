@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from metronome.serving.proto import worker_pb2 as pb
+from metronome.serving.gateway.response import Response
 from metronome.serving.protocol import DEFAULT_SAMPLE_RATE, TurnDetectionConfig, encode
-
-if TYPE_CHECKING:
-    from metronome.serving.gateway.responses import Response
 
 
 @dataclass(slots=True)

@@ -31,7 +31,8 @@ from metronome.serving.gateway.client_session import ClientSession
 from metronome.serving.gateway.handle import TickReport, WorkerHandle
 from metronome.serving.gateway.http import REALTIME_PATH, HttpEndpoints
 from metronome.serving.gateway.pool import WorkerPool
-from metronome.serving.gateway.responses import cancel_response, new_id, tick_events
+from metronome.serving.gateway.response import new_id
+from metronome.serving.gateway.responses import cancel_response, tick_events
 from metronome.serving.gateway.session_update import SessionChange, apply_update, read_update, session_view
 from metronome.serving.metrics import GatewayMetrics
 from metronome.serving.proto import worker_pb2 as pb
@@ -50,7 +51,7 @@ OVERSIZED = frozenset({"message_too_large", "nested_too_deep", "text_buffer_full
                        "audio_too_fast", "audio_buffer_full", "input_too_large", "input_refused",
                        "session_update_refused"})
 IDLE_SWEEP_S = 1.0
-SERVER_ERRORS = frozenset({"worker_unavailable", "step_failed", "internal_error", "session_failed"})
+SERVER_ERRORS = frozenset({"worker_unavailable", "step_failed", "internal_error", "session_failed", "unknown_session"})
 
 
 class Gateway:

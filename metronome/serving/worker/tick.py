@@ -280,6 +280,9 @@ class TickCore:
                     raise ValueError(f"session {inp.sid!r} appears more than once in one step")
                 seen.add(inp.sid)
                 self._opened.pop(inp.sid, None)   # stepped: its header is in the engine now
+                if inp.sid not in self._sessions:   # closed while this tick was on its way: a race, not an error
+                    self._session_error(request.tick, outputs[i], f"unknown session {inp.sid!r}", "unknown_session")
+                    continue
                 if inp.sid in refused:
                     self._session_error(request.tick, outputs[i], refused[inp.sid], INPUT_TOO_LARGE)
                     continue
@@ -385,4 +388,6 @@ class TickCore:
         out.error, out.error_code = message, code
         # Refused input is the client's doing (and a hostile one can do it every tick): not a warning.
         level = logging.INFO if code in (INPUT_TOO_LARGE, "input_refused") else logging.WARNING
+        if code == "unknown_session":
+            level = logging.DEBUG   # the gateway closed it as this tick was sent (a client left): it is gone
         log.log(level, "tick %d, session %s: %s", tick, out.sid, message)

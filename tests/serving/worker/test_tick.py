@@ -83,7 +83,7 @@ def test_a_step_serves_every_good_session_and_reports_bad_input_on_its_own_outpu
     a, ghost, b, quiet, again = response.outputs
     assert not a.error and len(a.tokens) == 3 and a.text is not None
     assert not b.error and len(b.tokens) == 5 and b.tokens[:3] == a.tokens    # same input, greedy
-    assert "unknown session" in ghost.error and not ghost.tokens
+    assert "unknown session" in ghost.error and ghost.error_code == "unknown_session" and not ghost.tokens
     assert quiet.error and not quiet.tokens                                    # odd PCM byte count
     assert "more than once" in again.error
     assert response.in_flight == 3 and response.kv_blocks_used > 0
