@@ -318,11 +318,11 @@ class Gateway:
         elif isinstance(event, InputAudioBufferCommit):
             session.new_turn = session.started = True
             session.input_item_id = session.input_item_id or new_id("item")
-            session.send({"type": "input_audio_buffer.committed", "item_id": session.input_item_id,
-                          "previous_item_id": None})
+            session.send({"type": "input_audio_buffer.committed", "event_id": event.event_id,
+                          "item_id": session.input_item_id, "previous_item_id": None})
         elif isinstance(event, InputAudioBufferClear):
             session.discard_audio()
-            session.send({"type": "input_audio_buffer.cleared"})
+            session.send({"type": "input_audio_buffer.cleared", "event_id": event.event_id})
         elif isinstance(event, ConversationItemCreate):
             text = event.text()
             if not session.append_text(text):
@@ -330,7 +330,8 @@ class Gateway:
                                     "of text in one tick; this item was dropped")
             item = {"object": "realtime.item", "status": "completed", **event.echo(text)}
             item.setdefault("id", new_id("item"))
-            session.send_all([{"type": "conversation.item.created", "previous_item_id": None, "item": item},
+            session.send_all([{"type": "conversation.item.created", "event_id": event.event_id,
+                               "previous_item_id": None, "item": item},
                               {"type": "conversation.item.added", "previous_item_id": None, "item": item},
                               {"type": "conversation.item.done", "previous_item_id": None, "item": item}])
         elif isinstance(event, ResponseCreate):
@@ -347,12 +348,13 @@ class Gateway:
                 raise ProtocolError("session_started", "mode and instructions can change only before the first "
                                     "audio or text (they shape the conversation's pinned header)")
             self._hold(conn)  # later events wait until the worker session is re-opened
-            self._spawn(self._reopen(conn, session, change))
+            self._spawn(self._reopen(conn, session, event, change))
             return
         apply_update(session, change)
-        session.send({"type": "session.updated", "session": self._session_view(session)})
+        session.send({"type": "session.updated", "event_id": event.event_id, "session": self._session_view(session)})
 
-    async def _reopen(self, conn: Connection, session: ClientSession, change: SessionChange) -> None:
+    async def _reopen(self, conn: Connection, session: ClientSession, event: SessionUpdate,
+                      change: SessionChange) -> None:
         """Give the (still empty) worker session a new mode / system prompt in place, then go on reading.
 
         Refused (instructions too long for the model, say), the worker session stays as it was, and so does
@@ -375,7 +377,8 @@ class Gateway:
         if opened.ok:
             session.mode, session.instructions = change.mode, change.instructions
             apply_update(session, change)
-            session.send({"type": "session.updated", "session": self._session_view(session)})
+            session.send({"type": "session.updated", "event_id": event.event_id,
+                          "session": self._session_view(session)})
         else:
             self._client_error(session, "session_update_refused",
                                f"the update was not applied: {opened.error}; the session is unchanged")
