@@ -107,3 +107,45 @@ async def test_the_openai_sdk_drives_a_voice_turn(server):
         assert "Paris" in transcript, transcript
         assert "response.output_audio.done" in kinds
         assert next(e for e in seen if e.type == "response.output_audio_transcript.done").transcript == transcript
+
+
+async def test_manual_turns_answer_caps_and_cancel_through_the_sdk(server):
+    """turn_detection null: only the commit ends the turn; response.create's max_output_tokens cuts the answer
+    (``incomplete``); response.cancel ends an answer and nothing more of it arrives."""
+    client = openai.AsyncOpenAI(base_url=f"http://{server.address}/v1", api_key=API_KEY)
+    async with client.realtime.connect(model="metronome") as connection:
+        seen: list = []
+
+        async def until(predicate, timeout=60.0):
+            async with asyncio.timeout(timeout):
+                async for event in connection:
+                    seen.append(event)
+                    assert event.type != "error", event
+                    if predicate(event):
+                        return event
+
+        await connection.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": None}}})
+        updated = await until(lambda e: e.type == "session.updated")
+        assert updated.session.audio.input.turn_detection is None
+        await send_paced(connection, question_pcm16())
+        await until(lambda e: e.type == "input_audio_buffer.speech_stopped")   # the VAD hears the pause ...
+        assert not [e for e in seen if e.type.startswith("conversation.item.input_audio_transcription")
+                    or e.type == "response.created"]                          # ... but does not end the turn
+        await connection.input_audio_buffer.commit()
+        await connection.response.create(response={"max_output_tokens": 3})
+        done = await until(lambda e: e.type == "response.done")
+        heard = next(e for e in seen if e.type == "conversation.item.input_audio_transcription.completed")
+        assert "france" in heard.transcript.lower(), heard.transcript
+        assert done.response.status == "incomplete" and done.response.usage.output_tokens == 3
+
+        await connection.conversation.item.create(item={"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": "Tell me a long story about a dragon and a knight."}]})
+        await connection.response.create()
+        created = await until(lambda e: e.type == "response.created")
+        await connection.response.cancel()
+        cancelled = await until(lambda e: e.type == "response.done")
+        assert cancelled.response.id == created.response.id and cancelled.response.status == "cancelled"
+        mark = len(seen)
+        await until(lambda e: e.type == "metronome.tick" and len(seen) > mark + 3)   # a few ticks later
+        later = [e for e in seen[mark:] if getattr(e, "response_id", None) == created.response.id]
+        assert not later, [e.type for e in later]
