@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from metronome.serving.proto import worker_pb2 as pb
-from metronome.serving.gateway.response import Response
+from metronome.serving.gateway.response import Response, ResponseRequest
 from metronome.serving.protocol import DEFAULT_SAMPLE_RATE, TurnDetectionConfig, encode
 
 
@@ -136,7 +136,7 @@ class ClientSession:
         self.output_modalities: tuple[str, ...] = ("audio",)
         # The response being streamed (``responses.py``), and the cap and modalities response.create set for the next.
         self.response: Response | None = None
-        self.next_response: tuple[int, tuple[str, ...] | None] | None = None
+        self.next_response: ResponseRequest | None = None
         self.cancelling = False               # a cancel is on its way to the worker: its answer's output is dropped
         self.input_item_id: str | None = None  # the user turn the VAD is hearing (speech_started .. transcript)
         self.input_tokens = 0                 # tokens the worker took in since the last response ended (usage)
@@ -306,8 +306,8 @@ class ClientSession:
         """The cap on the answer in progress (or the next): response.create's, else the session's; 0: none."""
         if self.response is not None and self.response.max_output_tokens:
             return self.response.max_output_tokens
-        if self.next_response is not None and self.next_response[0]:
-            return self.next_response[0]
+        if self.next_response is not None and self.next_response.max_output_tokens:
+            return self.next_response.max_output_tokens
         return self.max_output_tokens
 
     def take_tick_input(self) -> pb.SessionInput:

@@ -31,7 +31,7 @@ from metronome.serving.gateway.client_session import ClientSession
 from metronome.serving.gateway.handle import TickReport, WorkerHandle
 from metronome.serving.gateway.http import REALTIME_PATH, HttpEndpoints
 from metronome.serving.gateway.pool import WorkerPool
-from metronome.serving.gateway.response import new_id
+from metronome.serving.gateway.response import ResponseRequest, new_id
 from metronome.serving.gateway.responses import cancel_response, tick_events
 from metronome.serving.gateway.session_update import SessionChange, apply_update, read_update, session_view
 from metronome.serving.metrics import GatewayMetrics
@@ -336,7 +336,8 @@ class Gateway:
                               {"type": "conversation.item.done", "previous_item_id": None, "item": item}])
         elif isinstance(event, ResponseCreate):
             if event.response is not None:
-                session.next_response = (event.response.output_tokens() or 0, event.response.modalities_given())
+                session.next_response = ResponseRequest(event.response.output_tokens() or 0,
+                                                        event.response.modalities_given())
             session.new_turn = session.started = True
         elif isinstance(event, ResponseCancel):
             session.send_all(cancel_response(session))

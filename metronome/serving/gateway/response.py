@@ -11,6 +11,14 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:20]}"
 
 
+@dataclass(frozen=True)
+class ResponseRequest:
+    """What ``response.create`` asked of the next answer: its token cap (0: the session's) and modalities."""
+
+    max_output_tokens: int = 0
+    modalities: tuple[str, ...] | None = None
+
+
 @dataclass
 class Response:
     """One answer being streamed: its ids, its caps, and what it said so far (for the ``.done`` events)."""

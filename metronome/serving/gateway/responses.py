@@ -22,7 +22,7 @@ from typing import Any
 
 from metronome.serving.gateway.client_session import ClientSession
 from metronome.serving.gateway.handle import TickReport
-from metronome.serving.gateway.response import Response, new_id
+from metronome.serving.gateway.response import Response, ResponseRequest, new_id
 from metronome.serving.proto import worker_pb2 as pb
 
 
@@ -114,10 +114,11 @@ def answer_events(session: ClientSession, out: pb.SessionOutput, events: list[di
 
 def start_response(session: ClientSession) -> list[dict[str, Any]]:
     """Open the session's next answer, with the cap and modalities response.create asked for, if any."""
-    cap, modalities = session.next_response or (0, None)
+    asked = session.next_response or ResponseRequest()
     session.next_response = None
-    response = session.response = Response(new_id("resp"), new_id("item"), cap or session.max_output_tokens,
-                                           modalities or session.output_modalities)
+    response = session.response = Response(new_id("resp"), new_id("item"),
+                                           asked.max_output_tokens or session.max_output_tokens,
+                                           asked.modalities or session.output_modalities)
     part = {"type": "audio", "transcript": ""} if response.speaks else {"type": "text", "text": ""}
     item = response.item("in_progress")
     return [{"type": "response.created", "response": {

@@ -7,6 +7,7 @@ import json
 
 from metronome.serving.gateway.client_session import ClientSession
 from metronome.serving.gateway.handle import TickReport
+from metronome.serving.gateway.response import ResponseRequest
 from metronome.serving.gateway.responses import cancel_response, tick_events
 from metronome.serving.proto import worker_pb2 as pb
 
@@ -92,7 +93,7 @@ def test_cancel_ends_the_answer_and_nothing_more_of_it_is_sent():
 
 def test_an_answer_cut_at_its_cap_ends_incomplete_and_text_mode_sends_no_audio():
     s = session()
-    s.next_response = (2, ("text",))                            # response.create's max_output_tokens and modalities
+    s.next_response = ResponseRequest(2, ("text",))             # response.create's max_output_tokens and modalities
     assert s.answer_cap == 2
     events = tick(s, tokens=[1, 2], text="Once upon", finished=True, audio_pcm16=b"\x00\x00", audio_sample_rate=24000,
                   audio_transcript="Once upon")
