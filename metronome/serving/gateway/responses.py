@@ -55,7 +55,8 @@ def user_turn_events(session: ClientSession, out: pb.SessionOutput, events: list
         speech_stopped(session, stopped, events)
         stopped = None
     if started is not None:
-        session.input_item_id = new_id("item")
+        if session.turn_detection is not None or session.input_item_id is None:
+            session.input_item_id = new_id("item")   # without server VAD all speech up to the commit is one turn
         events.append({"type": "input_audio_buffer.speech_started", "audio_start_ms": started,
                        "item_id": session.input_item_id})
     if stopped is not None:
@@ -83,9 +84,14 @@ def speech_stopped(session: ClientSession, stopped_ms: int, events: list[dict[st
     events.append({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": stopped_ms, "item_id": item_id})
     if session.turn_detection is not None:   # the server's VAD ended the turn: it commits the buffer itself
         events.append({"type": "input_audio_buffer.committed", "item_id": item_id, "previous_item_id": None})
-    events.append({"type": "conversation.item.added", "previous_item_id": None, "item": {
+        events.append(user_item_added(item_id))
+
+
+def user_item_added(item_id: str) -> dict[str, Any]:
+    """``conversation.item.added`` for a user's spoken turn that ended (its transcript comes with ``.done``)."""
+    return {"type": "conversation.item.added", "previous_item_id": None, "item": {
         "id": item_id, "object": "realtime.item", "type": "message", "role": "user", "status": "in_progress",
-        "content": [{"type": "input_audio", "transcript": None}]}})
+        "content": [{"type": "input_audio", "transcript": None}]}}
 
 
 def answer_events(session: ClientSession, out: pb.SessionOutput, events: list[dict[str, Any]]) -> None:

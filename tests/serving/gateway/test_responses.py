@@ -118,3 +118,15 @@ def test_every_server_event_gets_an_event_id():
     s.send_all(tick(s, tokens=[1], text="x"))
     ids = [e["event_id"] for e in s.conn.sent]
     assert all(ids) and len(set(ids)) == len(ids)
+
+
+def test_without_server_vad_all_speech_up_to_the_commit_is_one_turn():
+    s = session()
+    s.turn_detection = None
+    first = tick(s, speech_started_ms=100)[0]["item_id"]
+    paused = tick(s, speech_stopped_ms=900)
+    assert kinds(paused) == ["input_audio_buffer.speech_stopped"]     # a pause: not committed, no item yet
+    assert tick(s, speech_started_ms=1500)[0]["item_id"] == first     # the same turn goes on
+    heard = tick(s, speech_stopped_ms=2500, transcript="Hello there")  # the commit flushed it
+    assert {e["item_id"] for e in heard if "item_id" in e} == {first}
+    assert s.input_item_id is None                                     # the next turn gets a new item
