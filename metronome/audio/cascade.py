@@ -211,10 +211,11 @@ class CascadeAdapter(InteractionAdapter):
         for i, tick in enumerate(batch):
             if tick.session_id not in self._sessions:
                 out[i] = PreparedInput(error=f"session {tick.session_id!r} is not open in the {self.name} adapter")
+            elif tick.turn_detection is not None and (refused := self.set_turn_detection(tick.session_id,
+                                                                                       tick.turn_detection)):
+                out[i] = PreparedInput(error=refused)
             else:
                 live.append(i)
-                if tick.turn_detection is not None:
-                    self.set_turn_detection(tick.session_id, tick.turn_detection)
         timing = CascadeTiming(sessions=len(live))
 
         # 1. VAD over every session's new audio, batched across sessions.
@@ -294,20 +295,26 @@ class CascadeAdapter(InteractionAdapter):
                 ended = [np.concatenate(ended)]   # one committed turn: one transcript
         return ended, stopped_at
 
-    def set_turn_detection(self, session_id: str, turn: TurnDetection) -> None:
-        """The session's VAD segments with ``turn``'s threshold and timings from now on (unset: ours)."""
+    def set_turn_detection(self, session_id: str, turn: TurnDetection) -> str | None:
+        """The session's VAD segments with ``turn``'s threshold and timings from now on (unset: ours); a
+        message for the client, and the session as it was, when the VAD cannot take them."""
         state = self._sessions[session_id]
         base, changes = self.vad_config, {}
         if turn.threshold is not None:
-            changes.update(threshold=turn.threshold, neg_threshold=max(turn.threshold - 0.15, 0.01))
+            changes.update(threshold=turn.threshold, neg_threshold=min(max(turn.threshold - 0.15, 0.01), turn.threshold))
         if turn.silence_duration_ms is not None:
             changes["min_silence_ms"] = turn.silence_duration_ms
         if turn.prefix_padding_ms is not None or turn.silence_duration_ms is not None:
             # Our pad is also the end pad, cut from the silence: it can be no longer than the silence.
             pad = base.speech_pad_ms if turn.prefix_padding_ms is None else turn.prefix_padding_ms
             changes["speech_pad_ms"] = min(pad, changes.get("min_silence_ms", base.min_silence_ms))
-        state.vad.reconfigure(dataclasses.replace(base, **changes))
+        try:
+            config = dataclasses.replace(base, **changes)
+        except ValueError as exc:
+            return f"turn_detection refused: {exc}"
+        state.vad.reconfigure(config)
         state.turn_detection = turn
+        return None
 
     def _bounded(self, text: str) -> str:
         """``text`` cut to ``max_transcript_tokens`` tokens (a 15 s utterance is rarely near it)."""

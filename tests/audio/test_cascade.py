@@ -280,3 +280,19 @@ def test_turns_the_vad_ended_wait_for_response_create_when_create_response_is_of
     assert not any(c.decoded_per_tick) and not c.adapter.session_state(c.sid)["responding"]
     p, o = c.tick(new_turn=True)                                     # response.create
     assert p.token_ids == c.adapter.chat.generation_prompt and p.max_new_tokens == TOKENS and o.token_ids
+
+
+def test_turn_detection_the_vad_cannot_take_is_refused_on_that_session_only(engine, adapter):
+    from metronome.audio.adapter import TurnDetection
+
+    adapter.open_session("odd", "turn", "")
+    adapter.open_session("fine", "turn", "")
+    try:
+        odd, fine = adapter.prepare([TickAudio("odd", turn_detection=TurnDetection(threshold=1.5)),
+                                     TickAudio("fine", turn_detection=TurnDetection(threshold=0.005))])
+        assert odd.error and "turn_detection" in odd.error
+        assert fine.error is None   # a threshold near 0 still gets a valid lower hysteresis threshold
+        assert adapter.set_turn_detection("odd", TurnDetection(silence_duration_ms=300)) is None  # it lives on
+    finally:
+        adapter.close_session("odd")
+        adapter.close_session("fine")
