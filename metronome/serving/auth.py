@@ -1,4 +1,5 @@
-"""Secrets between the serving parts: the worker token (only gateways open sessions) and reading keys.
+"""Secrets between the serving parts: the worker token (only gateways open sessions), reading keys, and the
+client's API key as a browser sends it (a WebSocket subprotocol).
 
 A worker started with a token refuses every RPC that does not carry ``authorization: Bearer TOKEN`` in
 its metadata (``UNAUTHENTICATED``), so a local process that finds the worker's port cannot open sessions
