@@ -49,6 +49,23 @@ class AdapterContext:
     voice: str = "auto"     # speech out for adapters that speak text answers ("none": text only)
 
 
+@dataclass(frozen=True)
+class TurnDetection:
+    """How a session's user turns end (the Realtime API's ``turn_detection``); None fields: the adapter's default.
+
+    ``server_vad`` False: only ``TickAudio.new_turn`` (the client's commit) ends a turn; the VAD still
+    reports where speech starts and stops. ``create_response`` False: a turn the VAD ended joins the
+    conversation unanswered until ``new_turn``. ``interrupt_response``: speech during an answer ends it.
+    """
+
+    server_vad: bool = True
+    threshold: float | None = None
+    prefix_padding_ms: int | None = None
+    silence_duration_ms: int | None = None
+    create_response: bool = True
+    interrupt_response: bool = True
+
+
 @dataclass
 class TickAudio:
     """One session's input for one tick.
@@ -63,6 +80,8 @@ class TickAudio:
     text: str = ""           # a typed user message, if any
     cancel: bool = False     # stop the current response
     max_tokens: int = 0
+    max_output_tokens: int = 0   # cap on the answer in progress (0: the adapter's own)
+    turn_detection: TurnDetection | None = None   # set on the tick the client changed it; kept until the next
 
 
 @dataclass
@@ -87,6 +106,9 @@ class PreparedInput:
     # Ask the engine for the last input position's hidden state (``InteractionAdapter.on_hidden``):
     # for models whose own output heads run in the adapter, e.g. Moshi's depth transformer.
     return_hidden: bool = False
+    # Where the VAD heard the user's speech start / stop this tick (ms into the session's input audio).
+    speech_started_ms: int | None = None
+    speech_stopped_ms: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -144,6 +166,10 @@ class InteractionAdapter(ABC):
     def take_audio(self, session_id: str) -> bytes:
         """PCM16 mono at ``output_sample_rate`` produced for the session this tick (b"" if none)."""
         return b""
+
+    def take_spoken(self, session_id: str) -> tuple[bytes, str]:
+        """``take_audio`` and the text that audio says ("" where the adapter does not know it)."""
+        return self.take_audio(session_id), ""
 
     def speaking(self, session_id: str) -> bool:
         """Is the session's answer still being spoken? Its response stays open until the speech ends."""

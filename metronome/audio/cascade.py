@@ -48,6 +48,7 @@ One conversation, as ticks (turn mode, SmolLM2, B = 2 s, 8 tokens per tick)::
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 import re
@@ -57,11 +58,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from metronome.audio.adapter import AdapterContext, InteractionAdapter, PreparedInput, TickAudio
+from metronome.audio.adapter import AdapterContext, InteractionAdapter, PreparedInput, TickAudio, TurnDetection
 from metronome.audio.chat import ChatTemplate
 from metronome.audio.detokenize import IncrementalDetokenizer
 from metronome.audio.turns import answer_close, decode_budget, default_stop_tokens, record_output, session_header
-from metronome.audio.vad import SAMPLE_RATE, SileroVad, VadConfig, VadStream
+from metronome.audio.vad import SAMPLE_RATE, SileroVad, VadConfig, VadEvents, VadStream
 from metronome.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -88,6 +89,10 @@ def speech_out(voice: str) -> SpeechSynthesizer | None:
     except RuntimeError as exc:
         log.warning("speech out is off: %s", exc)
         return None
+
+
+def _ms(samples: int | None) -> int | None:
+    return None if samples is None else samples * 1000 // SAMPLE_RATE
 
 
 def clean_transcript(text: str) -> str:
@@ -124,6 +129,9 @@ class _Session:
     last_decoded: list[int] = field(default_factory=list)  # free running: tail of the output since the last turn
     utterances: int = 0                   # recognised utterances (introspection)
     speech: SpeechStream | None = None    # the answer being spoken (with a synthesizer only)
+    turn_detection: TurnDetection = field(default_factory=TurnDetection)
+    held: list[np.ndarray] = field(default_factory=list)  # utterances waiting for the client's commit (no server VAD)
+    unanswered: bool = False              # turn mode: a user turn joined without a response (create_response off)
 
 
 class CascadeAdapter(InteractionAdapter):
@@ -203,6 +211,9 @@ class CascadeAdapter(InteractionAdapter):
         for i, tick in enumerate(batch):
             if tick.session_id not in self._sessions:
                 out[i] = PreparedInput(error=f"session {tick.session_id!r} is not open in the {self.name} adapter")
+            elif tick.turn_detection is not None and (refused := self.set_turn_detection(tick.session_id,
+                                                                                       tick.turn_detection)):
+                out[i] = PreparedInput(error=refused)
             else:
                 live.append(i)
         timing = CascadeTiming(sessions=len(live))
@@ -212,12 +223,11 @@ class CascadeAdapter(InteractionAdapter):
         states = [self._sessions[batch[i].session_id] for i in live]
         events = self.vad.feed_many([s.vad for s in states], [batch[i].pcm for i in live]) if live else []
         utterances: list[tuple[int, np.ndarray]] = []   # (position in `live`, audio)
+        marks: list[tuple[int | None, int | None]] = []  # (speech started, stopped) per live session, in ms
         for k, (i, ev) in enumerate(zip(live, events)):
-            utterances += [(k, u.audio) for u in ev.utterances]
-            if batch[i].new_turn:
-                u = states[k].vad.flush()
-                if u is not None:
-                    utterances.append((k, u.audio))
+            ended, stopped_at = self._turns_ended(states[k], ev, batch[i].new_turn)
+            utterances += [(k, audio) for audio in ended]
+            marks.append((_ms(ev.started_at), _ms(stopped_at)))
         timing.vad_ms = (time.perf_counter() - t0) * 1e3
 
         # 2. One ASR call for every utterance that ended this tick, in any session.
@@ -237,21 +247,74 @@ class CascadeAdapter(InteractionAdapter):
         # 3. Turns and decode budgets per session.
         for k, i in enumerate(live):
             tick, state = batch[i], states[k]
+            started_ms, stopped_ms = marks[k]
             transcript = self._bounded(" ".join(heard[k]))
             new = copy.copy(state)
             tokens = self._advance(new, tick, transcript)
             if len(tokens) > self.max_input_tokens:
-                out[i] = PreparedInput(transcript=transcript, error=(
+                out[i] = PreparedInput(transcript=transcript, speech_started_ms=started_ms,
+                                       speech_stopped_ms=stopped_ms, error=(
                     f"this tick's input is {len(tokens)} tokens; at most {self.max_input_tokens} fit in one tick "
                     "(send shorter text)"))
                 continue
             self._sessions[tick.session_id] = new
             if self.speech is not None:
                 self._steer_speech(state, new, tick, transcript)
-            max_new, stops, ends = decode_budget(new, tick.max_tokens, self.max_response_tokens, self.stop_token_ids)
+            max_new, stops, ends = decode_budget(new, tick.max_tokens, self._response_cap(tick), self.stop_token_ids)
             out[i] = PreparedInput(token_ids=tokens or None, max_new_tokens=max_new, stop_token_ids=stops,
-                                   transcript=transcript, ends_response=ends)
+                                   transcript=transcript, ends_response=ends, speech_started_ms=started_ms,
+                                   speech_stopped_ms=stopped_ms)
         return out  # type: ignore[return-value]
+
+    def _response_cap(self, tick: TickAudio) -> int:
+        """Tokens the session's answer may take: the client's ``max_output_tokens`` within the adapter's cap."""
+        cap = self.max_response_tokens
+        return min(cap, tick.max_output_tokens) if tick.max_output_tokens else cap
+
+    def _turns_ended(self, state: _Session, events: VadEvents, new_turn: bool) -> tuple[list[np.ndarray], int | None]:
+        """The utterances whose turn ended this tick (to transcribe) and where the speech stopped, in samples.
+
+        With server VAD a pause ends a turn; without it the utterances wait in ``held`` (within
+        ``max_utterance_s``) for the client's commit, which also ends the utterance in progress."""
+        stopped_at = events.stopped_at
+        ended = [u.audio for u in events.utterances]
+        if not state.turn_detection.server_vad:
+            state.held += ended
+            ended = []
+            limit = int(self.vad_config.max_utterance_s * SAMPLE_RATE)
+            while sum(a.size for a in state.held) > limit:
+                state.held.pop(0)   # the oldest speech goes first: Whisper hears at most its window
+        if new_turn:
+            speaking = state.vad.speaking
+            u = state.vad.flush()
+            if speaking:
+                stopped_at = state.vad.last_end
+            ended += state.held + ([u.audio] if u is not None else [])
+            state.held = []
+            if len(ended) > 1:
+                ended = [np.concatenate(ended)]   # one committed turn: one transcript
+        return ended, stopped_at
+
+    def set_turn_detection(self, session_id: str, turn: TurnDetection) -> str | None:
+        """The session's VAD segments with ``turn``'s threshold and timings from now on (unset: ours); a
+        message for the client, and the session as it was, when the VAD cannot take them."""
+        state = self._sessions[session_id]
+        base, changes = self.vad_config, {}
+        if turn.threshold is not None:
+            changes.update(threshold=turn.threshold, neg_threshold=min(max(turn.threshold - 0.15, 0.01), turn.threshold))
+        if turn.silence_duration_ms is not None:
+            changes["min_silence_ms"] = turn.silence_duration_ms
+        if turn.prefix_padding_ms is not None or turn.silence_duration_ms is not None:
+            # Our pad is also the end pad, cut from the silence: it can be no longer than the silence.
+            pad = base.speech_pad_ms if turn.prefix_padding_ms is None else turn.prefix_padding_ms
+            changes["speech_pad_ms"] = min(pad, changes.get("min_silence_ms", base.min_silence_ms))
+        try:
+            config = dataclasses.replace(base, **changes)
+        except ValueError as exc:
+            return f"turn_detection refused: {exc}"
+        state.vad.reconfigure(config)
+        state.turn_detection = turn
+        return None
 
     def _bounded(self, text: str) -> str:
         """``text`` cut to ``max_transcript_tokens`` tokens (a 15 s utterance is rarely near it)."""
@@ -279,16 +342,24 @@ class CascadeAdapter(InteractionAdapter):
                     tokens += chat.user_turn(text, respond=n == len(turns) - 1)
             return tokens
 
-        if s.responding and (tick.cancel or turns or s.response_tokens >= self.max_response_tokens):
+        if s.responding and (tick.cancel or turns or s.response_tokens >= self._response_cap(tick)):
             if not (tick.cancel or turns):
                 log.info("session %s: answer cut at %d tokens (max_response_tokens)", tick.session_id,
                          s.response_tokens)
             tokens += chat.assistant_suffix   # the answer stops here (barge-in, cancel or the cap)
             s.responding = False
             s.detok = IncrementalDetokenizer(self.tokenizer)
-        if turns:
-            for n, text in enumerate(turns):
-                tokens += chat.user_turn(text, respond=n == len(turns) - 1)
+        # A spoken turn the VAD ended waits for the client's response.create when create_response is off.
+        respond = bool(turns) and (tick.new_turn or bool(tick.text) or s.turn_detection.create_response)
+        for n, text in enumerate(turns):
+            tokens += chat.user_turn(text, respond=respond and n == len(turns) - 1)
+        if turns and not respond:
+            s.unanswered = True
+        elif tick.new_turn and s.unanswered and not s.responding:
+            tokens += chat.generation_prompt
+            respond = True
+        if respond:
+            s.unanswered = False
             s.responding = True
             s.response_tokens = 0
         return tokens
@@ -330,7 +401,12 @@ class CascadeAdapter(InteractionAdapter):
 
     def take_audio(self, session_id: str) -> bytes:
         """The answer's PCM16 at ``output_sample_rate`` that is ready now (b"" without a synthesizer)."""
-        return b"".join(chunk.pcm16 for chunk in self.take_speech(session_id))
+        return self.take_spoken(session_id)[0]
+
+    def take_spoken(self, session_id: str) -> tuple[bytes, str]:
+        chunks = self.take_speech(session_id)
+        text = "".join((" " if chunk.piece else "") + chunk.text for chunk in chunks)   # pieces are sentences
+        return b"".join(chunk.pcm16 for chunk in chunks), text
 
     def speaking(self, session_id: str) -> bool:
         state = self._sessions.get(session_id)

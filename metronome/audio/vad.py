@@ -116,6 +116,10 @@ class VadEvents:
     utterances: list[Utterance] = field(default_factory=list)
     speaking: bool = False        # an utterance is open at the end of the fed audio
     probability: float = 0.0      # the last window's speech probability (0.0 before the first window)
+    # Stream offsets (samples) where speech started / stopped in this audio; None: it did not. A cut at
+    # ``max_utterance_s`` is neither (the speech goes on); speech too short to keep still stops.
+    started_at: int | None = None
+    stopped_at: int | None = None
 
 
 class SileroVad:
@@ -180,10 +184,7 @@ class VadStream:
         self._context = np.zeros(CONTEXT, np.float32)
         self._pending = np.zeros(0, np.float32)     # < WINDOW samples not yet scored
         self._pos = 0                               # samples scored so far (stream offset of the next window)
-        self._pad = config.speech_pad_ms * SAMPLE_RATE // 1000
-        self._min_silence = config.min_silence_ms * SAMPLE_RATE // 1000
-        self._min_speech = config.min_speech_ms * SAMPLE_RATE // 1000
-        self._max_len = int(config.max_utterance_s * SAMPLE_RATE)
+        self.reconfigure(config)
         self._recent = np.zeros(0, np.float32)      # last <= pad scored samples (pre-roll)
         self._last_end = 0                          # where the previous utterance ended
         self._triggered = False
@@ -194,9 +195,22 @@ class VadStream:
         self._silence_start: int | None = None
         self._last_prob = 0.0
 
+    def reconfigure(self, config: VadConfig) -> None:
+        """Segment with ``config`` from the next window on (the client changed its turn detection)."""
+        self.config = config
+        self._pad = config.speech_pad_ms * SAMPLE_RATE // 1000
+        self._min_silence = config.min_silence_ms * SAMPLE_RATE // 1000
+        self._min_speech = config.min_speech_ms * SAMPLE_RATE // 1000
+        self._max_len = int(config.max_utterance_s * SAMPLE_RATE)
+
     @property
     def speaking(self) -> bool:
         return self._triggered
+
+    @property
+    def last_end(self) -> int:
+        """Stream offset (samples) where the last utterance ended (0 before the first)."""
+        return self._last_end
 
     @property
     def pending_samples(self) -> int:
@@ -240,6 +254,7 @@ class VadStream:
     def _segment(self, windows: list[np.ndarray], probs: np.ndarray) -> VadEvents:
         cfg = self.config
         done: list[Utterance] = []
+        started_at = stopped_at = None
         for w, p in zip(windows, probs):
             start, end = self._pos, self._pos + WINDOW
             if not self._triggered:
@@ -252,6 +267,8 @@ class VadStream:
                     self._utt_len = n_pre + WINDOW
                     self._speech_start = start
                     self._silence_start = None
+                    if started_at is None:
+                        started_at = self._utt_start
             else:
                 self._utt.append(w)
                 self._utt_len += WINDOW
@@ -261,6 +278,7 @@ class VadStream:
                     self._silence_start = start
                 if self._silence_start is not None and end - self._silence_start >= self._min_silence:
                     u = self._close(self._silence_start + self._pad, self._silence_start, forced=False)
+                    stopped_at = self._last_end
                     if u is not None:
                         done.append(u)
                 elif self._utt_len >= self._max_len:
@@ -275,7 +293,7 @@ class VadStream:
             if self._pad:
                 self._recent = np.concatenate([self._recent, w])[-self._pad:]
             self._last_prob = float(p)
-        return VadEvents(done, self._triggered, self._last_prob)
+        return VadEvents(done, self._triggered, self._last_prob, started_at, stopped_at)
 
     def _close(self, end: int, speech_end: int, *, forced: bool) -> Utterance | None:
         end = min(end, self._utt_start + self._utt_len)

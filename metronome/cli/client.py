@@ -5,7 +5,9 @@
     metronome client q.wav --url ws://host:8000/v1/realtime --api-key-file key.txt
 
 The file is decoded, mixed to mono and resampled to the session rate, then sent in 20-ms PCM16 chunks in real
-time. The client ends when the last answer's ``response.done`` arrives (exit 0), on the first ``error`` event
+time, then committed. The client ends when the last answer's ``response.done`` arrives (exit 0: after the audio,
+or, when the server's VAD answered before the audio's end, once the commit has settled for a few ticks with no
+new answer), on the first ``error`` event
 (exit 1), when the server refuses the session (exit 2), or ``--timeout-s`` after the audio ends: exit 0 if an
 answer was still streaming (a free-running model never finishes one), 1 if none came.
 """
@@ -29,6 +31,9 @@ from metronome.cli.help import HelpFormatter
 CHUNK_MS = 20
 SESSION_RATE = 24_000          # the Realtime API's PCM16 rate
 EXIT_OK, EXIT_ERROR, EXIT_REFUSED = 0, 1, 2
+# Ticks after the server acknowledged the final commit by which an answer to it has begun, if one will: the tick
+# that carries the commit, one for a transcription that lands a tick late, one to spare.
+SETTLE_TICKS = 3
 
 
 def add_parser(sub) -> None:
@@ -81,6 +86,7 @@ class Transcript:
     audio: list[bytes] = field(default_factory=list)
     audio_rate: int = SESSION_RATE
     exit_code: int | None = None
+    ticks_since_commit: int | None = None   # None until the server acknowledged the commit after the audio
 
     @property
     def answering(self) -> bool:
@@ -91,6 +97,8 @@ def handle(event: dict, out: Transcript, audio_sent: bool, show_ticks: bool) -> 
     kind = event.get("type")
     if kind == "conversation.item.input_audio_transcription.completed":
         print(f"[heard] {event.get('transcript', '')}", flush=True)
+    elif kind == "input_audio_buffer.committed" and audio_sent and out.ticks_since_commit is None:
+        out.ticks_since_commit = 0
     elif kind == "response.created":
         out.created += 1
     elif kind == "response.output_text.delta":
@@ -106,7 +114,9 @@ def handle(event: dict, out: Transcript, audio_sent: bool, show_ticks: bool) -> 
         error = event.get("error", {})
         print(f"\n[error] {error.get('code') or error.get('type')}: {error.get('message')}", file=sys.stderr)
         out.exit_code = EXIT_REFUSED if error.get("type") == "server_overloaded" else EXIT_ERROR
-    elif kind == "metronome.tick" and show_ticks:
+    elif kind == "metronome.tick" and out.ticks_since_commit is not None:
+        out.ticks_since_commit += 1
+    if kind == "metronome.tick" and show_ticks:
         print(f"[tick {event['tick']}] {event['latency_ms']:.1f} ms of {event['budget_ms']:.0f}, "
               f"batch {event['batch']}", file=sys.stderr)
 
@@ -163,7 +173,10 @@ async def receive(ws, out: Transcript, sent: asyncio.Event, args: argparse.Names
     while True:
         if sent.is_set() and deadline is None:
             deadline = time.monotonic() + args.timeout_s
-        if deadline is not None and not out.answering and out.done_after_audio:
+        # Done: an answer ended after the audio did, or (the server's VAD answered before the audio's end) one
+        # ended and the final commit has settled without starting another.
+        settled = out.done and (out.ticks_since_commit or 0) >= SETTLE_TICKS
+        if deadline is not None and not out.answering and (out.done_after_audio or settled):
             return EXIT_OK
         if deadline is not None and time.monotonic() > deadline:   # checked every event: ticks keep coming
             if out.created:     # a free-running model streams on; what it said has been printed

@@ -200,8 +200,13 @@ async def run_speech(args: argparse.Namespace) -> int:
                         print(f"  error: {event['error']['message']}", flush=True)
 
             reader = asyncio.create_task(read())
+            session_rate = 0
             for name, pcm, rate in samples:
                 print(f"> {name} ({len(pcm) / 2 / rate:.1f} s of speech at {rate} Hz)", flush=True)
+                if rate != session_rate:   # the session's rate is 24 kHz unless it names another
+                    await ws.send_json({"type": "session.update", "session": {
+                        "type": "realtime", "audio": {"input": {"format": {"type": "audio/pcm", "rate": rate}}}}})
+                    session_rate = rate
                 answered.clear()
                 silence = bytes(2 * rate)   # 1 s of silence after the question: the VAD ends the utterance
                 await _stream(ws, pcm + silence, rate, args.speed)

@@ -43,14 +43,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``metronome`` command. Without ``argv`` it owns the process (the console script, ``python -m
+    metronome``) and ends it with ``exit_now``; with ``argv`` (a caller in the same process) it returns."""
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")   # gRPC's C core logs connection teardown at shutdown
     quiet_thread_env(os.environ)   # idle OpenMP threads sleep (read when torch loads; workers inherit it)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return args.run(args) or 0
+        code = args.run(args) or 0
     except KeyboardInterrupt:
-        return 130
+        code = 130
+    if argv is None:
+        exit_now(code)
+    return code
+
+
+def exit_now(code: int) -> None:
+    """Exit once the command has closed what it opened, skipping interpreter teardown: there Triton's nanobind
+    bindings report hundreds of "leaked" objects of their own, which drowned every Ctrl-C's log."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Secrets between the serving parts: the worker token (only gateways open sessions) and reading keys.
+"""Secrets between the serving parts: the worker token (only gateways open sessions), reading keys, and the
+client's API key as a browser sends it (a WebSocket subprotocol).
 
 A worker started with a token refuses every RPC that does not carry ``authorization: Bearer TOKEN`` in
 its metadata (``UNAUTHENTICATED``), so a local process that finds the worker's port cannot open sessions
@@ -20,6 +21,38 @@ log = logging.getLogger(__name__)
 
 TOKEN_ENV = "METRONOME_WORKER_TOKEN"
 API_KEY_ENV = "METRONOME_API_KEY"
+# Browsers cannot set headers on a WebSocket: OpenAI's browser clients send the key as a subprotocol,
+# ``new WebSocket(url, ["realtime", "openai-insecure-api-key." + key])``, and expect "realtime" echoed.
+KEY_SUBPROTOCOL_PREFIX = "openai-insecure-api-key."
+REALTIME_SUBPROTOCOL = "realtime"
+
+
+def offered_subprotocols(header: str) -> list[str]:
+    """The subprotocols a ``Sec-WebSocket-Protocol`` request header offers, in order.
+
+    >>> offered_subprotocols("realtime, openai-insecure-api-key.sk-1")
+    ['realtime', 'openai-insecure-api-key.sk-1']
+    """
+    return [p.strip() for p in header.split(",") if p.strip()]
+
+
+def subprotocol_api_key(header: str) -> str | None:
+    """The API key a browser client sent as a subprotocol; None when it sent none."""
+    return next((p[len(KEY_SUBPROTOCOL_PREFIX):] for p in offered_subprotocols(header)
+                 if p.startswith(KEY_SUBPROTOCOL_PREFIX)), None)
+
+
+def chosen_subprotocol(header: str) -> str | None:
+    """The subprotocol the 101 response names: "realtime" when offered, else the first offered (a browser fails
+    a handshake that offered some and got none back); None when none was offered.
+
+    >>> chosen_subprotocol("openai-insecure-api-key.sk-1, realtime"), chosen_subprotocol("")
+    ('realtime', None)
+    """
+    offered = offered_subprotocols(header)
+    if REALTIME_SUBPROTOCOL in offered:
+        return REALTIME_SUBPROTOCOL
+    return offered[0] if offered else None
 
 
 def new_token() -> str:

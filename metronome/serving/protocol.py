@@ -2,13 +2,16 @@
 
 Client → server events accepted (unknown fields are ignored, as OpenAI clients send many)::
 
-    {"type": "session.update", "session": {"instructions": "...", "input_audio_format": "pcm16",
-                                           "input_audio_sample_rate": 16000, "mode": "turn"}}
+    {"type": "session.update", "session": {"type": "realtime", "instructions": "...",
+        "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000},
+                            "turn_detection": {"type": "server_vad", "silence_duration_ms": 500}}},
+        "output_modalities": ["audio"], "max_output_tokens": 200, "mode": "turn"}}
+    (the beta shape too: "input_audio_format": "pcm16", "turn_detection", "max_response_output_tokens")
     {"type": "input_audio_buffer.append", "audio": "<base64 PCM16 mono little-endian>"}
     {"type": "input_audio_buffer.commit"}     {"type": "input_audio_buffer.clear"}
     {"type": "conversation.item.create", "item": {"type": "message", "role": "user",
                                                    "content": [{"type": "input_text", "text": "hi"}]}}
-    {"type": "response.create"}               {"type": "response.cancel"}
+    {"type": "response.create", "response": {"max_output_tokens": 50}}     {"type": "response.cancel"}
 
 >>> decode_client_event(b'{"type": "input_audio_buffer.commit"}')
 InputAudioBufferCommit(event_id=None)
@@ -29,7 +32,10 @@ SUPPORTED_SAMPLE_RATES = (8000, 16000, 22050, 24000, 32000, 44100, 48000)
 # message of 100k brackets would otherwise end in a RecursionError. Realtime events nest 4-5 levels.
 MAX_NESTING = 32
 ECHO_TEXT_CHARS = 1024  # conversation.item.created echoes at most this much of a user message's text
-DEFAULT_SAMPLE_RATE = 16000
+DEFAULT_SAMPLE_RATE = 24000   # the Realtime API's PCM16 rate when the session names none
+INPUT_AUDIO_FORMATS = ("pcm16", "audio/pcm")   # beta and GA names of little-endian PCM16 mono
+MAX_OUTPUT_TOKENS = 4096      # the largest answer cap a client may ask for (the adapter caps it further)
+MAX_TURN_DETECTION_MS = 10_000
 
 
 class ProtocolError(ValueError):
@@ -46,19 +52,75 @@ class AudioRate(msgspec.Struct):
     type: str | None = None
 
 
+class TurnDetectionConfig(msgspec.Struct, omit_defaults=True):
+    """``turn_detection``: server VAD and its parameters (None: the server's default); null on the wire turns it off."""
+
+    type: str = "server_vad"
+    threshold: float | None = None
+    prefix_padding_ms: int | None = None
+    silence_duration_ms: int | None = None
+    create_response: bool | None = None      # None: true
+    interrupt_response: bool | None = None   # None: true
+
+    def check(self) -> None:
+        if self.type not in ("server_vad", "semantic_vad"):
+            raise ProtocolError("invalid_turn_detection", f"turn_detection.type {self.type!r}; use 'server_vad' or null")
+        if self.threshold is not None and not 0.0 < self.threshold < 1.0:
+            raise ProtocolError("invalid_turn_detection", f"threshold {self.threshold}; it must be in (0, 1)")
+        for name in ("prefix_padding_ms", "silence_duration_ms"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_TURN_DETECTION_MS:
+                raise ProtocolError("invalid_turn_detection", f"{name} {value}; it must be in [0, {MAX_TURN_DETECTION_MS}]")
+
+
 class AudioInput(msgspec.Struct):
     format: AudioRate | None = None
+    turn_detection: TurnDetectionConfig | None | msgspec.UnsetType = msgspec.UNSET
 
 
 class AudioConfig(msgspec.Struct):
     input: AudioInput | None = None
 
 
+# ``max_output_tokens`` / ``max_response_output_tokens``: a count, or "inf" (the server's own cap).
+MaxTokens = Union[int, str, None, msgspec.UnsetType]
+
+
+def max_tokens(value: MaxTokens) -> int | None:
+    """The cap a client asked for: a count, 0 for "inf" (the server's own), None when not given."""
+    if value is msgspec.UNSET or value is None:
+        return None
+    if value == "inf":
+        return 0
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_OUTPUT_TOKENS:
+        return value
+    raise ProtocolError("invalid_max_output_tokens",
+                        f"max_output_tokens {value!r}; use 1-{MAX_OUTPUT_TOKENS} or \"inf\"")
+
+
+def modalities(value: list[str] | None) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if not value or any(m not in ("text", "audio") for m in value):
+        raise ProtocolError("invalid_modalities", f"output modalities {value!r}; use [\"audio\"] or [\"text\"]")
+    return tuple(value)
+
+
 class SessionConfig(msgspec.Struct):
+    """``session.update``'s session: the GA shape (``type``, ``audio.input``, ``output_modalities``,
+    ``max_output_tokens``) or the beta one (``input_audio_format``, ``turn_detection``, ``modalities``,
+    ``max_response_output_tokens``); where both name a setting the GA one wins."""
+
+    type: str | None = None
     instructions: str | None = None
     input_audio_format: str | None = None
     input_audio_sample_rate: int | None = None  # Metronome extension; GA clients use audio.input.format.rate
     audio: AudioConfig | None = None
+    turn_detection: TurnDetectionConfig | None | msgspec.UnsetType = msgspec.UNSET
+    output_modalities: list[str] | None = None
+    modalities: list[str] | None = None
+    max_output_tokens: MaxTokens = msgspec.UNSET
+    max_response_output_tokens: MaxTokens = msgspec.UNSET
     mode: str | None = None                     # Metronome extension: "turn" or "free_running"
 
     def sample_rate(self) -> int | None:
@@ -67,6 +129,40 @@ class SessionConfig(msgspec.Struct):
         if self.audio and self.audio.input and self.audio.input.format:
             return self.audio.input.format.rate
         return None
+
+    def audio_format(self) -> str | None:
+        """The input format named, as the beta string ("pcm16") or the GA type ("audio/pcm")."""
+        if self.audio and self.audio.input and self.audio.input.format and self.audio.input.format.type:
+            return self.audio.input.format.type
+        return self.input_audio_format
+
+    def turn_detection_given(self) -> TurnDetectionConfig | None | msgspec.UnsetType:
+        if self.audio and self.audio.input and self.audio.input.turn_detection is not msgspec.UNSET:
+            return self.audio.input.turn_detection
+        return self.turn_detection
+
+    def output_tokens(self) -> int | None:
+        given = max_tokens(self.max_output_tokens)
+        return given if given is not None else max_tokens(self.max_response_output_tokens)
+
+    def modalities_given(self) -> tuple[str, ...] | None:
+        return modalities(self.output_modalities if self.output_modalities is not None else self.modalities)
+
+
+class ResponseConfig(msgspec.Struct):
+    """``response.create``'s response: what of it this server applies to the one response."""
+
+    output_modalities: list[str] | None = None
+    modalities: list[str] | None = None
+    max_output_tokens: MaxTokens = msgspec.UNSET
+    max_response_output_tokens: MaxTokens = msgspec.UNSET
+
+    def output_tokens(self) -> int | None:
+        given = max_tokens(self.max_output_tokens)
+        return given if given is not None else max_tokens(self.max_response_output_tokens)
+
+    def modalities_given(self) -> tuple[str, ...] | None:
+        return modalities(self.output_modalities if self.output_modalities is not None else self.modalities)
 
 
 class _Event(msgspec.Struct, tag_field="type"):
@@ -121,7 +217,7 @@ class ConversationItemCreate(_Event, tag="conversation.item.create"):
 
 
 class ResponseCreate(_Event, tag="response.create"):
-    response: dict[str, Any] | None = None
+    response: ResponseConfig | None = None
 
 
 class ResponseCancel(_Event, tag="response.cancel"):

@@ -66,7 +66,9 @@ class WorkerSupervisor:
             self._spawn(worker)
 
     def _spawn(self, worker: WorkerProcess) -> None:
-        worker.proc = subprocess.Popen(worker.command, env=self.env)
+        # Its own session: a terminal's Ctrl-C reaches serve, which closes the gateway's sessions first and
+        # then stops the workers (``stop``), instead of every worker dying under sessions still open.
+        worker.proc = subprocess.Popen(worker.command, env=self.env, start_new_session=True)
         worker.started_at = time.monotonic()
         worker.restart_at = None
         log.info("worker %s started (pid %d)", worker.address, worker.proc.pid)

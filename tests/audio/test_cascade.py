@@ -228,3 +228,71 @@ def test_an_answer_is_capped_and_typed_text_is_a_turn_too(engine, adapter):
         assert not capped.session_state("capped")["responding"]
     finally:
         c.close()
+
+
+def test_a_client_cap_on_the_answer_ends_it_within_the_adapters(conv):
+    c = conv(tokens=2)
+    p, o = c.tick(text="Tell me a long story about a dragon.", max_output_tokens=3)
+    assert p.max_new_tokens == 2 and not p.ends_response
+    p, o = c.tick(max_output_tokens=3)
+    assert p.max_new_tokens == 1 and p.ends_response and o.finished   # the client's 3, not the adapter's 256
+    p, o = c.tick(text="And another one.", max_output_tokens=10_000)   # above the adapter's cap: the adapter's holds
+    assert p.max_new_tokens == 2 and not p.ends_response
+
+
+def test_speech_start_and_stop_are_reported_in_ms_of_the_input(conv):
+    c = conv()
+    lead, said = 1.0, trim(synth(FRANCE))
+    marks = []
+    n = int(0.5 * RATE)
+    audio = np.concatenate([silence(lead), said, silence(2.0)])
+    for i in range(0, len(audio), n):
+        p, _ = c.tick(audio[i:i + n])
+        marks.append((p.speech_started_ms, p.speech_stopped_ms, bool(p.transcript)))
+    started = [m[0] for m in marks if m[0] is not None]
+    stopped = [(k, m[1]) for k, m in enumerate(marks) if m[1] is not None]
+    assert len(started) == 1 and len(stopped) == 1, marks
+    speech_ms = len(said) * 1000 // RATE
+    assert abs(started[0] - lead * 1000) < 250                       # within the pre-roll and a window or two
+    assert abs(stopped[0][1] - (lead * 1000 + speech_ms)) < 400      # the end pad and the VAD's hangover
+    assert marks[stopped[0][0]][2]                                   # the transcript comes with the stop
+
+
+def test_without_server_vad_only_the_commit_ends_the_turn(conv, adapter):
+    from metronome.audio.adapter import TurnDetection
+
+    c = conv()
+    c.tick(silence(0.1), turn_detection=TurnDetection(server_vad=False))
+    c.stream(np.concatenate([question(FRANCE, pad_s=2.0), silence(2.0)]))   # a long pause: not a turn's end
+    assert not c.heard and c.finished == 0
+    p, o = c.tick(new_turn=True)
+    assert p.transcript and "France" in p.transcript, p.transcript
+    assert p.max_new_tokens == TOKENS and o.token_ids
+
+
+def test_turns_the_vad_ended_wait_for_response_create_when_create_response_is_off(conv):
+    from metronome.audio.adapter import TurnDetection
+
+    c = conv()
+    c.tick(silence(0.1), turn_detection=TurnDetection(create_response=False, silence_duration_ms=300))
+    c.stream(np.concatenate([question(GERMANY), silence(1.0)]))
+    assert len(c.heard) == 1 and "Germany" in c.heard[0], c.heard
+    assert not any(c.decoded_per_tick) and not c.adapter.session_state(c.sid)["responding"]
+    p, o = c.tick(new_turn=True)                                     # response.create
+    assert p.token_ids == c.adapter.chat.generation_prompt and p.max_new_tokens == TOKENS and o.token_ids
+
+
+def test_turn_detection_the_vad_cannot_take_is_refused_on_that_session_only(engine, adapter):
+    from metronome.audio.adapter import TurnDetection
+
+    adapter.open_session("odd", "turn", "")
+    adapter.open_session("fine", "turn", "")
+    try:
+        odd, fine = adapter.prepare([TickAudio("odd", turn_detection=TurnDetection(threshold=1.5)),
+                                     TickAudio("fine", turn_detection=TurnDetection(threshold=0.005))])
+        assert odd.error and "turn_detection" in odd.error
+        assert fine.error is None   # a threshold near 0 still gets a valid lower hysteresis threshold
+        assert adapter.set_turn_detection("odd", TurnDetection(silence_duration_ms=300)) is None  # it lives on
+    finally:
+        adapter.close_session("odd")
+        adapter.close_session("fine")

@@ -144,3 +144,27 @@ def test_flush_returns_the_open_utterance(vad, sentences):
     u = s.flush()
     assert u is not None and u.duration_s > 1.0 and not s.speaking
     assert s.flush() is None
+
+
+def test_speech_start_and_stop_are_marked_where_utterances_begin_and_end(vad, sentences):
+    a, b = sentences
+    audio = np.concatenate([silence(0.5), a, silence(1.0), b, silence(1.0)])
+    stream, starts, stops, utts = vad.open(), [], [], []
+    for i in range(0, len(audio), 8000):            # 0.5-s feeds, as a tick brings them
+        ev = stream.feed(audio[i:i + 8000])
+        utts += ev.utterances
+        starts += [ev.started_at] if ev.started_at is not None else []
+        stops += [ev.stopped_at] if ev.stopped_at is not None else []
+    assert len(utts) == 2
+    assert starts == [u.start for u in utts] and stops == [u.end for u in utts]
+
+
+def test_a_longer_silence_setting_keeps_a_pause_inside_the_utterance(vad, sentences):
+    a, b = sentences
+    audio = np.concatenate([silence(0.5), a, silence(0.7), b, silence(2.0)])
+    default, _ = run(vad.open(), audio, 320)
+    patient = vad.open()
+    patient.reconfigure(VadConfig(min_silence_ms=1200))   # the client's silence_duration_ms
+    joined, _ = run(patient, audio, 320)
+    assert len(default) == 2 and len(joined) == 1
+    assert joined[0].start == default[0].start and joined[0].end > default[1].start

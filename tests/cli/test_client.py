@@ -65,3 +65,47 @@ def test_version_and_every_flag_shows_its_default():
             if action.option_strings and action.help != "show this help message and exit":
                 assert action.help, f"metronome {name} {action.option_strings[0]} has no help"
         assert "(default:" in text, name
+
+
+class ScriptedSocket:
+    """A socket that hands out scripted server events, and records how many were read."""
+
+    def __init__(self, events: list[dict], sent, send_at: int):
+        self.events, self.sent, self.send_at, self.read = events, sent, send_at, 0
+
+    async def receive(self, timeout=None):
+        import json
+
+        import aiohttp
+
+        if self.read == self.send_at:
+            self.sent.set()          # the audio and the commit went out here
+        event = self.events[self.read]
+        self.read += 1
+        return aiohttp.WSMessage(aiohttp.WSMsgType.TEXT, json.dumps(event), None)
+
+
+def test_an_answer_the_vad_gave_before_the_audio_ended_ends_the_client_once_the_commit_settles():
+    import argparse
+    import asyncio
+
+    from metronome.cli.client import SETTLE_TICKS, Transcript, receive
+
+    tick = {"type": "metronome.tick", "tick": 0, "latency_ms": 1.0, "budget_ms": 500.0, "batch": 1}
+    answered = [{"type": "response.created"}, {"type": "response.output_text.delta", "delta": "Paris."},
+                {"type": "response.done"}, tick]
+    settle = [{"type": "input_audio_buffer.committed"}] + [tick] * (SETTLE_TICKS + 5)
+
+    async def run(script, send_at):
+        sent = asyncio.Event()
+        ws = ScriptedSocket(script, sent, send_at)
+        args = argparse.Namespace(timeout_s=60.0, ticks=False)
+        return await receive(ws, Transcript(), sent, args), ws.read
+
+    code, read = asyncio.run(run(answered + settle, send_at=len(answered)))
+    assert code == 0 and read == len(answered) + 1 + SETTLE_TICKS      # not the 60-s timeout
+    # An answer to the commit itself (the last words had no pause after them) is waited for.
+    late = [{"type": "input_audio_buffer.committed"}, tick, {"type": "response.created"}] + [tick] * 4 + \
+        [{"type": "response.done"}, tick]
+    code, read = asyncio.run(run(answered + late, send_at=len(answered)))
+    assert code == 0 and read == len(answered) + len(late) - 1

@@ -155,3 +155,48 @@ def test_serve_then_client_then_a_dead_worker_is_restarted(chat_checkpoint, tmp_
     finally:
         serve.terminate()
         serve.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_serve_cleanly_with_a_session_open(tmp_path):
+    """Ctrl-C in a terminal sends SIGINT to the whole foreground group (serve and its workers): serve exits 0,
+    with no traceback, no nanobind leak report and no warning about the session closed in the race. The
+    default speech assistant (its VAD, Whisper and voice loaded), as a person runs it."""
+    port, worker_port = free_port(), free_port()
+    log_path = tmp_path / "stderr.txt"
+    with open(log_path, "w") as log_file:
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "metronome", "serve", "--port", str(port), "--worker-port", str(worker_port),
+             "--budget-ms", "500", "--window", "256", "--num-blocks", "200"],
+            stdout=subprocess.PIPE, stderr=log_file, text=True, start_new_session=True)
+    try:
+        banner, deadline = "", time.monotonic() + 300
+        while "connect to" not in banner:
+            line = serve.stdout.readline()
+            assert line or serve.poll() is None, f"serve exited: {banner}{log_path.read_text()}"
+            banner += line
+            assert time.monotonic() < deadline, banner
+        url = f"ws://127.0.0.1:{port}/v1/realtime"
+        while True:   # the banner comes just before the gateway listens
+            try:
+                ws = connect(url)
+                break
+            except OSError:
+                assert time.monotonic() < deadline and serve.poll() is None, banner
+                time.sleep(0.2)
+        with ws:
+            events_until(ws, lambda e: e["type"] == "session.created")
+            ws.send(json.dumps({"type": "input_audio_buffer.append",
+                                "audio": base64.b64encode(b"\x10\x00" * 4800).decode()}))
+            events_until(ws, lambda e: e["type"] == "metronome.tick")
+            os.killpg(serve.pid, signal.SIGINT)     # as the terminal does on Ctrl-C
+            events, code = drain(ws)
+            assert code == 1001                     # going away: the server is shutting down
+        assert serve.wait(timeout=60) == 0
+    finally:
+        if serve.poll() is None:
+            os.killpg(serve.pid, signal.SIGKILL)
+            serve.wait()
+    stderr = log_path.read_text()
+    for bad in ("Traceback", "leaked", "unknown session", "KeyboardInterrupt"):
+        assert bad not in stderr, stderr

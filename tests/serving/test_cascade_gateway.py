@@ -112,7 +112,7 @@ async def test_spoken_questions_get_spoken_answers(cascade_worker):
             await events.wait(lambda e: e["type"] == "session.created")
             for question, expected in [("What is the capital of France?", "Paris"),
                                        ("What is the capital of Germany?", "Berlin")]:
-                heard, answer = await ask(ws, events, question, 16000)
+                heard, answer = await ask(ws, events, question, 24000)   # the default rate: never named
                 assert "capital" in heard.lower(), heard
                 assert expected in answer, (heard, answer)
             deltas = events.of("conversation.item.input_audio_transcription.delta")
@@ -144,8 +144,8 @@ async def test_a_session_that_only_sends_silence_and_noise_gets_ticks_and_nothin
         events = Events(ws)
         try:
             rng = np.random.default_rng(0)
-            audio = np.concatenate([silence(1.0), (rng.standard_normal(16000) * 0.003).astype(np.float32)])
-            await stream(ws, audio, 16000)
+            audio = np.concatenate([silence(1.0, 24000), (rng.standard_normal(24000) * 0.003).astype(np.float32)])
+            await stream(ws, audio, 24000)
             await ws.send_json({"type": "input_audio_buffer.commit"})   # nothing was said: nothing to answer
             await events.wait(lambda e: e["type"] == "input_audio_buffer.committed")
             ticks = len(events.of("metronome.tick"))

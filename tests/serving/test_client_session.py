@@ -1,6 +1,7 @@
 """Per-client state at the gateway: bounded buffers and the slow-reader policy."""
 
 from metronome.serving.gateway.client_session import ClientSession, TokenBucket
+from metronome.serving.protocol import DEFAULT_SAMPLE_RATE, TurnDetectionConfig
 
 
 class FakeConnection:
@@ -56,11 +57,13 @@ def test_ordinary_ends_close_with_1000_a_lost_worker_with_1012_and_a_gone_socket
 
 
 def test_audio_waiting_for_a_tick_is_bounded():
-    session = make(buffered_s=0.1)  # 0.1 s at 16 kHz = 3200 bytes
-    assert session.append_audio(b"\x00" * 3200)
+    session = make(buffered_s=0.1)
+    assert session.sample_rate == DEFAULT_SAMPLE_RATE == 24000   # the Realtime API's rate when the client names none
+    limit = DEFAULT_SAMPLE_RATE // 10 * 2                       # 0.1 s of PCM16
+    assert session.append_audio(b"\x00" * limit)
     assert not session.append_audio(b"\x00\x00")
     tick = session.take_tick_input()
-    assert len(tick.audio_pcm16) == 3200 and not session.audio and session.audio_bytes == 0
+    assert len(tick.audio_pcm16) == limit and not session.audio and session.audio_bytes == 0
     assert session.append_audio(b"\x01\x00") and session.append_audio(b"\x02\x00")
     assert session.take_tick_input().audio_pcm16 == b"\x01\x00\x02\x00"  # in order, joined
 
@@ -77,7 +80,7 @@ def test_the_wire_encoded_step_request_equals_the_protobuf_one():
     # The encoder writes these fields by number: a change to the proto must show up here.
     assert [(f.name, f.number) for f in pb.SessionInput.DESCRIPTOR.fields] == [
         ("sid", 1), ("new_turn", 2), ("audio_pcm16", 3), ("sample_rate", 4), ("text", 5), ("cancel", 6),
-        ("max_tokens", 7), ("clear_audio", 8)]
+        ("max_tokens", 7), ("clear_audio", 8), ("max_output_tokens", 9), ("turn_detection", 10)]
     assert [(f.name, f.number) for f in pb.StepRequest.DESCRIPTOR.fields] == [
         ("sessions", 1), ("tokens_per_tick", 2), ("tick", 3)]
 
@@ -92,6 +95,11 @@ def test_the_wire_encoded_step_request_equals_the_protobuf_one():
         c.texts += ["hällo ", "wörld"]
         c.new_turn = c.cancel = c.audio_discarded = True
         c.append_audio(b"\x01\x02")
+        c.max_output_tokens = 300                      # a two-byte varint
+        c.turn_detection, c.turn_detection_changed = None, True   # server VAD off
+        a.turn_detection_changed = True                # the defaults, sent as set
+        a.turn_detection = TurnDetectionConfig(threshold=0.25, prefix_padding_ms=0, silence_duration_ms=700,
+                                               create_response=False)
         return [a, b, c]
 
     for tokens, tick in ((25, 1), (0, 0), (300, 2**40)):
@@ -99,6 +107,13 @@ def test_the_wire_encoded_step_request_equals_the_protobuf_one():
         expected = pb.StepRequest(sessions=[s.take_tick_input() for s in sessions()], tokens_per_tick=tokens,
                                   tick=tick)
         assert pb.StepRequest.FromString(wire) == expected
+        assert expected.sessions[0].turn_detection.prefix_padding_ms == 0          # given, though zero
+        assert expected.sessions[0].turn_detection.HasField("prefix_padding_ms")
+        assert not expected.sessions[1].HasField("turn_detection")                # unchanged: not sent
+        assert not expected.sessions[2].turn_detection.server_vad
+    once = sessions()[2]
+    once.take_tick_wire()
+    assert not once.turn_detection_changed                                         # the worker is told once
     drained = sessions()[0]
     drained.take_tick_wire()
     assert not drained.audio and drained.audio_bytes == 0  # taken, as take_tick_input does
@@ -108,7 +123,8 @@ def test_streamed_pieces_carry_input_without_controls_and_still_count_against_th
     from metronome.serving.gateway.client_session import step_request_wire
     from metronome.serving.proto import worker_pb2 as pb
 
-    s = make(buffered_s=0.01)                         # 160 samples: 320 bytes of audio per tick
+    s = make(buffered_s=0.01)
+    s.sample_rate = 16000                             # 160 samples: 320 bytes of audio per tick
     s.max_text_bytes = 8
     assert s.take_stream_wire() is None               # nothing buffered: nothing to stream
     s.new_turn = s.cancel = True

@@ -14,17 +14,18 @@ import pytest
 
 from metronome.config import AimdConfig, EngineConfig, GatewayConfig, KVPolicy
 from metronome.serving.gateway import serve_gateway
+from metronome.serving.protocol import DEFAULT_SAMPLE_RATE
 from metronome.serving.worker import WorkerConfig, serve_worker
 
 BUDGET_MS = 150.0
 
 
-def tone(seconds: float, rate: int = 16000, amplitude: float = 0.2) -> bytes:
+def tone(seconds: float, rate: int = DEFAULT_SAMPLE_RATE, amplitude: float = 0.2) -> bytes:
     t = np.arange(int(seconds * rate)) / rate
     return (np.sin(2 * math.pi * 440 * t) * amplitude * 32767).astype("<i2").tobytes()
 
 
-def chunks(pcm: bytes, rate: int = 16000, ms: int = 20):
+def chunks(pcm: bytes, rate: int = DEFAULT_SAMPLE_RATE, ms: int = 20):
     step = rate * 2 * ms // 1000
     for i in range(0, len(pcm), step):
         yield base64.b64encode(pcm[i:i + step]).decode()
@@ -77,7 +78,12 @@ async def test_a_session_streams_audio_and_gets_deltas_and_ticks(worker):
     async with running_gateway([worker]) as (gateway, addr), aiohttp.ClientSession() as http:
         async with http.ws_connect(f"ws://{addr}/v1/realtime") as ws:
             created = (await recv_until(ws, of_type("session.created")))[-1]
-            assert created["session"]["input_audio_sample_rate"] == 16000
+            session = created["session"]
+            # The GA defaults for a client that sets nothing: PCM16 at 24 kHz, server VAD, audio out.
+            assert session["audio"]["input"]["format"] == {"type": "audio/pcm", "rate": 24000}
+            assert session["input_audio_sample_rate"] == 24000
+            assert session["audio"]["input"]["turn_detection"]["type"] == "server_vad"
+            assert session["output_modalities"] == ["audio"] and session["type"] == "realtime"
             await ws.send_json({"type": "session.update", "session": {"mode": "free_running"}})
             await recv_until(ws, of_type("session.updated"))
             for chunk in chunks(tone(0.4)):
@@ -297,3 +303,37 @@ async def test_tick_events_carry_input_level_checks(worker):
             await ws.send_json({"type": "input_audio_buffer.append", "audio": next(chunks(tone(0.1, amplitude=0.2)))})
             tick = (await recv_until(ws, lambda e: e["type"] == "metronome.tick" and e["input_dbfs"] > -120))[-1]
             assert tick["input_clipping"] == 0.0 and -18.5 < tick["input_dbfs"] < -15.5  # 0.2 sine: -17 dBFS
+
+
+async def test_session_update_takes_the_ga_and_the_beta_shapes_and_refuses_what_it_cannot_do(worker):
+    async with running_gateway([worker]) as (gateway, addr), aiohttp.ClientSession() as http:
+        async with http.ws_connect(f"ws://{addr}/v1/realtime") as ws:
+            await recv_until(ws, of_type("session.created"))
+            await ws.send_json({"type": "session.update", "session": {
+                "type": "realtime", "output_modalities": ["text"], "max_output_tokens": 40,
+                "audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}, "turn_detection": None}}}})
+            ga = (await recv_until(ws, of_type("session.updated")))[-1]["session"]
+            assert ga["audio"]["input"] == {"format": {"type": "audio/pcm", "rate": 16000}, "turn_detection": None}
+            assert ga["output_modalities"] == ["text"] and ga["max_output_tokens"] == 40
+            await ws.send_json({"type": "session.update", "session": {
+                "input_audio_format": "pcm16", "max_response_output_tokens": "inf",
+                "turn_detection": {"type": "server_vad", "threshold": 0.7, "silence_duration_ms": 300}}})
+            beta = (await recv_until(ws, of_type("session.updated")))[-1]["session"]
+            turn = beta["audio"]["input"]["turn_detection"]
+            assert turn["threshold"] == pytest.approx(0.7) and turn["silence_duration_ms"] == 300
+            assert turn["prefix_padding_ms"] is None           # left to the worker's VAD
+            assert beta["max_output_tokens"] == beta["max_response_output_tokens"] == "inf"
+            assert beta["audio"]["input"]["format"]["rate"] == 16000   # not named: kept
+            for bad, code in [({"turn_detection": {"type": "server_vad", "threshold": 2}}, "invalid_turn_detection"),
+                              ({"audio": {"input": {"format": {"type": "audio/pcmu"}}}}, "unsupported_audio_format"),
+                              ({"type": "transcription"}, "unsupported_session_type"),
+                              ({"max_output_tokens": -3}, "invalid_max_output_tokens"),
+                              ({"output_modalities": ["video"]}, "invalid_modalities")]:
+                await ws.send_json({"type": "session.update", "session": bad})
+                error = (await recv_until(ws, of_type("error")))[-1]
+                assert error["error"]["code"] == code, (bad, error)
+            await ws.send_json({"type": "response.create", "response": {"max_output_tokens": 0}})
+            assert (await recv_until(ws, of_type("error")))[-1]["error"]["code"] == "invalid_max_output_tokens"
+            await ws.send_json({"type": "session.update", "session": {}})
+            after = (await recv_until(ws, of_type("session.updated")))[-1]["session"]
+            assert after["audio"] == beta["audio"] and after["max_output_tokens"] == "inf"   # the refusals changed nothing

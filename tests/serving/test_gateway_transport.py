@@ -129,7 +129,7 @@ async def test_a_fragmented_message_is_reassembled(worker):
     async with running_gateway([worker], max_message_bytes=MAX_MESSAGE) as (gateway, addr):
         client = await RawClient.connect(addr)
         await client.event("session.created")
-        message = json.dumps({"type": "session.update", "session": {"input_audio_sample_rate": 24000},
+        message = json.dumps({"type": "session.update", "session": {"input_audio_sample_rate": 16000},
                               "event_id": "frag"}).encode()
         parts = [message[:10], message[10:30], message[30:]]
         client.send(frame(parts[0], fin=False) + frame(parts[1], opcode=0x0, fin=False)
@@ -138,7 +138,7 @@ async def test_a_fragmented_message_is_reassembled(worker):
         opcode, payload = await client.recv()
         assert (opcode, payload) == (0xA, b"ping!")  # the pong
         updated = (await client.event("session.updated"))[-1]
-        assert updated["event_id"] == "frag" and updated["session"]["input_audio_sample_rate"] == 24000
+        assert updated["session"]["input_audio_sample_rate"] == 16000   # not the default: the update was whole
         client.send(frame(append_event()))
         await client.event("metronome.tick")
         client.close()
@@ -670,8 +670,9 @@ async def stream_until_the_worker_has_streamed_audio(client: RawClient, worker: 
     sent. (A chunk that lands in the few ms before a tick goes in the last message instead.)"""
     sent = 0
     for _ in range(ticks):
-        client.send(frame(append_event()))
-        sent += 640
+        event = append_event()
+        client.send(frame(event))
+        sent += len(base64.b64decode(json.loads(event)["audio"]))
         await client.event("metronome.tick")
         if worker.streamed_audio.get(sid):
             return sent
@@ -804,3 +805,20 @@ async def test_stopping_the_gateway_closes_every_session_on_the_worker(recording
         await client.close_frame()
         client.close()
     assert not server.gateway._tasks
+
+
+@pytest.mark.parametrize("transport", ["picows", "aiohttp"])
+async def test_a_browser_sends_the_api_key_as_a_subprotocol_and_gets_realtime_echoed(worker, transport):
+    config = GatewayConfig(workers=(worker.address,), port=0, budget_ms=BUDGET_MS, tokens_per_tick=4, api_key="sekret",
+                           aimd=AimdConfig(initial_cap=2, min_cap=2, target_fraction=1.0))
+    serving = running_gateway([worker], api_key="sekret") if transport == "picows" else aiohttp_gateway(config)
+    async with serving as (gateway, addr), aiohttp.ClientSession() as http:
+        # As OpenAI's browser clients: new WebSocket(url, ["realtime", "openai-insecure-api-key." + key]).
+        async with http.ws_connect(f"ws://{addr}/v1/realtime",
+                                   protocols=("realtime", "openai-insecure-api-key.sekret")) as ws:
+            assert ws.protocol == "realtime"
+            await recv_until(ws, of_type("session.created"))
+        for offered in [("realtime", "openai-insecure-api-key.wrong"), ("realtime",)]:
+            with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+                await http.ws_connect(f"ws://{addr}/v1/realtime", protocols=offered)
+            assert refused.value.status == 401

@@ -207,13 +207,16 @@ async def test_text_floods_cost_only_the_abusers(worker, monkeypatch):
                  "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": big}]}},
                 {"type": "conversation.item.create",   # within the bytes, over the worker's tokens
                  "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": words}]}},
-                {"type": "input_audio_buffer.append",   # 1.25 s of audio every 200 ms: over 2x real time
+                {"type": "input_audio_buffer.append",   # 1.25 s of 16-kHz audio every 200 ms: over 2x real time
                  "audio": base64.b64encode(b"\x00\x01" * 20_000).decode()},
                 "[" * 60_000,   # nested far deeper than any parser should recurse
             ]
             for attack in attacks:
                 abuser = await http.ws_connect(URL.format(addr=addr))
                 await recv_until(abuser, of_type("session.created"))
+                if isinstance(attack, dict) and attack["type"] == "input_audio_buffer.append":
+                    await abuser.send_json({"type": "session.update", "session": {"input_audio_sample_rate": 16000}})
+                    await recv_until(abuser, of_type("session.updated"))
                 raw = attack if isinstance(attack, str) else json.dumps(attack)
                 outcome = asyncio.create_task(closed_with(abuser))   # reading all along, as clients do
                 for _ in range(20):

@@ -8,13 +8,13 @@ at once and keeps at most ``send_queue_events`` events waiting while the client 
 
 from __future__ import annotations
 
-import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from metronome.serving.proto import worker_pb2 as pb
-from metronome.serving.protocol import DEFAULT_SAMPLE_RATE, encode
+from metronome.serving.gateway.response import Response, ResponseRequest
+from metronome.serving.protocol import DEFAULT_SAMPLE_RATE, TurnDetectionConfig, encode
 
 
 @dataclass(slots=True)
@@ -92,9 +92,23 @@ class Connection(Protocol):
 CLOSE_CODES = {"slow_consumer": 1008, "flood": 1008, "abuse": 1008, "worker_unavailable": 1012}
 
 
-class ClientSession:
-    _response_ids = itertools.count(1)
+def turn_detection_message(turn: TurnDetectionConfig | None) -> pb.TurnDetection:
+    """``SessionInput.turn_detection`` for the client's setting; None: no server VAD (commits end turns)."""
+    if turn is None:
+        return pb.TurnDetection(server_vad=False, create_response=True, interrupt_response=True)
+    return pb.TurnDetection(server_vad=True, threshold=turn.threshold, prefix_padding_ms=turn.prefix_padding_ms,
+                            silence_duration_ms=turn.silence_duration_ms,
+                            create_response=turn.create_response is not False,
+                            interrupt_response=turn.interrupt_response is not False)
 
+
+def turn_detection_wire(turn: TurnDetectionConfig | None) -> bytes:
+    """``turn_detection_message`` as its wire field (10, length-delimited) of a ``SessionInput``."""
+    body = turn_detection_message(turn).SerializeToString()
+    return b"\x52" + _varint(len(body)) + body
+
+
+class ClientSession:
     def __init__(self, sid: str, worker_name: str, conn: Connection, *, max_buffered_audio_s: float,
                  max_messages_per_s: float, max_text_bytes: int = 32 << 10, audio_realtime_factor: float = 2.0,
                  abuse_strikes: int = 3, abuse_window_s: float = 10.0) -> None:
@@ -115,7 +129,17 @@ class ClientSession:
         self.text_bytes = 0            # UTF-8 bytes in ``texts``: at most ``max_text_bytes`` per tick
         self.max_text_bytes = max_text_bytes
         self.cancel = False
-        self.response_id: str | None = None
+        # Realtime settings (``session_update.py`` applies the client's; the worker hears of a change once).
+        self.turn_detection: TurnDetectionConfig | None = TurnDetectionConfig()
+        self.turn_detection_changed = False
+        self.max_output_tokens = 0            # the session's answer cap; 0: the worker's own
+        self.output_modalities: tuple[str, ...] = ("audio",)
+        # The response being streamed (``responses.py``), and the cap and modalities response.create set for the next.
+        self.response: Response | None = None
+        self.next_response: ResponseRequest | None = None
+        self.cancelling = False               # a cancel is on its way to the worker: its answer's output is dropped
+        self.input_item_id: str | None = None  # the user turn the VAD is hearing (speech_started .. transcript)
+        self.input_tokens = 0                 # tokens the worker took in since the last response ended (usage)
         self.rate = TokenBucket(rate=max_messages_per_s, burst=2 * max_messages_per_s)
         self.strikes = 0  # consecutive events over the rate limit (a flood closes the session)
         # Seconds of audio: real time times the factor, after a burst of a whole buffer.
@@ -124,6 +148,7 @@ class ClientSession:
         self.refusals = TokenBucket(rate=1.0 / abuse_window_s, burst=abuse_strikes - 1)
         self.closed = False
         self.close_reason: str | None = None
+        self._events = 0                       # server events sent (their event_id)
         self.logged_codes: set[str] = set()   # error codes already logged for this session (each once)
         # Ticked only once the client sent input: until then session.update may still change the
         # mode and instructions (the worker session is re-opened with them).
@@ -263,17 +288,36 @@ class ClientSession:
             tail += [b"\x2a", _varint(len(text)), text]
         if controls and self.cancel:
             tail.append(b"\x30\x01")
+        if controls:
+            cap = self.answer_cap
+            if cap:
+                tail += [b"\x48", _varint(cap)]
+            if self.turn_detection_changed:
+                tail.append(turn_detection_wire(self.turn_detection))
+                self.turn_detection_changed = False
         if self.audio_discarded:
             tail.append(b"\x40\x01")
             self.audio_discarded = False
         head_b, tail_b = b"".join(head), b"".join(tail)
         return [b"\x0a" + _varint(len(head_b) + audio_bytes + len(tail_b)) + head_b, *audio, tail_b]
 
+    @property
+    def answer_cap(self) -> int:
+        """The cap on the answer in progress (or the next): response.create's, else the session's; 0: none."""
+        if self.response is not None and self.response.max_output_tokens:
+            return self.response.max_output_tokens
+        if self.next_response is not None and self.next_response.max_output_tokens:
+            return self.next_response.max_output_tokens
+        return self.max_output_tokens
+
     def take_tick_input(self) -> pb.SessionInput:
         """Everything buffered since the last tick, as one SessionInput; the buffers start empty again."""
         inp = pb.SessionInput(sid=self.sid, new_turn=self.new_turn, audio_pcm16=b"".join(self.audio),
                               sample_rate=self.sample_rate, text="".join(self.texts), cancel=self.cancel,
-                              clear_audio=self.audio_discarded)
+                              clear_audio=self.audio_discarded, max_output_tokens=self.answer_cap)
+        if self.turn_detection_changed:
+            inp.turn_detection.CopyFrom(turn_detection_message(self.turn_detection))
+            self.turn_detection_changed = False
         self.forget_streamed()
         self.clear_audio()
         self.clear_text()
@@ -281,11 +325,18 @@ class ClientSession:
         return inp
 
     # ------------------------------------------------------------------ output
+    def _stamped(self, event: dict[str, Any]) -> bytes:
+        """``event`` encoded with its server ``event_id`` (every Realtime server event has one)."""
+        if event.get("event_id") is None:
+            self._events += 1
+            event["event_id"] = f"event_{self._events}"
+        return encode(event)
+
     def send(self, event: dict[str, Any]) -> bool:
         """Send an event; a client whose send queue is full is not reading: it gets disconnected."""
         if self.closed:
             return False
-        if self.conn.send(encode(event)):
+        if self.conn.send(self._stamped(event)):
             return True
         self.close("slow_consumer")
         return False
@@ -294,7 +345,7 @@ class ClientSession:
         """Send a tick's events together: one socket write for all of them (the fan-out's cost is writes)."""
         if self.closed:
             return False
-        if self.conn.send_many([encode(e) for e in events]):
+        if self.conn.send_many([self._stamped(e) for e in events]):
             return True
         self.close("slow_consumer")
         return False
@@ -312,7 +363,3 @@ class ClientSession:
         if not self.closed:
             self.closed = True
             self.close_reason = "client_closed"
-
-    def start_response(self) -> str:
-        self.response_id = f"resp_{next(self._response_ids)}"
-        return self.response_id

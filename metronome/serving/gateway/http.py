@@ -20,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 
 from metronome.config import GatewayConfig
+from metronome.serving.auth import subprotocol_api_key
 from metronome.serving.gateway.client_session import TokenBucket
 from metronome.serving.gateway.page import TalkPage
 from metronome.serving.gateway.ws_transport import HttpReply
@@ -102,7 +103,12 @@ class HttpEndpoints:
         return _error(401, "invalid_request_error", "invalid_api_key", "missing or wrong API key")
 
     def _authorized(self, headers: Mapping[str, str]) -> bool:
+        """The key as ``Authorization: Bearer KEY`` (SDKs, the CLI) or as a subprotocol (browsers: ``auth.py``)."""
         scheme, _, token = headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer":
+            token = subprotocol_api_key(headers.get("Sec-WebSocket-Protocol", "")) or ""
+            if not token:
+                return False
         # Bytes, not str: compare_digest refuses non-ASCII str (a TypeError, a 500) and headers can hold any.
-        return scheme.lower() == "bearer" and secrets.compare_digest(
+        return secrets.compare_digest(
             token.strip().encode("utf-8", "surrogatepass"), self.config.api_key.encode("utf-8", "surrogatepass"))

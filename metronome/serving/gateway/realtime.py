@@ -31,11 +31,13 @@ from metronome.serving.gateway.client_session import ClientSession
 from metronome.serving.gateway.handle import TickReport, WorkerHandle
 from metronome.serving.gateway.http import REALTIME_PATH, HttpEndpoints
 from metronome.serving.gateway.pool import WorkerPool
-from metronome.serving.gateway.responses import finish_response, tick_events
+from metronome.serving.gateway.response import ResponseRequest, new_id
+from metronome.serving.gateway.responses import cancel_response, tick_events, user_item_added
+from metronome.serving.gateway.session_update import SessionChange, apply_update, read_update, session_view
 from metronome.serving.metrics import GatewayMetrics
 from metronome.serving.proto import worker_pb2 as pb
 from metronome.serving.protocol import (
-    SUPPORTED_SAMPLE_RATES, ConversationItemCreate, InputAudioBufferAppend, InputAudioBufferClear,
+    ConversationItemCreate, InputAudioBufferAppend, InputAudioBufferClear,
     InputAudioBufferCommit, ProtocolError, ResponseCancel, ResponseCreate, SessionUpdate, decode_client_event,
     encode, error_event)
 from metronome.serving.gateway.ws_transport import Connection, HttpReply
@@ -49,7 +51,7 @@ OVERSIZED = frozenset({"message_too_large", "nested_too_deep", "text_buffer_full
                        "audio_too_fast", "audio_buffer_full", "input_too_large", "input_refused",
                        "session_update_refused"})
 IDLE_SWEEP_S = 1.0
-SERVER_ERRORS = frozenset({"worker_unavailable", "step_failed", "internal_error", "session_failed"})
+SERVER_ERRORS = frozenset({"worker_unavailable", "step_failed", "internal_error", "session_failed", "unknown_session"})
 
 
 class Gateway:
@@ -315,7 +317,11 @@ class Gateway:
             self._update_session(conn, session, event)
         elif isinstance(event, InputAudioBufferCommit):
             session.new_turn = session.started = True
-            session.send({"type": "input_audio_buffer.committed", "event_id": event.event_id})
+            item_id = session.input_item_id = session.input_item_id or new_id("item")
+            committed = {"type": "input_audio_buffer.committed", "event_id": event.event_id, "item_id": item_id,
+                         "previous_item_id": None}
+            # Without server VAD the commit ends the turn (with it, the VAD's stop adds the item).
+            session.send_all([committed] if session.turn_detection else [committed, user_item_added(item_id)])
         elif isinstance(event, InputAudioBufferClear):
             session.discard_audio()
             session.send({"type": "input_audio_buffer.cleared", "event_id": event.event_id})
@@ -324,56 +330,41 @@ class Gateway:
             if not session.append_text(text):
                 raise ProtocolError("text_buffer_full", f"more than {self.config.max_text_bytes_per_tick} bytes "
                                     "of text in one tick; this item was dropped")
-            session.send({"type": "conversation.item.created", "event_id": event.event_id,
-                          "item": event.echo(text)})
+            item = {"object": "realtime.item", "status": "completed", **event.echo(text)}
+            item.setdefault("id", new_id("item"))
+            session.send_all([{"type": "conversation.item.created", "event_id": event.event_id,
+                               "previous_item_id": None, "item": item},
+                              {"type": "conversation.item.added", "previous_item_id": None, "item": item},
+                              {"type": "conversation.item.done", "previous_item_id": None, "item": item}])
         elif isinstance(event, ResponseCreate):
+            if event.response is not None:
+                session.next_response = ResponseRequest(event.response.output_tokens() or 0,
+                                                        event.response.modalities_given())
             session.new_turn = session.started = True
         elif isinstance(event, ResponseCancel):
-            session.cancel = True
-            if session.response_id:
-                session.send(finish_response(session, "cancelled"))
+            session.send_all(cancel_response(session))
 
     def _update_session(self, conn: Connection, session: ClientSession, event: SessionUpdate) -> None:
-        cfg = event.session
-        if cfg.input_audio_format not in (None, "pcm16"):
-            raise ProtocolError("unsupported_audio_format", f"input_audio_format {cfg.input_audio_format!r}; "
-                                "only 'pcm16' (little-endian, mono) is supported")
-        rate = cfg.sample_rate()
-        if rate is not None and rate not in SUPPORTED_SAMPLE_RATES:
-            raise ProtocolError("unsupported_sample_rate",
-                                f"sample rate {rate} Hz; supported: {', '.join(map(str, SUPPORTED_SAMPLE_RATES))}")
-        if cfg.mode not in (None, "turn", "free_running"):
-            raise ProtocolError("invalid_mode", f"mode {cfg.mode!r}; use 'turn' or 'free_running'")
-        mode = session.mode if cfg.mode is None else cfg.mode
-        instructions = session.instructions if cfg.instructions is None else cfg.instructions
-        size = len(instructions.encode("utf-8", "surrogatepass"))
-        if size > self.config.max_instruction_bytes:   # the worker counts tokens; this bounds its counting
-            raise ProtocolError("instructions_too_large", f"instructions of {size} bytes > limit "
-                                f"{self.config.max_instruction_bytes}; the session is unchanged")
-        if (mode, instructions) != (session.mode, session.instructions):
+        change = read_update(session, event.session, self.config.max_instruction_bytes)
+        if (change.mode, change.instructions) != (session.mode, session.instructions):
             if session.started:
                 raise ProtocolError("session_started", "mode and instructions can change only before the first "
                                     "audio or text (they shape the conversation's pinned header)")
             self._hold(conn)  # later events wait until the worker session is re-opened
-            self._spawn(self._reopen(conn, session, event, mode, instructions, rate))
+            self._spawn(self._reopen(conn, session, event, change))
             return
-        self._apply_rate(session, rate)
+        apply_update(session, change)
         session.send({"type": "session.updated", "event_id": event.event_id, "session": self._session_view(session)})
 
-    @staticmethod
-    def _apply_rate(session: ClientSession, rate: int | None) -> None:
-        if rate is not None and rate != session.sample_rate:
-            session.discard_audio()  # buffered and streamed audio was at the old rate
-            session.sample_rate = rate
-
-    async def _reopen(self, conn: Connection, session: ClientSession, event: SessionUpdate, mode: str,
-                      instructions: str, rate: int | None) -> None:
+    async def _reopen(self, conn: Connection, session: ClientSession, event: SessionUpdate,
+                      change: SessionChange) -> None:
         """Give the (still empty) worker session a new mode / system prompt in place, then go on reading.
 
         Refused (instructions too long for the model, say), the worker session stays as it was, and so does
         this one: the client gets an error and the session lives on."""
         handle = self._handle_of(session)
-        request = pb.OpenSessionRequest(sid=session.sid, mode=mode, instructions=instructions, replace=True)
+        request = pb.OpenSessionRequest(sid=session.sid, mode=change.mode, instructions=change.instructions,
+                                        replace=True)
         session.reopening = True  # a close meanwhile does not release; this does, below
         try:
             opened = await handle.stub.OpenSession(request, timeout=10.0, metadata=handle.metadata)
@@ -387,8 +378,8 @@ class Gateway:
         if conn.closed:
             return
         if opened.ok:
-            session.mode, session.instructions = mode, instructions
-            self._apply_rate(session, rate)
+            session.mode, session.instructions = change.mode, change.instructions
+            apply_update(session, change)
             session.send({"type": "session.updated", "event_id": event.event_id,
                           "session": self._session_view(session)})
         else:
@@ -398,10 +389,8 @@ class Gateway:
             self._unhold(conn)
 
     def _session_view(self, session: ClientSession) -> dict[str, Any]:
-        return {"id": session.sid, "object": "realtime.session", "model": self.config.model_name,
-                "input_audio_format": "pcm16", "input_audio_sample_rate": session.sample_rate,
-                "instructions": session.instructions, "mode": session.mode or "default",
-                "budget_ms": self.pool.budget_ms, "tokens_per_tick": self.config.tokens_per_tick}
+        return session_view(session, model=self.config.model_name, budget_ms=self.pool.budget_ms,
+                            tokens_per_tick=self.config.tokens_per_tick)
 
     # ------------------------------------------------------------------ tick fan-out
     def _deliver(self, handle: WorkerHandle, session: ClientSession, out: pb.SessionOutput,

@@ -16,6 +16,7 @@ import logging
 
 from aiohttp import WSMsgType, web
 
+from metronome.serving.auth import chosen_subprotocol
 from metronome.serving.gateway.ws_transport import App
 
 log = logging.getLogger(__name__)
@@ -122,7 +123,8 @@ def aiohttp_app(app: App, *, max_frame_bytes: int, send_queue_events: int,
         if reply is not None:
             return web.Response(status=reply.status, body=reply.body,
                                 headers={"Content-Type": reply.content_type, **reply.headers})
-        ws = web.WebSocketResponse(max_msg_size=max_frame_bytes, compress=False)
+        chosen = chosen_subprotocol(request.headers.get("Sec-WebSocket-Protocol", ""))
+        ws = web.WebSocketResponse(max_msg_size=max_frame_bytes, compress=False, protocols=(chosen,) if chosen else ())
         await ws.prepare(request)
         conn = AiohttpConnection(ws, send_queue_events, send_queue_bytes)
         writer = asyncio.create_task(conn.write_loop())

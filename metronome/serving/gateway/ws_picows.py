@@ -44,9 +44,11 @@ import time
 from collections import deque
 from functools import partial
 
-from picows import WSAutoPingStrategy, WSCloseCode, WSListener, WSMsgType, WSUpgradeRequest
+from picows import (WSAutoPingStrategy, WSCloseCode, WSListener, WSMsgType, WSUpgradeRequest, WSUpgradeResponse,
+                    WSUpgradeResponseWithListener)
 from picows.picows import WSProtocol   # the protocol ws_create_server builds; picows is pinned
 
+from metronome.serving.auth import chosen_subprotocol
 from metronome.serving.gateway.http_front import HttpFront
 from metronome.serving.gateway.ws_transport import App
 
@@ -259,8 +261,14 @@ async def start_server(app: App, host: str, port: int, *, max_frame_bytes: int, 
     live: set[PicowsConnection] = set()
     picows_log = logging.getLogger("picows.server")
 
-    def listener(request: WSUpgradeRequest) -> PicowsConnection:   # the app let it through (``http_front``)
-        return PicowsConnection(app, max_frame_bytes, send_queue_events, send_queue_bytes, live)
+    def listener(request: WSUpgradeRequest) -> PicowsConnection | WSUpgradeResponseWithListener:
+        """The app let it through (``http_front``); a subprotocol offered is echoed (``auth.chosen_subprotocol``)."""
+        conn = PicowsConnection(app, max_frame_bytes, send_queue_events, send_queue_bytes, live)
+        chosen = chosen_subprotocol(request.headers.get("Sec-WebSocket-Protocol", ""))
+        if chosen is None:
+            return conn
+        return WSUpgradeResponseWithListener(
+            WSUpgradeResponse.create_101_response(extra_headers={"Sec-WebSocket-Protocol": chosen}), conn)
 
     def websocket() -> WSProtocol:   # as ws_create_server makes it, with our logger, pings and limits
         return WSProtocol(None, None, False, listener, ConnectionLog(picows_log), True, handshake_timeout_s,

@@ -39,7 +39,7 @@ class CloseSessionResponse(_message.Message):
     def __init__(self, closed: _Optional[bool] = ...) -> None: ...
 
 class SessionInput(_message.Message):
-    __slots__ = ("sid", "new_turn", "audio_pcm16", "sample_rate", "text", "cancel", "max_tokens", "clear_audio")
+    __slots__ = ("sid", "new_turn", "audio_pcm16", "sample_rate", "text", "cancel", "max_tokens", "clear_audio", "max_output_tokens", "turn_detection")
     SID_FIELD_NUMBER: _ClassVar[int]
     NEW_TURN_FIELD_NUMBER: _ClassVar[int]
     AUDIO_PCM16_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,8 @@ class SessionInput(_message.Message):
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CLEAR_AUDIO_FIELD_NUMBER: _ClassVar[int]
+    MAX_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TURN_DETECTION_FIELD_NUMBER: _ClassVar[int]
     sid: str
     new_turn: bool
     audio_pcm16: bytes
@@ -56,7 +58,25 @@ class SessionInput(_message.Message):
     cancel: bool
     max_tokens: int
     clear_audio: bool
-    def __init__(self, sid: _Optional[str] = ..., new_turn: _Optional[bool] = ..., audio_pcm16: _Optional[bytes] = ..., sample_rate: _Optional[int] = ..., text: _Optional[str] = ..., cancel: _Optional[bool] = ..., max_tokens: _Optional[int] = ..., clear_audio: _Optional[bool] = ...) -> None: ...
+    max_output_tokens: int
+    turn_detection: TurnDetection
+    def __init__(self, sid: _Optional[str] = ..., new_turn: _Optional[bool] = ..., audio_pcm16: _Optional[bytes] = ..., sample_rate: _Optional[int] = ..., text: _Optional[str] = ..., cancel: _Optional[bool] = ..., max_tokens: _Optional[int] = ..., clear_audio: _Optional[bool] = ..., max_output_tokens: _Optional[int] = ..., turn_detection: _Optional[_Union[TurnDetection, _Mapping]] = ...) -> None: ...
+
+class TurnDetection(_message.Message):
+    __slots__ = ("server_vad", "threshold", "prefix_padding_ms", "silence_duration_ms", "create_response", "interrupt_response")
+    SERVER_VAD_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_PADDING_MS_FIELD_NUMBER: _ClassVar[int]
+    SILENCE_DURATION_MS_FIELD_NUMBER: _ClassVar[int]
+    CREATE_RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    INTERRUPT_RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    server_vad: bool
+    threshold: float
+    prefix_padding_ms: int
+    silence_duration_ms: int
+    create_response: bool
+    interrupt_response: bool
+    def __init__(self, server_vad: _Optional[bool] = ..., threshold: _Optional[float] = ..., prefix_padding_ms: _Optional[int] = ..., silence_duration_ms: _Optional[int] = ..., create_response: _Optional[bool] = ..., interrupt_response: _Optional[bool] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("sessions", "tokens_per_tick", "tick")
@@ -69,7 +89,7 @@ class StepRequest(_message.Message):
     def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInput, _Mapping]]] = ..., tokens_per_tick: _Optional[int] = ..., tick: _Optional[int] = ...) -> None: ...
 
 class SessionOutput(_message.Message):
-    __slots__ = ("sid", "tokens", "text", "finished", "error", "preempted", "transcript", "input_dbfs", "input_clipping", "audio_pcm16", "audio_sample_rate", "error_code")
+    __slots__ = ("sid", "tokens", "text", "finished", "error", "preempted", "transcript", "input_dbfs", "input_clipping", "audio_pcm16", "audio_sample_rate", "error_code", "speech_started_ms", "speech_stopped_ms", "cancelled", "input_tokens", "audio_transcript")
     SID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +102,11 @@ class SessionOutput(_message.Message):
     AUDIO_PCM16_FIELD_NUMBER: _ClassVar[int]
     AUDIO_SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    SPEECH_STARTED_MS_FIELD_NUMBER: _ClassVar[int]
+    SPEECH_STOPPED_MS_FIELD_NUMBER: _ClassVar[int]
+    CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_TRANSCRIPT_FIELD_NUMBER: _ClassVar[int]
     sid: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -94,7 +119,12 @@ class SessionOutput(_message.Message):
     audio_pcm16: bytes
     audio_sample_rate: int
     error_code: str
-    def __init__(self, sid: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., error: _Optional[str] = ..., preempted: _Optional[bool] = ..., transcript: _Optional[str] = ..., input_dbfs: _Optional[float] = ..., input_clipping: _Optional[float] = ..., audio_pcm16: _Optional[bytes] = ..., audio_sample_rate: _Optional[int] = ..., error_code: _Optional[str] = ...) -> None: ...
+    speech_started_ms: int
+    speech_stopped_ms: int
+    cancelled: bool
+    input_tokens: int
+    audio_transcript: str
+    def __init__(self, sid: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., error: _Optional[str] = ..., preempted: _Optional[bool] = ..., transcript: _Optional[str] = ..., input_dbfs: _Optional[float] = ..., input_clipping: _Optional[float] = ..., audio_pcm16: _Optional[bytes] = ..., audio_sample_rate: _Optional[int] = ..., error_code: _Optional[str] = ..., speech_started_ms: _Optional[int] = ..., speech_stopped_ms: _Optional[int] = ..., cancelled: _Optional[bool] = ..., input_tokens: _Optional[int] = ..., audio_transcript: _Optional[str] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("outputs", "gpu_ms", "in_flight", "frontend_ms", "prefill_ms", "decode_ms", "kv_blocks_used", "kv_blocks_total", "worker_ms")

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from metronome import AdmissionError, Engine, SamplingParams, StepInput, StepOutput
-from metronome.audio.adapter import InteractionAdapter, PreparedInput, TickAudio
+from metronome.audio.adapter import InteractionAdapter, PreparedInput, TickAudio, TurnDetection
 from metronome.audio.pcm import SILENCE_DBFS, Resampler, check_sample_rate, decode_pcm16, levels
 from metronome.errors import ConfigError
 from metronome.serving.proto import worker_pb2 as pb
@@ -113,6 +113,16 @@ def _split(prepared: PreparedInput, chunk: int) -> list[tuple[list[int] | None, 
         e = prepared.embeds
         return [(None, e[i:i + chunk]) for i in range(0, e.shape[0], chunk)]
     return [(prepared.token_ids, prepared.embeds)]
+
+
+def turn_detection(message: pb.TurnDetection) -> TurnDetection:
+    """The proto's turn detection as the adapter's (unset optional fields: the adapter's defaults)."""
+    return TurnDetection(
+        server_vad=message.server_vad,
+        threshold=message.threshold if message.HasField("threshold") else None,
+        prefix_padding_ms=message.prefix_padding_ms if message.HasField("prefix_padding_ms") else None,
+        silence_duration_ms=message.silence_duration_ms if message.HasField("silence_duration_ms") else None,
+        create_response=message.create_response, interrupt_response=message.interrupt_response)
 
 
 class TickCore:
@@ -230,6 +240,7 @@ class TickCore:
         out.input_dbfs = SILENCE_DBFS
         audio = inp.audio_pcm16   # read once: each read of a protobuf bytes field copies it
         text, new_turn, cancel = inp.text, inp.new_turn, inp.cancel
+        out.cancelled = cancel or (earlier is not None and earlier.cancel)
         if earlier is not None:
             if earlier.error and not inp.clear_audio:
                 raise ValueError(earlier.error)
@@ -247,7 +258,8 @@ class TickCore:
                 resampler = self._resamplers[inp.sid] = Resampler(inp.sample_rate, self.adapter.sample_rate)
             pcm = resampler.process(pcm)
         return TickAudio(session_id=inp.sid, pcm=pcm, new_turn=new_turn, text=text, cancel=cancel,
-                         max_tokens=inp.max_tokens or default_tokens)
+                         max_tokens=inp.max_tokens or default_tokens, max_output_tokens=inp.max_output_tokens,
+                         turn_detection=turn_detection(inp.turn_detection) if inp.HasField("turn_detection") else None)
 
     def step(self, request: pb.StepRequest, streamed: StreamedTick | None = None,
              refused: dict[str, str] | None = None) -> pb.StepResponse:
@@ -268,6 +280,9 @@ class TickCore:
                     raise ValueError(f"session {inp.sid!r} appears more than once in one step")
                 seen.add(inp.sid)
                 self._opened.pop(inp.sid, None)   # stepped: its header is in the engine now
+                if inp.sid not in self._sessions:   # closed while this tick was on its way: a race, not an error
+                    self._session_error(request.tick, outputs[i], f"unknown session {inp.sid!r}", "unknown_session")
+                    continue
                 if inp.sid in refused:
                     self._session_error(request.tick, outputs[i], refused[inp.sid], INPUT_TOO_LARGE)
                     continue
@@ -284,6 +299,10 @@ class TickCore:
         chunk = self.engine.config.max_chunk_tokens
         for i, prep in zip(indices, prepared):
             outputs[i].transcript = prep.transcript
+            if prep.speech_started_ms is not None:
+                outputs[i].speech_started_ms = prep.speech_started_ms
+            if prep.speech_stopped_ms is not None:
+                outputs[i].speech_stopped_ms = prep.speech_stopped_ms
             if prep.error:
                 self._session_error(request.tick, outputs[i], prep.error, "input_refused")
             elif prep.num_tokens > self.config.max_input_tokens:
@@ -303,13 +322,15 @@ class TickCore:
                 self._session_error(request.tick, out, heads_failed[out.sid])
                 continue
             out.tokens.extend(result.token_ids)
+            out.input_tokens = job.prepared.num_tokens
             capped = job.prepared.ends_response and len(result.token_ids) >= job.prepared.max_new_tokens
             out.finished = result.finished or capped
             out.preempted = job.preempted or result.preempted
             out.text = self.adapter.on_output(out.sid, list(result.token_ids), out.finished)
-            audio = self.adapter.take_audio(out.sid)
+            audio, spoken = self.adapter.take_spoken(out.sid)
             if audio:
                 out.audio_pcm16, out.audio_sample_rate = audio, self.adapter.output_sample_rate
+                out.audio_transcript = spoken
             out.finished = self._finish_with_speech(out.sid, out.finished)
         stats = self.engine.stats()
         self.health = self._snapshot()
@@ -367,4 +388,6 @@ class TickCore:
         out.error, out.error_code = message, code
         # Refused input is the client's doing (and a hostile one can do it every tick): not a warning.
         level = logging.INFO if code in (INPUT_TOO_LARGE, "input_refused") else logging.WARNING
+        if code == "unknown_session":
+            level = logging.DEBUG   # the gateway closed it as this tick was sent (a client left): it is gone
         log.log(level, "tick %d, session %s: %s", tick, out.sid, message)

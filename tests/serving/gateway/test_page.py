@@ -29,13 +29,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server():
+def start_serve(env: dict[str, str] | None = None):
+    """`metronome serve` with the speech assistant; returns (process, its page's URL) once it answers."""
     port = free_port()
     serve = subprocess.Popen(
         [sys.executable, "-m", "metronome", "serve", "--port", str(port), "--worker-port", str(free_port()),
          "--budget-ms", "500", "--window", "256", "--num-blocks", "200"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
     banner, deadline = "", time.monotonic() + 300
     while "connect to" not in banner:
         line = serve.stdout.readline()
@@ -50,6 +50,12 @@ def server():
         except OSError:
             assert time.monotonic() < deadline and serve.poll() is None, banner
             time.sleep(0.2)
+    return serve, url
+
+
+@pytest.fixture(scope="module")
+def server():
+    serve, url = start_serve()
     yield url
     serve.terminate()
     serve.wait(timeout=60)
@@ -98,3 +104,30 @@ def test_a_spoken_question_is_heard_answered_and_played(server, tmp_path):
             driver.save_screenshot(shot)
     finally:
         driver.quit()
+
+
+def test_with_an_api_key_the_page_sends_it_as_a_subprotocol(tmp_path):
+    """A server with --api-key: the page asks for the key and connects with it as the WebSocket subprotocol
+    `openai-insecure-api-key.KEY` beside `realtime` (chromium fails a handshake whose 101 does not echo one)."""
+    serve, url = start_serve({"METRONOME_API_KEY": "sk-page-test"})
+    question = str(resources.files("metronome.audio") / "samples" / "01_france.wav")
+    driver = browser(question, str(tmp_path / "profile"))
+    try:
+        page = urllib.request.urlopen(url + "/", timeout=10).read().decode()
+        assert 'data-auth-required="true"' in page
+        driver.get(url + "/")
+        assert driver.find_element("id", "key-needed").is_displayed()
+        driver.find_element("id", "api-key").send_keys("sk-page-test")
+        driver.find_element("id", "talk").click()
+        state, deadline = {}, time.monotonic() + 120
+        while time.monotonic() < deadline:
+            state = driver.execute_script("return window.metronomeState")
+            if state["ticks"] > 0 or state["errors"]:
+                break
+            time.sleep(0.5)     # polling the page, not waiting for it: the loop ends on the state itself
+        assert not state["errors"] and state["connected"] and state["ticks"] > 0, state
+        assert driver.execute_script("return socket && socket.protocol") == "realtime"
+    finally:
+        driver.quit()
+        serve.terminate()
+        serve.wait(timeout=60)

@@ -83,7 +83,7 @@ def test_a_step_serves_every_good_session_and_reports_bad_input_on_its_own_outpu
     a, ghost, b, quiet, again = response.outputs
     assert not a.error and len(a.tokens) == 3 and a.text is not None
     assert not b.error and len(b.tokens) == 5 and b.tokens[:3] == a.tokens    # same input, greedy
-    assert "unknown session" in ghost.error and not ghost.tokens
+    assert "unknown session" in ghost.error and ghost.error_code == "unknown_session" and not ghost.tokens
     assert quiet.error and not quiet.tokens                                    # odd PCM byte count
     assert "more than once" in again.error
     assert response.in_flight == 3 and response.kv_blocks_used > 0
@@ -138,3 +138,26 @@ def test_a_response_ends_with_its_speech_not_its_text(core):
     assert core._finish_with_speech("s", text_finished=False) is True        # the tick with the last audio
     assert core._finish_with_speech("s", text_finished=False) is False       # once
     assert core._finish_with_speech("s", text_finished=True) is True         # a text-only answer ends at once
+
+
+def test_realtime_controls_reach_the_adapter_and_the_output_says_what_the_tick_did(core):
+    """max_output_tokens and turn detection go to the adapter as given (unset fields: its defaults); the
+    output says the tick carried a cancel and how many tokens the session took in."""
+    open_all(core, "s")
+    seen = []
+    prepare = core.adapter.prepare
+    core.adapter.prepare = lambda batch: (seen.extend(batch), prepare(batch))[1]
+    turn = pb.TurnDetection(server_vad=True, threshold=0.6, prefix_padding_ms=0, create_response=False,
+                            interrupt_response=True)
+    out = by_sid(core.step(pb.StepRequest(tokens_per_tick=2, sessions=[
+        pb.SessionInput(sid="s", text="hello there", max_output_tokens=7, turn_detection=turn, cancel=True)])))["s"]
+    tick, = seen
+    assert tick.max_output_tokens == 7
+    assert tick.turn_detection.server_vad and tick.turn_detection.prefix_padding_ms == 0
+    assert tick.turn_detection.silence_duration_ms is None and not tick.turn_detection.create_response
+    assert tick.turn_detection.threshold == pytest.approx(0.6)
+    assert out.cancelled and out.input_tokens > 0
+    seen.clear()
+    out = by_sid(core.step(pb.StepRequest(tokens_per_tick=2, sessions=[pb.SessionInput(sid="s")])))["s"]
+    assert seen[0].turn_detection is None and seen[0].max_output_tokens == 0     # not sent: unchanged
+    assert not out.cancelled and not out.HasField("speech_started_ms")

@@ -12,7 +12,8 @@ const state = window.metronomeState =
 let socket = null, audio = null, capture = null, micStream = null;
 let playhead = 0, playing = [], answerEl = null, answerText = "", misses = 0;
 
-if (body.dataset.authRequired === "true") { $("key-needed").hidden = false; $("talk").disabled = true; }
+const authRequired = body.dataset.authRequired === "true";
+if (authRequired) $("key-needed").hidden = false;
 $("model").textContent = body.dataset.model || "";
 $("talk").addEventListener("click", () => (socket ? stop() : start()));
 
@@ -54,7 +55,16 @@ async function start() {
     return;
   }
   const url = (location.protocol === "https:" ? "wss://" : "ws://") + location.host + "/v1/realtime";
-  socket = new WebSocket(url);
+  // A browser cannot set an Authorization header on a WebSocket: the key goes as a subprotocol, as with
+  // OpenAI's browser clients (the server echoes "realtime").
+  const key = authRequired ? $("api-key").value.trim() : "";
+  if (authRequired && !key) { fail("enter the server's API key first"); return; }
+  try {
+    socket = key ? new WebSocket(url, ["realtime", "openai-insecure-api-key." + key]) : new WebSocket(url);
+  } catch (err) {
+    fail("cannot connect: " + err.message);     // e.g. a key with characters a subprotocol cannot carry
+    return;
+  }
   socket.onopen = () => {
     state.connected = true;
     socket.send(JSON.stringify({ type: "session.update", session: {
