@@ -124,7 +124,7 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class AimdConfig:
-    """Admission controller settings (see ``serving/gateway/admission.py``).
+    """Admission controller settings (see ``serving/admission.py``).
 
     The controller reads each tick's latency and moves the session cap: multiplicative decrease by
     ``backoff`` when the robust latency statistic over the last ``window`` ticks exceeds

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from metronome.serving.gateway.admission import AimdController, PaperAimdController
+from metronome.serving.admission import AimdController, PaperAimdController
 from metronome.serving.gateway.client_session import ClientSession
 from metronome.serving.proto import worker_pb2 as pb
 from metronome.serving.proto import worker_pb2_grpc as pb_grpc

@@ -26,7 +26,7 @@ import grpc
 from metronome.config import GatewayConfig
 from metronome.monitor.fill import live_time_to_wall
 from metronome.serving.auth import token_metadata
-from metronome.serving.gateway.admission import AimdController, PaperAimdController
+from metronome.serving.admission import AimdController, PaperAimdController
 from metronome.serving.gateway.client_session import ClientSession, step_request_wire
 from metronome.serving.gateway.handle import FailureSink, OutputSink, TickReport, WorkerHandle
 from metronome.serving.metrics import GatewayMetrics
