@@ -49,7 +49,8 @@ OVERSIZED = frozenset({"message_too_large", "nested_too_deep", "text_buffer_full
                        "audio_too_fast", "audio_buffer_full", "input_too_large", "input_refused",
                        "session_update_refused"})
 IDLE_SWEEP_S = 1.0
-SERVER_ERRORS = frozenset({"worker_unavailable", "step_failed", "internal_error", "session_failed"})
+SERVER_ERRORS = frozenset({"worker_unavailable", "worker_draining", "step_failed", "internal_error",
+                           "session_failed"})
 
 
 class Gateway:
@@ -61,6 +62,7 @@ class Gateway:
         self.connections: set[Connection] = set()
         self._tasks: set[asyncio.Task] = set()  # strong references to the per-connection awaits
         self._stopping = False  # once set, nothing new is spawned (the channels are about to close)
+        self.draining = False   # once set (``drain.py``), no new session is admitted
 
     @property
     def max_frame_bytes(self) -> int:
@@ -127,11 +129,15 @@ class Gateway:
         workers = [{"address": h.address, "healthy": h.healthy, "live": len(h.sessions), "cap": h.cap,
                     "memory_capacity": h.memory_capacity, "ticks": h.ticks,
                     "model": h.health.model if h.health else None} for h in self.pool.handles]
-        return {"status": "ok" if any(w["healthy"] for w in workers) else "unavailable", "workers": workers}
+        return {"status": "ok" if any(w["healthy"] for w in workers) else "unavailable", "workers": workers,
+                "draining": self.draining}
 
     # ------------------------------------------------------------------ WebSocket life cycle
     def ws_opened(self, conn: Connection) -> None:
         self.connections.add(conn)
+        if self.draining:
+            self._refuse(conn, "server_draining", "this gateway is shutting down; connect again to reach another")
+            return
         handle = self.pool.reserve()
         if handle is None:
             self._refuse(conn, *self.pool.refusal())
@@ -141,13 +147,7 @@ class Gateway:
 
     async def _open(self, conn: Connection, handle: WorkerHandle) -> None:
         sid = f"sess_{uuid.uuid4().hex[:16]}"
-        try:
-            opened = await handle.stub.OpenSession(pb.OpenSessionRequest(sid=sid), timeout=10.0,
-                                                   metadata=handle.metadata)
-        except grpc.aio.AioRpcError as exc:
-            opened = pb.OpenSessionResponse(ok=False, error=f"worker unavailable: {exc.code().name}")
-        finally:
-            handle.pending -= 1
+        handle, opened = await self.pool.open_session(handle, sid)   # the next worker is asked if one refuses
         if not opened.ok:
             self._refuse(conn, "server_overloaded", opened.error)
             return
@@ -176,6 +176,9 @@ class Gateway:
         if code == "server_overloaded":
             conn.send(encode(error_event(code, f"server overloaded: {why}", type="server_overloaded")))
             conn.close(1013, "server overloaded")
+        elif code == "server_draining":
+            conn.send(encode(error_event(code, why, type="server_error")))
+            conn.close(1001, "server shutting down")
         else:
             conn.send(encode(error_event(code, why, type="server_error")))
             conn.close(1012, "worker restarting")
@@ -417,6 +420,7 @@ class Gateway:
             self._abuse(session)
 
     def _worker_failed(self, handle: WorkerHandle, session: ClientSession, code: str) -> None:
-        self._client_error(session, code, f"the worker serving this session ({handle.address}) stopped and is "
-                           "being restarted; this session has ended: reconnect to start a new one")
+        what = "shut down (drained)" if code == "worker_draining" else "stopped and is being restarted"
+        self._client_error(session, code, f"the worker serving this session ({handle.address}) {what}; this "
+                           "session has ended: reconnect to start a new one")
         session.close(code)
