@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 
 from metronome.config import AimdConfig
 from metronome.errors import ConfigError
-from metronome.serving.gateway import admission
+from metronome.serving import admission
 from metronome.serving.admission import AimdController, AimdDecision, PaperAimdController
 
 # Target 600 ms, window 5, backoff 0.9, step 1, headroom 2, initial 4; additive growth only (the slow

@@ -77,8 +77,9 @@ class Discovery:
     def dynamic(self) -> bool:
         return bool(self.sources.names)
 
-    async def addresses(self) -> set[str]:
-        found = set(self.sources.static)
+    async def addresses(self) -> list[str]:
+        """In order: the static entries as given, then each name's addresses (sorted)."""
+        found = dict.fromkeys(self.sources.static)
         for name, port in self.sources.names:
             try:
                 ips = await self.resolve(name, port)
@@ -87,5 +88,5 @@ class Discovery:
                             len(self._last.get((name, port), ())))
             else:
                 self._last[(name, port)] = {address(ip, port) for ip in ips}
-            found |= self._last.get((name, port), set())
-        return found
+            found.update(dict.fromkeys(sorted(self._last.get((name, port), ()))))
+        return list(found)

@@ -49,6 +49,7 @@ class WorkerHandle:
     stream_step_wire: Callable = field(init=False, repr=False)
     controller: AimdController | PaperAimdController | None = None  # gateway admission: made once capacity is known
     worker_cap: int = 0              # worker admission: the cap the worker last reported
+    static_cap: int | None = None    # ... and the operator's (``GatewayConfig.max_sessions``) under it
     worker_sessions: int = 0         # ... and the sessions open on it, from every gateway
     draining: bool = False           # the worker said it is stopping: nothing new goes to it
     retired: bool = False            # gone from discovery: nothing new goes to it; dropped once its sessions end
@@ -104,7 +105,9 @@ class WorkerHandle:
 
     @property
     def cap(self) -> int:
-        return self.controller.cap if self.controller else self.worker_cap
+        if self.controller is not None:
+            return self.controller.cap
+        return self.worker_cap if self.static_cap is None else min(self.worker_cap, self.static_cap)
 
     @property
     def placeable(self) -> bool:

@@ -48,4 +48,6 @@ class Membership:
                          "left discovery: no new sessions" if handle.retired else "is back in discovery")
         for handle in [h for h in self.handles if h.retired and not h.sessions and not h.pending]:
             await self.drop(handle)
-        await asyncio.gather(*(self.add(a) for a in sorted(addresses - known.keys())))
+        for address in addresses:   # in order: the first to answer may set the pool's B
+            if address not in known:
+                await self.add(address)

@@ -32,7 +32,7 @@ from metronome.config import GatewayConfig
 from metronome.monitor.fill import live_time_to_wall
 from metronome.serving.auth import token_metadata
 from metronome.serving.admission import AimdController, PaperAimdController
-from metronome.serving.gateway import placement
+import metronome.serving.gateway.placement as placement
 from metronome.serving.gateway.client_session import ClientSession, step_request_wire
 from metronome.serving.gateway.discovery import Discovery, Resolver, parse_workers, resolve_dns
 from metronome.serving.gateway.handle import FailureSink, OutputSink, TickReport, WorkerHandle
@@ -84,7 +84,8 @@ class WorkerPool:
     # ------------------------------------------------------------------ membership (``membership.py`` decides)
     async def add(self, address: str) -> None:
         channel = grpc.aio.insecure_channel(address)
-        handle = WorkerHandle(address, channel, pb_grpc.WorkerStub(channel), token_metadata(self.config.worker_token))
+        handle = WorkerHandle(address, channel, pb_grpc.WorkerStub(channel), token_metadata(self.config.worker_token),
+                              static_cap=self.config.max_sessions)
         self.handles.append(handle)
         log.info("worker %s joined the fleet", address)
         await self._check_health(handle)

@@ -79,15 +79,15 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         if why is not None:
             log.info("session %s refused: %s", request.sid, why)
             return pb.OpenSessionResponse(ok=False, error=why)
-        if request.replace:
+        if request.replace or self.core.is_open(request.sid):   # not an admission: the core answers it
             return await self._on_engine_thread(context, "OpenSession", self.core.open, request)
         # Decided and counted with no await between: concurrent gateways cannot both take the last slot.
-        refused = self.admission.refusal(self.core.sessions + self._opening, request.gateway_admits)
+        live = self.core.sessions + self._opening
+        refused = self.admission.refusal(live, request.gateway_admits)
         if refused is not None:
-            log.info("session %s refused: %s (%d open, cap %d)", request.sid, refused, self.core.sessions,
-                     self.admission.cap)
-            return self._answer(pb.OpenSessionResponse(ok=False, error=f"worker refused: {refused}",
-                                                       refused=refused))
+            why = self.admission.explain(refused)
+            log.info("session %s refused: %s", request.sid, why)
+            return self._answer(pb.OpenSessionResponse(ok=False, error=why, refused=refused))
         self._opening += 1
         try:
             opened = await self._on_engine_thread(context, "OpenSession", self.core.open, request)
