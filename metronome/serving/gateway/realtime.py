@@ -28,6 +28,7 @@ import grpc
 
 from metronome.config import GatewayConfig
 from metronome.serving.gateway.client_session import ClientSession
+from metronome.serving.gateway.discovery import Resolver, resolve_dns
 from metronome.serving.gateway.handle import TickReport, WorkerHandle
 from metronome.serving.gateway.http import REALTIME_PATH, HttpEndpoints
 from metronome.serving.gateway.pool import WorkerPool
@@ -54,10 +55,10 @@ SERVER_ERRORS = frozenset({"worker_unavailable", "worker_draining", "step_failed
 
 
 class Gateway:
-    def __init__(self, config: GatewayConfig) -> None:
+    def __init__(self, config: GatewayConfig, resolve: Resolver = resolve_dns) -> None:
         self.config = config
         self.metrics = GatewayMetrics(config.budget_ms)
-        self.pool = WorkerPool(config, self.metrics, self._deliver, self._worker_failed)
+        self.pool = WorkerPool(config, self.metrics, self._deliver, self._worker_failed, resolve)
         self.http = HttpEndpoints(config, self.metrics, self._health)
         self.connections: set[Connection] = set()
         self._tasks: set[asyncio.Task] = set()  # strong references to the per-connection awaits

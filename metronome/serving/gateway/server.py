@@ -7,6 +7,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 
 from metronome.config import GatewayConfig
+from metronome.serving.gateway.discovery import Resolver, resolve_dns
 from metronome.serving.gateway.drain import drain
 from metronome.serving.gateway.realtime import REALTIME_PATH, Gateway
 from metronome.serving.gc_pauses import freeze_startup_heap
@@ -38,11 +39,12 @@ class GatewayServer:
         await self.gateway.stop()
 
 
-async def serve_gateway(config: GatewayConfig) -> GatewayServer:
-    """Start the gateway (picows) on the running loop and return at once (``port=0``: an ephemeral port)."""
+async def serve_gateway(config: GatewayConfig, resolve: Resolver = resolve_dns) -> GatewayServer:
+    """Start the gateway (picows) on the running loop and return at once (``port=0``: an ephemeral port).
+    ``resolve``: how ``dns:`` worker entries are resolved (the system's resolver unless a test brings one)."""
     from metronome.serving.gateway.ws_picows import start_server
 
-    gateway = Gateway(config)
+    gateway = Gateway(config, resolve)
     await gateway.start()
     server = await start_server(gateway, config.host, config.port, max_frame_bytes=gateway.max_frame_bytes,
                                 send_queue_events=config.send_queue_events, send_queue_bytes=config.send_queue_bytes,
