@@ -428,6 +428,7 @@ class WorkerPool:
                             response.gpu_ms, response.frontend_ms, response.worker_ms,
                             response.kv_blocks_used, response.kv_blocks_total)
         handle.last_tick = report
+        handle.draining = response.draining
         if handle.controller is None:
             handle.heard(response.admission_cap, response.in_flight)
         m, name = self.metrics, handle.address
