@@ -53,7 +53,7 @@ async def open_session(handles: list[WorkerHandle], first: WorkerHandle, sid: st
             opened = pb.OpenSessionResponse(ok=False, error=f"worker unavailable: {exc.code().name}",
                                             refused="unavailable")
         else:
-            if not gateway_admits:
+            if not gateway_admits and opened.admission_cap:   # 0: a worker older than worker admission
                 handle.heard(opened.admission_cap, opened.sessions)
             handle.draining |= opened.refused == "draining"
         handle.pending -= 1

@@ -167,7 +167,7 @@ class WorkerPool:
         handle.healthy = health.ready
         handle.draining = health.draining
         if self.config.admission == "worker":
-            handle.heard(health.admission_cap, health.sessions)
+            handle.heard(health.admission_cap or health.capacity_sessions, health.sessions)
         elif handle.controller is None:
             controller = PaperAimdController if self.config.controller == "paper" else AimdController
             handle.controller = controller(replace(self.config.aimd, budget_ms=self.budget_ms),
@@ -429,8 +429,6 @@ class WorkerPool:
                             response.kv_blocks_used, response.kv_blocks_total)
         handle.last_tick = report
         handle.draining = response.draining
-        if handle.controller is None:
-            handle.heard(response.admission_cap, response.in_flight)
         m, name = self.metrics, handle.address
         m.worker_time.labels(name, "frontend").inc(response.frontend_ms / 1e3)
         m.worker_time.labels(name, "prefill").inc(response.prefill_ms / 1e3)

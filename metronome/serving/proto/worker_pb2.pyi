@@ -105,7 +105,7 @@ class SessionOutput(_message.Message):
     def __init__(self, sid: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., error: _Optional[str] = ..., preempted: _Optional[bool] = ..., transcript: _Optional[str] = ..., input_dbfs: _Optional[float] = ..., input_clipping: _Optional[float] = ..., audio_pcm16: _Optional[bytes] = ..., audio_sample_rate: _Optional[int] = ..., error_code: _Optional[str] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("outputs", "gpu_ms", "in_flight", "frontend_ms", "prefill_ms", "decode_ms", "kv_blocks_used", "kv_blocks_total", "worker_ms", "admission_cap", "draining")
+    __slots__ = ("outputs", "gpu_ms", "in_flight", "frontend_ms", "prefill_ms", "decode_ms", "kv_blocks_used", "kv_blocks_total", "worker_ms", "draining")
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     GPU_MS_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -115,7 +115,6 @@ class StepResponse(_message.Message):
     KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     WORKER_MS_FIELD_NUMBER: _ClassVar[int]
-    ADMISSION_CAP_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     outputs: _containers.RepeatedCompositeFieldContainer[SessionOutput]
     gpu_ms: float
@@ -126,9 +125,8 @@ class StepResponse(_message.Message):
     kv_blocks_used: int
     kv_blocks_total: int
     worker_ms: float
-    admission_cap: int
     draining: bool
-    def __init__(self, outputs: _Optional[_Iterable[_Union[SessionOutput, _Mapping]]] = ..., gpu_ms: _Optional[float] = ..., in_flight: _Optional[int] = ..., frontend_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., worker_ms: _Optional[float] = ..., admission_cap: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    def __init__(self, outputs: _Optional[_Iterable[_Union[SessionOutput, _Mapping]]] = ..., gpu_ms: _Optional[float] = ..., in_flight: _Optional[int] = ..., frontend_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., worker_ms: _Optional[float] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

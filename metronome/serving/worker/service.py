@@ -136,7 +136,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         response, latency_ms = timed
         if response.outputs:   # a tick with no session says nothing about load
             self.admission.observe(latency_ms, self.core.sessions)
-        response.admission_cap, response.draining = self.admission.cap, self.admission.draining
+        response.draining = self.admission.draining
         return response
 
     async def Health(self, request, context):
