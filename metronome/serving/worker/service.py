@@ -236,23 +236,25 @@ async def serve_worker(config: WorkerConfig, *, engine: Engine | None = None,
 
 
 def run_worker(config: WorkerConfig) -> None:
-    """Serve until SIGINT/SIGTERM (the CLI's entry point): drain (``drain_grace_s``), then close what is left."""
+    """Serve until SIGINT or SIGTERM (the CLI's entry point); SIGTERM drains first (``drain_grace_s``). What is
+    left is closed on the way out."""
 
     async def main() -> None:
         handle = await serve_worker(config)
         freeze_startup_heap()
         stop = asyncio.Event()
+        signals: list[signal.Signals] = []
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
-                loop.add_signal_handler(sig, stop.set)
+                loop.add_signal_handler(sig, lambda sig=sig: (signals.append(sig), stop.set()))
             except (NotImplementedError, RuntimeError):  # not the main thread / not supported here
                 pass
         waiter = asyncio.ensure_future(handle.wait_for_termination())
         stopper = asyncio.ensure_future(stop.wait())
         await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
         stopper.cancel()
-        if stop.is_set():
+        if signals and signals[0] == signal.SIGTERM:   # Kubernetes' stop; SIGINT (Ctrl-C) stops at once
             await handle.drain(config.drain_grace_s)
         await handle.stop(grace=1.0)
 
