@@ -164,6 +164,7 @@ async def run_client(http: aiohttp.ClientSession, url: str, client: Client, stop
             if event["type"] == "metronome.tick":
                 client.ticks += 1
                 client.ticks_at.append(time.monotonic())
+            if event["type"] in ("session.created", "metronome.tick"):   # 20 ms of audio a tick, from the start
                 await ws.send_json({"type": "input_audio_buffer.append", "audio": chunk})
             elif event["type"] == "session_ending":
                 client.ending = time.monotonic()
@@ -308,6 +309,7 @@ async def run(args: argparse.Namespace, fleet: Fleet, checkpoint: str) -> dict:
                                 "closed_1001": sum(1 for c in mine if c.close_code == 1001),
                                 "closed_after_sigterm_s": sorted(c.closed_at - t_gw for c in mine if c.closed_at),
                                 "exit_code": gw_code,
+                                "other_gateway_sessions": sum(1 for c in alive if c.gateway == 1),
                                 "other_gateway_ticking": sum(1 for c in alive if c.gateway == 1
                                                              and c.ticks_after(t_gw + B))}
         fleet.stop.set()
@@ -353,8 +355,8 @@ def table(r: dict) -> str:
          f"{ms(k['error_after_kill_ms'])} after the kill; {k['survivors_ticking']}/{k['survivors']} others ticking"),
         ("gateway drain", f"SIGTERM on gateway 1, grace {g['grace_s']:g} s",
          f"{g['got_session_ending']}/{g['sessions']} got session_ending, {g['closed_1001']} closed 1001 after "
-         f"{s(g['closed_after_sigterm_s'])}; exit {g['exit_code']}; {g['other_gateway_ticking']} sessions on the "
-         f"other gateway ticking"),
+         f"{s(g['closed_after_sigterm_s'])}; exit {g['exit_code']}; {g['other_gateway_ticking']}/"
+         f"{g['other_gateway_sessions']} sessions on the other gateway ticking"),
     ]
     lines = ["| phase | what | result |", "|---|---|---|"]
     return "\n".join(lines + [f"| {p} | {w} | {r} |" for p, w, r in rows])
