@@ -10,6 +10,7 @@ import json
 import math
 import signal
 import socket
+import subprocess
 import sys
 from contextlib import AsyncExitStack
 
@@ -269,3 +270,35 @@ async def test_a_draining_gateway_warns_its_sessions_refuses_new_ones_and_closes
         ended = await events_until(ws, lambda e: False)
         assert ended[-1] == {"type": "closed", "code": 1001}
         await until_idle(f"{HOSTS[0]}:{port}")
+
+
+async def test_sigterm_drains_a_gateway_process(fleet):
+    """``metronome gateway`` as a process: SIGTERM warns its session, closes it with 1001 after the grace, exits 0."""
+    worker = f"{HOSTS[0]}:{int(fleet.workers[0].address.rsplit(':', 1)[1])}"
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "metronome", "gateway", "--workers", worker, "--port", str(port),
+                             "--budget-ms", str(BUDGET_MS), "--drain-grace-s", "1"])
+    try:
+        async with aiohttp.ClientSession() as http:
+            async def ready() -> bool:
+                try:
+                    return (await http.get(f"http://127.0.0.1:{port}/ready")).status == 200
+                except aiohttp.ClientError:
+                    return False
+
+            async with asyncio.timeout(60):
+                while not await ready():
+                    assert proc.poll() is None, "the gateway exited"
+                    await asyncio.sleep(0.1)
+            ws = await http.ws_connect(f"ws://127.0.0.1:{port}/v1/realtime")
+            assert (await first_event(ws))["type"] == "session.created"
+            proc.send_signal(signal.SIGTERM)
+            events = await events_until(ws, lambda e: False)
+            assert [e["type"] for e in events].count("session_ending") == 1
+            assert events[-1] == {"type": "closed", "code": 1001}
+        assert await asyncio.to_thread(proc.wait, 20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    await until_idle(worker)
