@@ -340,7 +340,8 @@ def table(r: dict) -> str:
     rows = [
         ("admit", f"{a['offered']} offered through 2 gateways, capacity {a['capacity']}",
          f"{a['admitted']} admitted, {a['refused_overloaded']} refused (overloaded), over-admitted "
-         f"{a['over_admitted']}; per worker {list(a['per_worker'].values())}; all answered in {a['all_answered_s']:.2f} s"),
+         f"{a['over_admitted']}; per worker {list(a['per_worker'].values())}; all answered in "
+         f"{a['all_answered_s']:.2f} s"),
         ("join", "a 4th worker enters the DNS name",
          f"both gateways use it after {j['both_gateways_see_it_s']:.2f} s; {j['admitted']}/{j['offered']} new "
          f"sessions admitted, {j['on_new_worker']} on it"),
@@ -349,7 +350,8 @@ def table(r: dict) -> str:
          f"every live session ticked >= {lv['ticks_after_leaving_min']} times since"),
         ("worker drain", f"SIGTERM on the 2nd worker, grace {d['grace_s']:g} s",
          f"{d['ended_draining']}/{d['sessions_on_it']} of its sessions ended worker_draining after "
-         f"{s(d['end_after_sigterm_s'])}; {d['other_errors']} other errors; exit {d['exit_code']} after {d['exit_s']:.2f} s"),
+         f"{s(d['end_after_sigterm_s'])}; {d['other_errors']} other errors; exit {d['exit_code']} after "
+         f"{d['exit_s']:.2f} s"),
         ("kill", "SIGKILL on the 3rd worker",
          f"{k['ended_unavailable']}/{k['sessions_on_it']} of its sessions ended worker_unavailable "
          f"{ms(k['error_after_kill_ms'])} after the kill; {k['survivors_ticking']}/{k['survivors']} others ticking"),

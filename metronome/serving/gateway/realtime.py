@@ -128,8 +128,8 @@ class Gateway:
 
     def _health(self) -> dict[str, Any]:
         workers = [{"address": h.address, "healthy": h.healthy, "live": len(h.sessions), "cap": h.cap,
-                    "memory_capacity": h.memory_capacity, "ticks": h.ticks,
-                    "model": h.health.model if h.health else None} for h in self.pool.handles]
+                    "memory_capacity": h.memory_capacity, "ticks": h.ticks, "draining": h.draining,
+                    "retired": h.retired, "model": h.health.model if h.health else None} for h in self.pool.handles]
         return {"status": "ok" if any(w["healthy"] for w in workers) else "unavailable", "workers": workers,
                 "draining": self.draining}
 
