@@ -92,7 +92,7 @@ def serve_gateway(worker: str, port: int, budget_ms: float) -> None:
 
     run_gateway(GatewayConfig(workers=(worker,), port=port, budget_ms=budget_ms, tokens_per_tick=4,
                               worker_token=os.environ["METRONOME_WORKER_TOKEN"],
-                              aimd=AimdConfig(initial_cap=16, min_cap=VICTIMS + 3)))
+                              aimd=AimdConfig(initial_cap=16, min_cap=VICTIMS + 3), admission="gateway"))
 
 
 def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 300.0) -> dict:

@@ -629,7 +629,9 @@ def run_point(n: int, args, logdir: Path, bar_position: int = 1) -> dict[str, An
         config = GatewayConfig(workers=(worker_addr,), host="127.0.0.1", port=port, budget_ms=budget_ms,
                                tokens_per_tick=args.tokens_per_tick, max_sessions=None,
                                stream_interval_ms=args.stream_interval_ms,
-                               aimd=AimdConfig(budget_ms=budget_ms, initial_cap=cap, min_cap=cap, target_fraction=1.0))
+                               # The gateway's own controller, held open: every offered session is admitted.
+                               aimd=AimdConfig(budget_ms=budget_ms, initial_cap=cap, min_cap=cap, target_fraction=1.0),
+                               admission="gateway")
         point["gateway_config"] = {k: v for k, v in asdict(config).items() if k != "api_key"}
         profile = str(Path(args.profile_gateway) / f"gateway_{n}.prof") if args.profile_gateway else None
         gateway = ctx.Process(target=gateway_main, args=(config, str(paths["gateway.log"]), profile, gateway_cpus,

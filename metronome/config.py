@@ -124,7 +124,7 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class AimdConfig:
-    """Admission controller settings (see ``serving/gateway/admission.py``).
+    """Admission controller settings (see ``serving/admission.py``).
 
     The controller reads each tick's latency and moves the session cap: multiplicative decrease by
     ``backoff`` when the robust latency statistic over the last ``window`` ticks exceeds
@@ -193,6 +193,13 @@ class GatewayConfig:
     an HTTP request must arrive whole within ``handshake_timeout_s`` and ``max_header_bytes``. Failed
     API-key attempts are limited to ``auth_failures_per_min`` per client address (then 429).
     ``worker_token``: sent to the workers in every RPC (``serving/auth.py``).
+
+    ``workers``: ``host:port`` entries and ``dns:NAME:PORT`` entries (every address NAME resolves to, a
+    Kubernetes headless Service; resolved again every ``discovery_interval_s``). ``admission``: "worker"
+    (each worker admits or refuses by its own controller, so gateways can share workers) or "gateway" (the
+    paper's arrangement: this gateway's own ``controller`` per worker, for experiments). On SIGTERM the
+    gateway drains: it admits nothing more, tells its sessions ``session_ending`` and closes those still
+    open after ``drain_grace_s`` with 1001.
     """
 
     workers: tuple[str, ...] = ("127.0.0.1:50051",)
@@ -228,6 +235,9 @@ class GatewayConfig:
     stream_interval_ms: float = 100.0
     aimd: AimdConfig = field(default_factory=AimdConfig)
     controller: str = "aimd"  # "aimd" (robust) or "paper" (the prototype's single-sample rule, for experiments)
+    admission: str = "worker"  # "worker": the workers' own caps; "gateway": ``controller`` here, per worker
+    discovery_interval_s: float = 5.0
+    drain_grace_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -245,6 +255,10 @@ class GatewayConfig:
             raise ConfigError(f"max_step_bytes must hold one session's tick at the limits ({one_session} bytes)")
         if self.controller not in ("aimd", "paper"):
             raise ConfigError(f"controller must be 'aimd' or 'paper', got {self.controller!r}")
+        if self.admission not in ("worker", "gateway"):
+            raise ConfigError(f"admission must be 'worker' or 'gateway', got {self.admission!r}")
+        if not self.discovery_interval_s > 0 or self.drain_grace_s < 0:
+            raise ConfigError("discovery_interval_s must be > 0 and drain_grace_s >= 0")
         if not self.stream_interval_ms > 0:
             raise ConfigError(f"stream_interval_ms must be > 0, got {self.stream_interval_ms}")
         if self.max_instruction_bytes < 1 or self.abuse_strikes < 1 or not self.audio_realtime_factor >= 1.0:

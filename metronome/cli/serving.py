@@ -7,6 +7,9 @@
                                                  # frame budget B, picked from config.json
     metronome worker --port 50051                # one gRPC worker
     metronome gateway --workers 127.0.0.1:50051  # the WebSocket gateway in front of workers
+    metronome gateway --workers dns:metronome-workers:50051
+                                                 # every address the name resolves to (a Kubernetes
+                                                 # headless Service), resolved again every few seconds
 
 Secrets stay off command lines (``ps`` shows those to every user): the API key comes from
 --api-key-file or $METRONOME_API_KEY, the worker token from --worker-token-file or
@@ -80,8 +83,21 @@ def _gateway_args(p: argparse.ArgumentParser) -> None:
                    help=f"the key itself: visible in ps; use --api-key-file or ${API_KEY_ENV}")
     p.add_argument("--idle-timeout-s", type=float, default=120.0,
                    help="close a session that sends no event for this long (audio, silence included, counts; 0: never)")
+    _admission_args(p)
+    p.add_argument("--admission", default="worker", choices=["worker", "gateway"],
+                   help="worker: each worker admits by its own controller (gateways can share workers); "
+                        "gateway: this gateway's own controller per worker (the paper's arrangement)")
+    _drain_args(p)
+
+
+def _admission_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", type=float, default=0.3, help="AIMD latency target as a fraction of B")
     p.add_argument("--initial-cap", type=int, default=4, help="the admission cap a worker starts with")
+
+
+def _drain_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drain-grace-s", type=float, default=30.0,
+                   help="on SIGTERM: admit nothing more, let live sessions run this long, then close the rest")
 
 
 def add_parsers(sub) -> None:
@@ -101,13 +117,18 @@ def add_parsers(sub) -> None:
     _budget_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address the worker listens on")
     p.add_argument("--port", type=int, default=50051, help="the worker's gRPC port")
+    p.add_argument("--max-sessions", type=int, default=None, help="static session cap (with the controller's)")
+    _admission_args(p)
+    _drain_args(p)
     _token_args(p)
     p.set_defaults(run=run_worker_cmd)
 
     p = sub.add_parser("gateway", help="the WebSocket gateway", formatter_class=HelpFormatter)
     _budget_args(p)
     _gateway_args(p)
-    p.add_argument("--workers", default="127.0.0.1:50051", help="comma-separated worker addresses")
+    p.add_argument("--workers", default="127.0.0.1:50051",
+                   help="comma-separated host:port and dns:NAME:PORT entries (NAME: every address it resolves to)")
+    p.add_argument("--discovery-interval-s", type=float, default=5.0, help="how often dns: names are resolved again")
     p.add_argument("--model-name", default="metronome", help="the model name /v1/models and /health show")
     _token_args(p)
     p.set_defaults(run=run_gateway_cmd)
@@ -130,7 +151,9 @@ def _gateway_config(args: argparse.Namespace, workers: tuple[str, ...], model_na
     return GatewayConfig(workers=workers, host=args.host, port=args.port, budget_ms=args.budget_ms,
                          tokens_per_tick=args.tokens_per_tick, max_sessions=args.max_sessions,
                          api_key=api_key, model_name=model_name, worker_token=worker_token,
-                         idle_timeout_s=args.idle_timeout_s,
+                         idle_timeout_s=args.idle_timeout_s, admission=args.admission,
+                         drain_grace_s=args.drain_grace_s,
+                         discovery_interval_s=getattr(args, "discovery_interval_s", 5.0),
                          aimd=AimdConfig(target_fraction=args.target, initial_cap=args.initial_cap))
 
 
@@ -153,7 +176,9 @@ def run_worker_cmd(args: argparse.Namespace) -> int:
                           num_blocks=args.num_blocks, quantization=args.quantization,
                           kv_cache_dtype=args.kv_cache_dtype)
     run_worker(WorkerConfig(engine, budget_ms=args.budget_ms, adapter=args.adapter, host=args.host, port=args.port,
-                            auth_token=read_secret(args.worker_token_file, TOKEN_ENV), voice=args.voice))
+                            auth_token=read_secret(args.worker_token_file, TOKEN_ENV), voice=args.voice,
+                            aimd=AimdConfig(target_fraction=args.target, initial_cap=args.initial_cap),
+                            max_sessions=args.max_sessions, drain_grace_s=args.drain_grace_s))
     return 0
 
 
@@ -186,7 +211,8 @@ def run_serve(args: argparse.Namespace) -> int:
                "--model", args.model, "--device", args.device, "--dtype", args.dtype, "--sinks", str(args.sinks),
                "--window", str(args.window), "--block-size", str(args.block_size),
                "--host", "127.0.0.1", "--port", str(port), "--threads", str(threads), "--adapter", args.adapter,
-               "--voice", args.voice, "--kv-cache-dtype", args.kv_cache_dtype]
+               "--voice", args.voice, "--kv-cache-dtype", args.kv_cache_dtype, "--target", str(args.target),
+               "--initial-cap", str(args.initial_cap), "--drain-grace-s", str(args.drain_grace_s)]
         if args.quantization:
             cmd += ["--quantization", args.quantization]
         if args.budget_ms is not None:

@@ -65,7 +65,8 @@ async def start_gateway(spec: dict, worker_address: str):
         aimd = AimdConfig(**adm)
     gw_cfg = GatewayConfig(workers=(worker_address,), port=0, budget_ms=spec["budget_ms"],
                            tokens_per_tick=spec["tokens_per_tick"], max_buffered_audio_s=60.0,
-                           aimd=aimd, controller=controller)
+                           # The paper's arrangement: this gateway's own controller decides (the one under test).
+                           aimd=aimd, controller=controller, admission="gateway")
     return await serve_gateway(gw_cfg)
 
 

@@ -74,6 +74,11 @@ def read_secret(path: str | None, env: str) -> str | None:
     return os.environ.get(env) or None
 
 
+# The standard gRPC health service answers without the token: Kubernetes' grpc probes send none, and it
+# tells only SERVING or NOT_SERVING.
+OPEN_PREFIX = "/grpc.health.v1.Health/"
+
+
 class TokenCheck(grpc.aio.ServerInterceptor):
     """Refuse RPCs without the worker token: the real handler is swapped for one that aborts."""
 
@@ -83,6 +88,8 @@ class TokenCheck(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
+        if handler_call_details.method.startswith(OPEN_PREFIX):
+            return handler
         metadata = dict(handler_call_details.invocation_metadata or ())
         given = metadata.get("authorization", "")
         if isinstance(given, str) and secrets.compare_digest(given.encode("utf-8", "surrogatepass"), self._expected):

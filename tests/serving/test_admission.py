@@ -13,8 +13,8 @@ from hypothesis import given, settings, strategies as st
 
 from metronome.config import AimdConfig
 from metronome.errors import ConfigError
-from metronome.serving.gateway import admission
-from metronome.serving.gateway.admission import AimdController, AimdDecision, PaperAimdController
+from metronome.serving import admission
+from metronome.serving.admission import AimdController, AimdDecision, PaperAimdController
 
 # Target 600 ms, window 5, backoff 0.9, step 1, headroom 2, initial 4; additive growth only (the slow
 # start has its own tests below).
@@ -193,7 +193,7 @@ def test_bad_inputs_are_refused():
 
 def test_every_decision_is_recorded_with_a_reason_and_logged(caplog):
     c = AimdController(additive(initial_cap=4, window=1), memory_cap=100, name="w0")
-    with caplog.at_level(logging.DEBUG, logger="metronome.serving.gateway.admission"):
+    with caplog.at_level(logging.DEBUG, logger="metronome.serving.admission"):
         d1 = c.observe(LOW, False, live=4)     # increase
         d2 = c.observe(LOW, False, live=0)     # hold (app-limited)
         d3 = c.observe(HIGH, False, live=5)    # decrease
@@ -203,7 +203,7 @@ def test_every_decision_is_recorded_with_a_reason_and_logged(caplog):
     assert d1 == AimdDecision(tick=1, live=4, latency_ms=LOW, statistic_ms=LOW, cap_before=4, cap=5,
                               action="increase", reason="p50 of last 1 ticks 100.0 ms <= target 600.0 ms")
     assert all(d.reason for d in c.history)
-    recs = [r for r in caplog.records if r.name == "metronome.serving.gateway.admission"]
+    recs = [r for r in caplog.records if r.name == "metronome.serving.admission"]
     assert [r.levelno for r in recs] == [logging.INFO, logging.DEBUG, logging.INFO]
     for r, d in zip(recs, c.history):
         assert d.reason in r.getMessage() and "w0" in r.getMessage()

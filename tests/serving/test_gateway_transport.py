@@ -31,6 +31,7 @@ from metronome.serving.metrics import GatewayMetrics
 from metronome.serving.proto import worker_pb2 as pb
 from metronome.serving.proto import worker_pb2_grpc as pb_grpc
 from metronome.serving.gateway.pool import WorkerHandle, WorkerPool
+from metronome.serving.gateway.step_fit import fit_step
 from metronome.serving.gateway.ws_aiohttp import AiohttpConnection
 from metronome.serving.gateway.ws_picows import PicowsConnection
 from tests.serving.test_gateway import BUDGET_MS, chunks, of_type, recv_until, running_gateway, start_worker, tone
@@ -602,7 +603,7 @@ async def test_a_step_takes_only_the_sessions_that_fit_and_the_rest_wait_their_t
         waiting = [s for s in sessions if s.texts]
         if not waiting:
             break
-        chosen = pool._fit_step(waiting, tick)
+        chosen = fit_step(waiting, tick, config.max_step_bytes)
         assert chosen and sum(s.tick_bytes for s in chosen) <= config.max_step_bytes
         for s in chosen:
             s.take_tick_wire()
@@ -611,7 +612,7 @@ async def test_a_step_takes_only_the_sessions_that_fit_and_the_rest_wait_their_t
 
 
 async def test_a_session_left_out_of_the_last_message_keeps_what_it_streamed():
-    """``_fit_step`` leaves a session's remainder for a later tick; if it streamed input this tick, the last
+    """``fit_step`` leaves a session's remainder for a later tick; if it streamed input this tick, the last
     message still names it (with nothing more), so the worker uses that input instead of dropping it."""
     _, pool, sessions = small_step_pool(4)
     handle = WorkerHandle("127.0.0.1:1", grpc.aio.insecure_channel("127.0.0.1:1"), None)

@@ -24,6 +24,8 @@ from metronome.serving.worker import WorkerConfig, serve_worker
 from tests.serving.test_gateway import chunks, of_type, recv_until, tone
 
 BUDGET_MS = 200.0
+# Admission control is tested on its own (the workers own it); here a slow CI box must not shrink the cap.
+PERMISSIVE = AimdConfig(initial_cap=8, min_cap=8, target_fraction=1.0)
 VICTIMS = 2
 URL = "ws://{addr}/v1/realtime"
 
@@ -32,7 +34,7 @@ async def start_worker(checkpoint: str):
     engine = EngineConfig(model=checkpoint, policy=KVPolicy(sinks=4, window=64, block_size=8), num_blocks=400,
                           max_chunk_tokens=64)
     return await serve_worker(WorkerConfig(engine, budget_ms=BUDGET_MS, adapter="energy", port=0,
-                                           max_input_tokens=256))
+                                           max_input_tokens=256, aimd=PERMISSIVE))
 
 
 @pytest.fixture

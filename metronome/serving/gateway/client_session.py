@@ -89,7 +89,8 @@ class Connection(Protocol):
 # fault. 1012 (service restart, RFC 6455's IANA registry): the worker serving the session went away and is
 # being restarted; the registry says a client may reconnect after a randomised 5-30 s, and reconnecting
 # WebSocket clients treat 1012 (and 1011, 1013) as retryable where 1000 means "done".
-CLOSE_CODES = {"slow_consumer": 1008, "flood": 1008, "abuse": 1008, "worker_unavailable": 1012}
+CLOSE_CODES = {"slow_consumer": 1008, "flood": 1008, "abuse": 1008, "worker_unavailable": 1012,
+               "worker_draining": 1012, "server_draining": 1001}
 
 
 def turn_detection_message(turn: TurnDetectionConfig | None) -> pb.TurnDetection:

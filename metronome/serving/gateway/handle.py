@@ -1,4 +1,10 @@
-"""The gateway's view of one worker: its connection, health, admission controller and the tick in flight."""
+"""The gateway's view of one worker: its connection, health, admission view and the tick in flight.
+
+Under worker admission (the default) the worker owns its cap: the handle keeps what the worker last said
+(``worker_cap``, ``worker_sessions``: sessions from every gateway) to place sessions by headroom, and
+the worker has the last word at OpenSession. Under gateway admission ``controller`` is this gateway's
+own, per worker (the paper's arrangement).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from metronome.serving.gateway.admission import AimdController, PaperAimdController
+from metronome.serving.admission import AimdController, PaperAimdController
 from metronome.serving.gateway.client_session import ClientSession
 from metronome.serving.proto import worker_pb2 as pb
 from metronome.serving.proto import worker_pb2_grpc as pb_grpc
@@ -41,7 +47,13 @@ class WorkerHandle:
     # a tick can carry tens of MB of audio, and building it as messages would copy all of it once more.
     step_wire: Callable = field(init=False, repr=False)
     stream_step_wire: Callable = field(init=False, repr=False)
-    controller: AimdController | PaperAimdController | None = None  # made once memory capacity is known
+    controller: AimdController | PaperAimdController | None = None  # gateway admission: made once capacity is known
+    worker_cap: int = 0              # worker admission: the cap the worker last reported
+    static_cap: int | None = None    # ... and the operator's (``GatewayConfig.max_sessions``) under it
+    worker_sessions: int = 0         # ... and the sessions open on it, from every gateway
+    draining: bool = False           # the worker said it is stopping: nothing new goes to it
+    retired: bool = False            # gone from discovery: nothing new goes to it; dropped once its sessions end
+    tasks: list[asyncio.Task] = field(default_factory=list)   # its health loop and ticker
     sessions: dict[str, ClientSession] = field(default_factory=dict)
     pending: int = 0                 # admitted at the gateway, OpenSession in flight
     healthy: bool = False
@@ -71,9 +83,21 @@ class WorkerHandle:
         call, self.stream, self.streamed_bytes, self.stream_broken = self.stream, None, 0, False
         return call
 
+    async def stop_tasks(self) -> None:
+        """Stop its health loop and ticker, and the tick and stream in flight (the channel stays open)."""
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        if (call := self.take_stream()) is not None:
+            call.cancel()
+        if self.tick_task is not None:
+            self.tick_task.cancel()
+
     @property
     def live(self) -> int:
-        return len(self.sessions) + self.pending
+        """Sessions on the worker as far as this gateway knows, those being opened included."""
+        mine = len(self.sessions) + self.pending
+        return mine if self.controller else max(self.worker_sessions + self.pending, mine)
 
     @property
     def memory_capacity(self) -> int:
@@ -81,10 +105,27 @@ class WorkerHandle:
 
     @property
     def cap(self) -> int:
-        return self.controller.cap if self.controller else 0
+        if self.controller is not None:
+            return self.controller.cap
+        return self.worker_cap if self.static_cap is None else min(self.worker_cap, self.static_cap)
+
+    @property
+    def placeable(self) -> bool:
+        """May a new session be placed here (headroom apart)?"""
+        return self.healthy and not self.draining and not self.retired and (
+            self.controller is None or self.controller.admits(self.live))
+
+    @property
+    def failure_code(self) -> str:
+        """How its sessions end when it goes away: drained (it said it was stopping) or lost."""
+        return "worker_draining" if self.draining else "worker_unavailable"
 
     def headroom(self) -> int:
         return min(self.cap, self.memory_capacity) - self.live
+
+    def heard(self, cap: int, sessions: int) -> None:
+        """What the worker said of its admission (Health, OpenSession, a tick's answer)."""
+        self.worker_cap, self.worker_sessions = cap, sessions
 
 
 OutputSink = Callable[[WorkerHandle, ClientSession, pb.SessionOutput, TickReport], None]

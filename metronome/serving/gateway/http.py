@@ -2,6 +2,8 @@
 
     GET|HEAD /v1/realtime   WebSocket upgrade (Authorization: Bearer <key> when an API key is set)
     GET|HEAD /health        JSON: workers, their caps, live sessions (503 when no worker is ready)
+    GET|HEAD /ready         200 while new sessions can be taken; 503 while draining or with no worker taking them
+    GET|HEAD /live          200 while the event loop answers (Kubernetes' liveness probe)
     GET|HEAD /v1/models     the served model's name, OpenAI list format
     GET|HEAD /metrics       Prometheus text
     GET|HEAD /              the talk page (``page.py``; its files under /page/)
@@ -79,6 +81,13 @@ class HttpEndpoints:
         if path == "/health":
             body = self.health()
             return HttpReply.json(body, status=200 if body["status"] == "ok" else 503)
+        if path == "/ready":   # a new session has somewhere to go: this gateway and a worker both take them
+            body = self.health()
+            ready = not body["draining"] and any(w["healthy"] and not w["draining"] and not w["retired"]
+                                                 for w in body["workers"])
+            return HttpReply.json({"ready": ready, "draining": body["draining"]}, status=200 if ready else 503)
+        if path == "/live":
+            return HttpReply.json({"live": True})
         if path == "/v1/models":
             return HttpReply.json({"object": "list", "data": [
                 {"id": self.config.model_name, "object": "model", "owned_by": "metronome"}]})

@@ -1,4 +1,9 @@
-"""The gateway's workers: health, placement of new sessions, and one ticker per worker.
+"""The gateway's workers: membership, health, placement of new sessions, and one ticker per worker.
+
+Membership follows discovery (``discovery.py``): a worker that appears gets a handle, a health loop and
+a ticker, and takes new sessions; one that leaves takes no new ones, keeps ticking the sessions it has
+(a draining pod leaves its Service's DNS at once), and is dropped once they are over. Placement is
+``placement.py``'s; admission is the workers' own unless ``GatewayConfig.admission`` is "gateway".
 
 One ``WorkerHandle`` (``handle.py``) per worker address. Its ticker fires every frame budget B: one
 ``StreamStep`` RPC per tick with every live session's input since the last tick, then the outputs are
@@ -26,9 +31,13 @@ import grpc
 from metronome.config import GatewayConfig
 from metronome.monitor.fill import live_time_to_wall
 from metronome.serving.auth import token_metadata
-from metronome.serving.gateway.admission import AimdController, PaperAimdController
+from metronome.serving.admission import AimdController, PaperAimdController
+import metronome.serving.gateway.placement as placement
 from metronome.serving.gateway.client_session import ClientSession, step_request_wire
+from metronome.serving.gateway.discovery import Discovery, Resolver, parse_workers, resolve_dns
 from metronome.serving.gateway.handle import FailureSink, OutputSink, TickReport, WorkerHandle
+from metronome.serving.gateway.membership import Membership
+from metronome.serving.gateway.step_fit import fit_step
 from metronome.serving.metrics import GatewayMetrics
 from metronome.serving.proto import worker_pb2 as pb
 from metronome.serving.proto import worker_pb2_grpc as pb_grpc
@@ -50,12 +59,14 @@ class WorkerPool:
     """All workers of one gateway; placement of new sessions on the one with the most headroom."""
 
     def __init__(self, config: GatewayConfig, metrics: GatewayMetrics, on_output: OutputSink,
-                 on_failure: FailureSink) -> None:
+                 on_failure: FailureSink, resolve: Resolver = resolve_dns) -> None:
         self.config = config
+        self.handles: list[WorkerHandle] = []
+        self.membership = Membership(Discovery(parse_workers(config.workers), resolve), self.handles, self.add,
+                                     self.drop, config.discovery_interval_s)
         self.metrics = metrics
         self.on_output = on_output
         self.on_failure = on_failure
-        self.handles: list[WorkerHandle] = []
         self._tasks: list[asyncio.Task] = []
         self._closes: set[asyncio.Task] = set()  # CloseSession for sessions a failure ended
         self._stopping = False
@@ -66,25 +77,34 @@ class WorkerPool:
             metrics.set_budget(self.budget_ms)
 
     async def start(self) -> None:
-        for address in self.config.workers:
-            channel = grpc.aio.insecure_channel(address)
-            stub = pb_grpc.WorkerStub(channel)
-            handle = WorkerHandle(address, channel, stub, token_metadata(self.config.worker_token))
-            self.handles.append(handle)
-            await self._check_health(handle)
-            self._tasks.append(asyncio.create_task(self._health_loop(handle), name=f"health {address}"))
-            self._tasks.append(asyncio.create_task(self._tick_loop(handle), name=f"ticker {address}"))
+        await self.membership.sync()
+        if self.membership.discovery.dynamic:
+            self._tasks.append(asyncio.create_task(self.membership.run(), name="discovery"))
+
+    # ------------------------------------------------------------------ membership (``membership.py`` decides)
+    async def add(self, address: str) -> None:
+        channel = grpc.aio.insecure_channel(address)
+        handle = WorkerHandle(address, channel, pb_grpc.WorkerStub(channel), token_metadata(self.config.worker_token),
+                              static_cap=self.config.max_sessions)
+        self.handles.append(handle)
+        log.info("worker %s joined the fleet", address)
+        await self._check_health(handle)
+        handle.tasks = [asyncio.create_task(self._health_loop(handle), name=f"health {address}"),
+                        asyncio.create_task(self._tick_loop(handle), name=f"ticker {address}")]
+
+    async def drop(self, handle: WorkerHandle) -> None:
+        self.handles.remove(handle)
+        await handle.stop_tasks()
+        await handle.channel.close()
+        self.metrics.worker_up.labels(handle.address).set(0)
+        log.info("worker %s dropped from the fleet", handle.address)
 
     async def stop(self) -> None:
         self._stopping = True
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for handle in self.handles:
-            if (call := handle.take_stream()) is not None:
-                call.cancel()
-            if handle.tick_task is not None:
-                handle.tick_task.cancel()
+        await asyncio.gather(*(h.stop_tasks() for h in self.handles))
         if self._closes:
             await asyncio.wait(list(self._closes), timeout=5.0)
         for handle in self.handles:
@@ -116,23 +136,15 @@ class WorkerPool:
 
     # ------------------------------------------------------------------ placement
     def reserve(self) -> WorkerHandle | None:
-        """Pick the healthy worker with the most headroom and hold a slot on it (no await in between)."""
-        candidates = [h for h in self.handles if h.healthy and h.controller and h.controller.admits(h.live)
-                      and h.headroom() > 0]
-        if not candidates:
-            return None
-        best = max(candidates, key=WorkerHandle.headroom)
-        best.pending += 1
-        return best
+        """Pick the worker with the most headroom and hold a slot on it (no await in between)."""
+        return placement.pick(self.handles)
 
     def refusal(self) -> tuple[str, str]:
-        """(code, why) for a connection ``reserve`` found no room for: no worker up at all, or all full."""
-        if any(h.healthy for h in self.handles):
-            return "server_overloaded", "no worker has room under its admission cap"
-        refused = [f"worker {h.address} {h.refused}" for h in self.handles if h.refused]
-        if refused:
-            return "server_overloaded", f"no usable worker: {refused[0]}"
-        return "worker_restarting", "worker restarting: no worker is ready to take sessions; try again in a few seconds"
+        return placement.refusal(self.handles)
+
+    async def open_session(self, first: WorkerHandle, sid: str) -> tuple[WorkerHandle, pb.OpenSessionResponse]:
+        """OpenSession on the reserved worker, then on the next while workers refuse (``placement.py``)."""
+        return await placement.open_session(self.handles, first, sid, self.config.admission == "gateway")
 
     # ------------------------------------------------------------------ health
     async def _check_health(self, handle: WorkerHandle) -> None:
@@ -142,8 +154,7 @@ class WorkerPool:
             if handle.healthy:
                 log.warning("worker %s stopped answering: %s", handle.address, exc.code().name)
                 # A timeout may be a busy worker, not a dead one: its sessions are closed there too.
-                self._fail_sessions(handle, "worker_unavailable",
-                                    close=exc.code() != grpc.StatusCode.UNAVAILABLE)
+                self._fail_sessions(handle, handle.failure_code, close=exc.code() != grpc.StatusCode.UNAVAILABLE)
             handle.healthy = False
             self.metrics.worker_up.labels(handle.address).set(0)
             return
@@ -154,7 +165,10 @@ class WorkerPool:
                      health.capacity_sessions, health.budget_ms)
         handle.health = health
         handle.healthy = health.ready
-        if handle.controller is None:
+        handle.draining = health.draining
+        if self.config.admission == "worker":
+            handle.heard(health.admission_cap or health.capacity_sessions, health.sessions)
+        elif handle.controller is None:
             controller = PaperAimdController if self.config.controller == "paper" else AimdController
             handle.controller = controller(replace(self.config.aimd, budget_ms=self.budget_ms),
                                            memory_cap=health.capacity_sessions,
@@ -304,7 +318,7 @@ class WorkerPool:
         """The tick's last message and the sessions it names: those whose remaining input fits
         ``max_step_bytes`` (the others keep theirs for a later tick), and those left out that streamed input
         this tick (named with nothing more, so the worker uses what they streamed)."""
-        chosen = {s.sid for s in self._fit_step(sessions, handle.ticks)}
+        chosen = {s.sid for s in fit_step(sessions, handle.ticks, self.config.max_step_bytes)}
         entries, named = [], []
         for session in sessions:
             if session.sid in chosen:
@@ -363,8 +377,9 @@ class WorkerPool:
             m.tick_drift.labels(name).observe(max(0.0, drift))
             if not report.deadline_met:
                 m.deadline_misses.labels(name).inc()
-            decision = handle.controller.observe(report.latency_ms, not report.deadline_met, handle.live)
-            m.admission_cap.labels(name).set(decision.cap)
+            if handle.controller is not None:
+                handle.controller.observe(report.latency_ms, not report.deadline_met, handle.live)
+            m.admission_cap.labels(name).set(handle.cap)
 
     def _tick_refused(self, handle: WorkerHandle, sessions: list[ClientSession], code: grpc.StatusCode) -> None:
         if code == grpc.StatusCode.UNIMPLEMENTED and handle.streams:
@@ -376,40 +391,16 @@ class WorkerPool:
         if code == grpc.StatusCode.UNAVAILABLE:  # unreachable: its sessions are gone with it
             handle.healthy = False
             self.metrics.worker_up.labels(handle.address).set(0)
-            self._fail_sessions(handle, "worker_unavailable", close=False)
+            self._fail_sessions(handle, handle.failure_code, close=False)
         elif code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
             handle.healthy = False  # hung or overloaded, maybe alive: free its sessions there too
             self.metrics.worker_up.labels(handle.address).set(0)
-            self._fail_sessions(handle, "worker_unavailable", close=True)
+            self._fail_sessions(handle, handle.failure_code, close=True)
         elif code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT):
             # The request, not the sessions: this tick's input is lost, every session lives on.
             _send_each(sessions, self._tick_lost(code.name))
         else:
             self._fail_tick(handle, sessions, "step_failed")
-
-    def _fit_step(self, sessions: list[ClientSession], tick: int) -> list[ClientSession]:
-        """The sessions whose remaining input fits the tick's last message of ``max_step_bytes``; the others
-        keep theirs for a later tick (``_last_message`` still names those that streamed input this tick).
-
-        Why: a message over the worker's gRPC limit fails the tick as a whole. Taking from a rotating start
-        means a session left out now is early in the order of a later tick. With the input streamed, the
-        last message holds about ``stream_interval_ms`` of each session's audio plus its text, so this binds
-        only under a burst of text, or when the streamed total already reached ``max_step_bytes``.
-        """
-        limit = self.config.max_step_bytes
-        if sum(s.tick_bytes for s in sessions) <= limit:
-            return sessions
-        start = tick % len(sessions)
-        chosen, size = [], 0
-        for session in sessions[start:] + sessions[:start]:
-            n = session.tick_bytes
-            if chosen and size + n > limit:
-                continue
-            chosen.append(session)
-            size += n
-        log.warning("tick %d: %d of %d sessions fit in %d bytes; the rest wait", tick, len(chosen), len(sessions),
-                    limit)
-        return chosen
 
     @staticmethod
     def _tick_lost(code: str) -> dict:
@@ -437,6 +428,7 @@ class WorkerPool:
                             response.gpu_ms, response.frontend_ms, response.worker_ms,
                             response.kv_blocks_used, response.kv_blocks_total)
         handle.last_tick = report
+        handle.draining = response.draining
         m, name = self.metrics, handle.address
         m.worker_time.labels(name, "frontend").inc(response.frontend_ms / 1e3)
         m.worker_time.labels(name, "prefill").inc(response.prefill_ms / 1e3)

@@ -28,6 +28,7 @@ import grpc
 
 from metronome.config import GatewayConfig
 from metronome.serving.gateway.client_session import ClientSession
+from metronome.serving.gateway.discovery import Resolver, resolve_dns
 from metronome.serving.gateway.handle import TickReport, WorkerHandle
 from metronome.serving.gateway.http import REALTIME_PATH, HttpEndpoints
 from metronome.serving.gateway.pool import WorkerPool
@@ -51,18 +52,20 @@ OVERSIZED = frozenset({"message_too_large", "nested_too_deep", "text_buffer_full
                        "audio_too_fast", "audio_buffer_full", "input_too_large", "input_refused",
                        "session_update_refused"})
 IDLE_SWEEP_S = 1.0
-SERVER_ERRORS = frozenset({"worker_unavailable", "step_failed", "internal_error", "session_failed", "unknown_session"})
+SERVER_ERRORS = frozenset({"worker_unavailable", "worker_draining", "step_failed", "internal_error",
+                           "session_failed", "unknown_session"})
 
 
 class Gateway:
-    def __init__(self, config: GatewayConfig) -> None:
+    def __init__(self, config: GatewayConfig, resolve: Resolver = resolve_dns) -> None:
         self.config = config
         self.metrics = GatewayMetrics(config.budget_ms)
-        self.pool = WorkerPool(config, self.metrics, self._deliver, self._worker_failed)
+        self.pool = WorkerPool(config, self.metrics, self._deliver, self._worker_failed, resolve)
         self.http = HttpEndpoints(config, self.metrics, self._health)
         self.connections: set[Connection] = set()
         self._tasks: set[asyncio.Task] = set()  # strong references to the per-connection awaits
         self._stopping = False  # once set, nothing new is spawned (the channels are about to close)
+        self.draining = False   # once set (``drain.py``), no new session is admitted
 
     @property
     def max_frame_bytes(self) -> int:
@@ -127,13 +130,17 @@ class Gateway:
 
     def _health(self) -> dict[str, Any]:
         workers = [{"address": h.address, "healthy": h.healthy, "live": len(h.sessions), "cap": h.cap,
-                    "memory_capacity": h.memory_capacity, "ticks": h.ticks,
-                    "model": h.health.model if h.health else None} for h in self.pool.handles]
-        return {"status": "ok" if any(w["healthy"] for w in workers) else "unavailable", "workers": workers}
+                    "memory_capacity": h.memory_capacity, "ticks": h.ticks, "draining": h.draining,
+                    "retired": h.retired, "model": h.health.model if h.health else None} for h in self.pool.handles]
+        return {"status": "ok" if any(w["healthy"] for w in workers) else "unavailable", "workers": workers,
+                "draining": self.draining}
 
     # ------------------------------------------------------------------ WebSocket life cycle
     def ws_opened(self, conn: Connection) -> None:
         self.connections.add(conn)
+        if self.draining:
+            self._refuse(conn, "server_draining", "this gateway is shutting down; connect again to reach another")
+            return
         handle = self.pool.reserve()
         if handle is None:
             self._refuse(conn, *self.pool.refusal())
@@ -143,13 +150,7 @@ class Gateway:
 
     async def _open(self, conn: Connection, handle: WorkerHandle) -> None:
         sid = f"sess_{uuid.uuid4().hex[:16]}"
-        try:
-            opened = await handle.stub.OpenSession(pb.OpenSessionRequest(sid=sid), timeout=10.0,
-                                                   metadata=handle.metadata)
-        except grpc.aio.AioRpcError as exc:
-            opened = pb.OpenSessionResponse(ok=False, error=f"worker unavailable: {exc.code().name}")
-        finally:
-            handle.pending -= 1
+        handle, opened = await self.pool.open_session(handle, sid)   # the next worker is asked if one refuses
         if not opened.ok:
             self._refuse(conn, "server_overloaded", opened.error)
             return
@@ -178,6 +179,9 @@ class Gateway:
         if code == "server_overloaded":
             conn.send(encode(error_event(code, f"server overloaded: {why}", type="server_overloaded")))
             conn.close(1013, "server overloaded")
+        elif code == "server_draining":
+            conn.send(encode(error_event(code, why, type="server_error")))
+            conn.close(1001, "server shutting down")
         else:
             conn.send(encode(error_event(code, why, type="server_error")))
             conn.close(1012, "worker restarting")
@@ -406,6 +410,7 @@ class Gateway:
             self._abuse(session)
 
     def _worker_failed(self, handle: WorkerHandle, session: ClientSession, code: str) -> None:
-        self._client_error(session, code, f"the worker serving this session ({handle.address}) stopped and is "
-                           "being restarted; this session has ended: reconnect to start a new one")
+        what = "shut down (drained)" if code == "worker_draining" else "stopped and is being restarted"
+        self._client_error(session, code, f"the worker serving this session ({handle.address}) {what}; this "
+                           "session has ended: reconnect to start a new one")
         session.close(code)

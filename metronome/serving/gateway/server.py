@@ -7,6 +7,8 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 
 from metronome.config import GatewayConfig
+from metronome.serving.gateway.discovery import Resolver, resolve_dns
+from metronome.serving.gateway.drain import drain
 from metronome.serving.gateway.realtime import REALTIME_PATH, Gateway
 from metronome.serving.gc_pauses import freeze_startup_heap
 
@@ -28,16 +30,21 @@ class GatewayServer:
     def url(self) -> str:
         return f"ws://{self.address}{REALTIME_PATH}"
 
+    async def drain(self, grace_s: float) -> None:
+        """Admit nothing more; return once no session is live or after ``grace_s`` (``drain.py``)."""
+        await drain(self.gateway, grace_s)
+
     async def stop(self) -> None:
         self.server.close()
         await self.gateway.stop()
 
 
-async def serve_gateway(config: GatewayConfig) -> GatewayServer:
-    """Start the gateway (picows) on the running loop and return at once (``port=0``: an ephemeral port)."""
+async def serve_gateway(config: GatewayConfig, resolve: Resolver = resolve_dns) -> GatewayServer:
+    """Start the gateway (picows) on the running loop and return at once (``port=0``: an ephemeral port).
+    ``resolve``: how ``dns:`` worker entries are resolved (the system's resolver unless a test brings one)."""
     from metronome.serving.gateway.ws_picows import start_server
 
-    gateway = Gateway(config)
+    gateway = Gateway(config, resolve)
     await gateway.start()
     server = await start_server(gateway, config.host, config.port, max_frame_bytes=gateway.max_frame_bytes,
                                 send_queue_events=config.send_queue_events, send_queue_bytes=config.send_queue_bytes,
@@ -50,7 +57,7 @@ async def serve_gateway(config: GatewayConfig) -> GatewayServer:
 
 def run_gateway(config: GatewayConfig, companion: Callable[[], Coroutine] | None = None) -> None:
     """Serve until SIGINT or SIGTERM, on uvloop; ``companion()`` runs beside the gateway until then
-    (``metronome serve``: the worker supervisor)."""
+    (``metronome serve``: the worker supervisor). SIGTERM drains first (``drain_grace_s``); SIGINT stops."""
     import signal
 
     import uvloop
@@ -59,12 +66,15 @@ def run_gateway(config: GatewayConfig, companion: Callable[[], Coroutine] | None
         server = await serve_gateway(config)
         freeze_startup_heap()
         stop = asyncio.Event()
+        signals: list[signal.Signals] = []
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, lambda sig=sig: (signals.append(sig), stop.set()))
         beside = loop.create_task(companion()) if companion is not None else None
         try:
             await stop.wait()
+            if signals[0] == signal.SIGTERM:
+                await server.drain(config.drain_grace_s)
         finally:
             if beside is not None:
                 beside.cancel()

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$metronome/serving/proto/worker.proto\x12\x13metronome.worker.v1\"V\n\x12OpenSessionRequest\x12\x0b\n\x03sid\x18\x01 \x01(\t\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12\x14\n\x0cinstructions\x18\x03 \x01(\t\x12\x0f\n\x07replace\x18\x04 \x01(\x08\"0\n\x13OpenSessionResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"\"\n\x13\x43loseSessionRequest\x12\x0b\n\x03sid\x18\x01 \x01(\t\"&\n\x14\x43loseSessionResponse\x12\x0e\n\x06\x63losed\x18\x01 \x01(\x08\"\xf5\x01\n\x0cSessionInput\x12\x0b\n\x03sid\x18\x01 \x01(\t\x12\x10\n\x08new_turn\x18\x02 \x01(\x08\x12\x13\n\x0b\x61udio_pcm16\x18\x03 \x01(\x0c\x12\x13\n\x0bsample_rate\x18\x04 \x01(\r\x12\x0c\n\x04text\x18\x05 \x01(\t\x12\x0e\n\x06\x63\x61ncel\x18\x06 \x01(\x08\x12\x12\n\nmax_tokens\x18\x07 \x01(\r\x12\x13\n\x0b\x63lear_audio\x18\x08 \x01(\x08\x12\x19\n\x11max_output_tokens\x18\t \x01(\r\x12:\n\x0eturn_detection\x18\n \x01(\x0b\x32\".metronome.worker.v1.TurnDetection\"\xee\x01\n\rTurnDetection\x12\x12\n\nserver_vad\x18\x01 \x01(\x08\x12\x16\n\tthreshold\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x1e\n\x11prefix_padding_ms\x18\x03 \x01(\rH\x01\x88\x01\x01\x12 \n\x13silence_duration_ms\x18\x04 \x01(\rH\x02\x88\x01\x01\x12\x17\n\x0f\x63reate_response\x18\x05 \x01(\x08\x12\x1a\n\x12interrupt_response\x18\x06 \x01(\x08\x42\x0c\n\n_thresholdB\x14\n\x12_prefix_padding_msB\x16\n\x14_silence_duration_ms\"i\n\x0bStepRequest\x12\x33\n\x08sessions\x18\x01 \x03(\x0b\x32!.metronome.worker.v1.SessionInput\x12\x17\n\x0ftokens_per_tick\x18\x02 \x01(\r\x12\x0c\n\x04tick\x18\x03 \x01(\x04\"\xa1\x03\n\rSessionOutput\x12\x0b\n\x03sid\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x11\n\tpreempted\x18\x06 \x01(\x08\x12\x12\n\ntranscript\x18\x07 \x01(\t\x12\x12\n\ninput_dbfs\x18\x08 \x01(\x01\x12\x16\n\x0einput_clipping\x18\t \x01(\x01\x12\x13\n\x0b\x61udio_pcm16\x18\n \x01(\x0c\x12\x19\n\x11\x61udio_sample_rate\x18\x0b \x01(\r\x12\x12\n\nerror_code\x18\x0c \x01(\t\x12\x1e\n\x11speech_started_ms\x18\r \x01(\rH\x00\x88\x01\x01\x12\x1e\n\x11speech_stopped_ms\x18\x0e \x01(\rH\x01\x88\x01\x01\x12\x11\n\tcancelled\x18\x0f \x01(\x08\x12\x14\n\x0cinput_tokens\x18\x10 \x01(\r\x12\x18\n\x10\x61udio_transcript\x18\x11 \x01(\tB\x14\n\x12_speech_started_msB\x14\n\x12_speech_stopped_ms\"\xe6\x01\n\x0cStepResponse\x12\x33\n\x07outputs\x18\x01 \x03(\x0b\x32\".metronome.worker.v1.SessionOutput\x12\x0e\n\x06gpu_ms\x18\x02 \x01(\x01\x12\x11\n\tin_flight\x18\x03 \x01(\r\x12\x13\n\x0b\x66rontend_ms\x18\x04 \x01(\x01\x12\x12\n\nprefill_ms\x18\x05 \x01(\x01\x12\x11\n\tdecode_ms\x18\x06 \x01(\x01\x12\x16\n\x0ekv_blocks_used\x18\x07 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x08 \x01(\r\x12\x11\n\tworker_ms\x18\t \x01(\x01\"\x0f\n\rHealthRequest\"\x87\x02\n\x0eHealthResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\r\n\x05model\x18\x02 \x01(\t\x12\x11\n\tbudget_ms\x18\x03 \x01(\x01\x12\x19\n\x11\x63\x61pacity_sessions\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\r\x12\x10\n\x08sessions\x18\x07 \x01(\r\x12\x19\n\x11input_sample_rate\x18\x08 \x01(\r\x12\x11\n\tkv_policy\x18\t \x01(\t\x12\x18\n\x10max_input_tokens\x18\n \x01(\r\x12\x1e\n\x16max_instruction_tokens\x18\x0b \x01(\r2\xc4\x03\n\x06Worker\x12`\n\x0bOpenSession\x12\'.metronome.worker.v1.OpenSessionRequest\x1a(.metronome.worker.v1.OpenSessionResponse\x12\x63\n\x0c\x43loseSession\x12(.metronome.worker.v1.CloseSessionRequest\x1a).metronome.worker.v1.CloseSessionResponse\x12K\n\x04Step\x12 .metronome.worker.v1.StepRequest\x1a!.metronome.worker.v1.StepResponse\x12S\n\nStreamStep\x12 .metronome.worker.v1.StepRequest\x1a!.metronome.worker.v1.StepResponse(\x01\x12Q\n\x06Health\x12\".metronome.worker.v1.HealthRequest\x1a#.metronome.worker.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$metronome/serving/proto/worker.proto\x12\x13metronome.worker.v1\"n\n\x12OpenSessionRequest\x12\x0b\n\x03sid\x18\x01 \x01(\t\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12\x14\n\x0cinstructions\x18\x03 \x01(\t\x12\x0f\n\x07replace\x18\x04 \x01(\x08\x12\x16\n\x0egateway_admits\x18\x14 \x01(\x08\"j\n\x13OpenSessionResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x0f\n\x07refused\x18\x14 \x01(\t\x12\x15\n\radmission_cap\x18\x15 \x01(\r\x12\x10\n\x08sessions\x18\x16 \x01(\r\"\"\n\x13\x43loseSessionRequest\x12\x0b\n\x03sid\x18\x01 \x01(\t\"&\n\x14\x43loseSessionResponse\x12\x0e\n\x06\x63losed\x18\x01 \x01(\x08\"\xf5\x01\n\x0cSessionInput\x12\x0b\n\x03sid\x18\x01 \x01(\t\x12\x10\n\x08new_turn\x18\x02 \x01(\x08\x12\x13\n\x0b\x61udio_pcm16\x18\x03 \x01(\x0c\x12\x13\n\x0bsample_rate\x18\x04 \x01(\r\x12\x0c\n\x04text\x18\x05 \x01(\t\x12\x0e\n\x06\x63\x61ncel\x18\x06 \x01(\x08\x12\x12\n\nmax_tokens\x18\x07 \x01(\r\x12\x13\n\x0b\x63lear_audio\x18\x08 \x01(\x08\x12\x19\n\x11max_output_tokens\x18\t \x01(\r\x12:\n\x0eturn_detection\x18\n \x01(\x0b\x32\".metronome.worker.v1.TurnDetection\"\xee\x01\n\rTurnDetection\x12\x12\n\nserver_vad\x18\x01 \x01(\x08\x12\x16\n\tthreshold\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x1e\n\x11prefix_padding_ms\x18\x03 \x01(\rH\x01\x88\x01\x01\x12 \n\x13silence_duration_ms\x18\x04 \x01(\rH\x02\x88\x01\x01\x12\x17\n\x0f\x63reate_response\x18\x05 \x01(\x08\x12\x1a\n\x12interrupt_response\x18\x06 \x01(\x08\x42\x0c\n\n_thresholdB\x14\n\x12_prefix_padding_msB\x16\n\x14_silence_duration_ms\"i\n\x0bStepRequest\x12\x33\n\x08sessions\x18\x01 \x03(\x0b\x32!.metronome.worker.v1.SessionInput\x12\x17\n\x0ftokens_per_tick\x18\x02 \x01(\r\x12\x0c\n\x04tick\x18\x03 \x01(\x04\"\xa1\x03\n\rSessionOutput\x12\x0b\n\x03sid\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x11\n\tpreempted\x18\x06 \x01(\x08\x12\x12\n\ntranscript\x18\x07 \x01(\t\x12\x12\n\ninput_dbfs\x18\x08 \x01(\x01\x12\x16\n\x0einput_clipping\x18\t \x01(\x01\x12\x13\n\x0b\x61udio_pcm16\x18\n \x01(\x0c\x12\x19\n\x11\x61udio_sample_rate\x18\x0b \x01(\r\x12\x12\n\nerror_code\x18\x0c \x01(\t\x12\x1e\n\x11speech_started_ms\x18\r \x01(\rH\x00\x88\x01\x01\x12\x1e\n\x11speech_stopped_ms\x18\x0e \x01(\rH\x01\x88\x01\x01\x12\x11\n\tcancelled\x18\x0f \x01(\x08\x12\x14\n\x0cinput_tokens\x18\x10 \x01(\r\x12\x18\n\x10\x61udio_transcript\x18\x11 \x01(\tB\x14\n\x12_speech_started_msB\x14\n\x12_speech_stopped_ms\"\xf8\x01\n\x0cStepResponse\x12\x33\n\x07outputs\x18\x01 \x03(\x0b\x32\".metronome.worker.v1.SessionOutput\x12\x0e\n\x06gpu_ms\x18\x02 \x01(\x01\x12\x11\n\tin_flight\x18\x03 \x01(\r\x12\x13\n\x0b\x66rontend_ms\x18\x04 \x01(\x01\x12\x12\n\nprefill_ms\x18\x05 \x01(\x01\x12\x11\n\tdecode_ms\x18\x06 \x01(\x01\x12\x16\n\x0ekv_blocks_used\x18\x07 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x08 \x01(\r\x12\x11\n\tworker_ms\x18\t \x01(\x01\x12\x10\n\x08\x64raining\x18\x14 \x01(\x08\"\x0f\n\rHealthRequest\"\xb0\x02\n\x0eHealthResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\r\n\x05model\x18\x02 \x01(\t\x12\x11\n\tbudget_ms\x18\x03 \x01(\x01\x12\x19\n\x11\x63\x61pacity_sessions\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\r\x12\x10\n\x08sessions\x18\x07 \x01(\r\x12\x19\n\x11input_sample_rate\x18\x08 \x01(\r\x12\x11\n\tkv_policy\x18\t \x01(\t\x12\x18\n\x10max_input_tokens\x18\n \x01(\r\x12\x1e\n\x16max_instruction_tokens\x18\x0b \x01(\r\x12\x15\n\radmission_cap\x18\x14 \x01(\r\x12\x10\n\x08\x64raining\x18\x15 \x01(\x08\x32\xc4\x03\n\x06Worker\x12`\n\x0bOpenSession\x12\'.metronome.worker.v1.OpenSessionRequest\x1a(.metronome.worker.v1.OpenSessionResponse\x12\x63\n\x0c\x43loseSession\x12(.metronome.worker.v1.CloseSessionRequest\x1a).metronome.worker.v1.CloseSessionResponse\x12K\n\x04Step\x12 .metronome.worker.v1.StepRequest\x1a!.metronome.worker.v1.StepResponse\x12S\n\nStreamStep\x12 .metronome.worker.v1.StepRequest\x1a!.metronome.worker.v1.StepResponse(\x01\x12Q\n\x06Health\x12\".metronome.worker.v1.HealthRequest\x1a#.metronome.worker.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,27 +32,27 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'metronome.serving.proto.wor
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_OPENSESSIONREQUEST']._serialized_start=61
-  _globals['_OPENSESSIONREQUEST']._serialized_end=147
-  _globals['_OPENSESSIONRESPONSE']._serialized_start=149
-  _globals['_OPENSESSIONRESPONSE']._serialized_end=197
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=199
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=233
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=235
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=273
-  _globals['_SESSIONINPUT']._serialized_start=276
-  _globals['_SESSIONINPUT']._serialized_end=521
-  _globals['_TURNDETECTION']._serialized_start=524
-  _globals['_TURNDETECTION']._serialized_end=762
-  _globals['_STEPREQUEST']._serialized_start=764
-  _globals['_STEPREQUEST']._serialized_end=869
-  _globals['_SESSIONOUTPUT']._serialized_start=872
-  _globals['_SESSIONOUTPUT']._serialized_end=1289
-  _globals['_STEPRESPONSE']._serialized_start=1292
-  _globals['_STEPRESPONSE']._serialized_end=1522
-  _globals['_HEALTHREQUEST']._serialized_start=1524
-  _globals['_HEALTHREQUEST']._serialized_end=1539
-  _globals['_HEALTHRESPONSE']._serialized_start=1542
-  _globals['_HEALTHRESPONSE']._serialized_end=1805
-  _globals['_WORKER']._serialized_start=1808
-  _globals['_WORKER']._serialized_end=2260
+  _globals['_OPENSESSIONREQUEST']._serialized_end=171
+  _globals['_OPENSESSIONRESPONSE']._serialized_start=173
+  _globals['_OPENSESSIONRESPONSE']._serialized_end=279
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=281
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=315
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=317
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=355
+  _globals['_SESSIONINPUT']._serialized_start=358
+  _globals['_SESSIONINPUT']._serialized_end=603
+  _globals['_TURNDETECTION']._serialized_start=606
+  _globals['_TURNDETECTION']._serialized_end=844
+  _globals['_STEPREQUEST']._serialized_start=846
+  _globals['_STEPREQUEST']._serialized_end=951
+  _globals['_SESSIONOUTPUT']._serialized_start=954
+  _globals['_SESSIONOUTPUT']._serialized_end=1371
+  _globals['_STEPRESPONSE']._serialized_start=1374
+  _globals['_STEPRESPONSE']._serialized_end=1622
+  _globals['_HEALTHREQUEST']._serialized_start=1624
+  _globals['_HEALTHREQUEST']._serialized_end=1639
+  _globals['_HEALTHRESPONSE']._serialized_start=1642
+  _globals['_HEALTHRESPONSE']._serialized_end=1946
+  _globals['_WORKER']._serialized_start=1949
+  _globals['_WORKER']._serialized_end=2401
 # @@protoc_insertion_point(module_scope)

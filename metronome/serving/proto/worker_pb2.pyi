@@ -7,24 +7,32 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("sid", "mode", "instructions", "replace")
+    __slots__ = ("sid", "mode", "instructions", "replace", "gateway_admits")
     SID_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     INSTRUCTIONS_FIELD_NUMBER: _ClassVar[int]
     REPLACE_FIELD_NUMBER: _ClassVar[int]
+    GATEWAY_ADMITS_FIELD_NUMBER: _ClassVar[int]
     sid: str
     mode: str
     instructions: str
     replace: bool
-    def __init__(self, sid: _Optional[str] = ..., mode: _Optional[str] = ..., instructions: _Optional[str] = ..., replace: _Optional[bool] = ...) -> None: ...
+    gateway_admits: bool
+    def __init__(self, sid: _Optional[str] = ..., mode: _Optional[str] = ..., instructions: _Optional[str] = ..., replace: _Optional[bool] = ..., gateway_admits: _Optional[bool] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("ok", "error")
+    __slots__ = ("ok", "error", "refused", "admission_cap", "sessions")
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_CAP_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     error: str
-    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    refused: str
+    admission_cap: int
+    sessions: int
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., refused: _Optional[str] = ..., admission_cap: _Optional[int] = ..., sessions: _Optional[int] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("sid",)
@@ -127,7 +135,7 @@ class SessionOutput(_message.Message):
     def __init__(self, sid: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., error: _Optional[str] = ..., preempted: _Optional[bool] = ..., transcript: _Optional[str] = ..., input_dbfs: _Optional[float] = ..., input_clipping: _Optional[float] = ..., audio_pcm16: _Optional[bytes] = ..., audio_sample_rate: _Optional[int] = ..., error_code: _Optional[str] = ..., speech_started_ms: _Optional[int] = ..., speech_stopped_ms: _Optional[int] = ..., cancelled: _Optional[bool] = ..., input_tokens: _Optional[int] = ..., audio_transcript: _Optional[str] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("outputs", "gpu_ms", "in_flight", "frontend_ms", "prefill_ms", "decode_ms", "kv_blocks_used", "kv_blocks_total", "worker_ms")
+    __slots__ = ("outputs", "gpu_ms", "in_flight", "frontend_ms", "prefill_ms", "decode_ms", "kv_blocks_used", "kv_blocks_total", "worker_ms", "draining")
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     GPU_MS_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +145,7 @@ class StepResponse(_message.Message):
     KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     WORKER_MS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     outputs: _containers.RepeatedCompositeFieldContainer[SessionOutput]
     gpu_ms: float
     in_flight: int
@@ -146,14 +155,15 @@ class StepResponse(_message.Message):
     kv_blocks_used: int
     kv_blocks_total: int
     worker_ms: float
-    def __init__(self, outputs: _Optional[_Iterable[_Union[SessionOutput, _Mapping]]] = ..., gpu_ms: _Optional[float] = ..., in_flight: _Optional[int] = ..., frontend_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., worker_ms: _Optional[float] = ...) -> None: ...
+    draining: bool
+    def __init__(self, outputs: _Optional[_Iterable[_Union[SessionOutput, _Mapping]]] = ..., gpu_ms: _Optional[float] = ..., in_flight: _Optional[int] = ..., frontend_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., worker_ms: _Optional[float] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("ready", "model", "budget_ms", "capacity_sessions", "kv_blocks_used", "kv_blocks_total", "sessions", "input_sample_rate", "kv_policy", "max_input_tokens", "max_instruction_tokens")
+    __slots__ = ("ready", "model", "budget_ms", "capacity_sessions", "kv_blocks_used", "kv_blocks_total", "sessions", "input_sample_rate", "kv_policy", "max_input_tokens", "max_instruction_tokens", "admission_cap", "draining")
     READY_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BUDGET_MS_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +175,8 @@ class HealthResponse(_message.Message):
     KV_POLICY_FIELD_NUMBER: _ClassVar[int]
     MAX_INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_INSTRUCTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_CAP_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     model: str
     budget_ms: float
@@ -176,4 +188,6 @@ class HealthResponse(_message.Message):
     kv_policy: str
     max_input_tokens: int
     max_instruction_tokens: int
-    def __init__(self, ready: _Optional[bool] = ..., model: _Optional[str] = ..., budget_ms: _Optional[float] = ..., capacity_sessions: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., sessions: _Optional[int] = ..., input_sample_rate: _Optional[int] = ..., kv_policy: _Optional[str] = ..., max_input_tokens: _Optional[int] = ..., max_instruction_tokens: _Optional[int] = ...) -> None: ...
+    admission_cap: int
+    draining: bool
+    def __init__(self, ready: _Optional[bool] = ..., model: _Optional[str] = ..., budget_ms: _Optional[float] = ..., capacity_sessions: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., sessions: _Optional[int] = ..., input_sample_rate: _Optional[int] = ..., kv_policy: _Optional[str] = ..., max_input_tokens: _Optional[int] = ..., max_instruction_tokens: _Optional[int] = ..., admission_cap: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...

@@ -65,7 +65,8 @@ class WorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def OpenSession(self, request, context):
-        """Admit a session on this worker (reserves its bounded KV). Refused with ok=false when it does not fit.
+        """Admit a session on this worker (reserves its bounded KV). Refused with ok=false and the reason when
+        it does not fit: the worker owns its admission, so any number of gateways may ask.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

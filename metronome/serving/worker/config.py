@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import PurePath
 
 from metronome import Engine, EngineConfig, KVPolicy
+from metronome.config import AimdConfig
 from metronome.audio.adapter import AdapterContext, InteractionAdapter
 from metronome.audio.registry import RECORDS, adapter_factory, default_budget_ms
 from metronome.engine.runner import DTYPES
@@ -23,6 +24,9 @@ class WorkerConfig:
     ``max(1024, max_chunk_tokens)``.
     ``max_message_bytes`` bounds a Step request, and a StreamStep's input before its last message: 2 s of
     48 kHz PCM16 is 192 KB per session.
+    Admission is the worker's (``admission.py``): ``aimd`` drives its session cap (its ``budget_ms`` is set
+    to the worker's B), ``max_sessions`` is an optional static cap. On SIGTERM the worker drains: it admits
+    nothing more and its live sessions run for up to ``drain_grace_s`` before it stops.
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -34,6 +38,9 @@ class WorkerConfig:
     max_message_bytes: int = 64 * 1024 * 1024
     auth_token: str | None = field(default=None, repr=False)  # required in every RPC's metadata (``auth.py``)
     voice: str = "auto"      # the cascade's speech out: "auto", "piper", "espeak" or "none" (text only)
+    aimd: AimdConfig = field(default_factory=AimdConfig)
+    max_sessions: int | None = None
+    drain_grace_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.adapter not in RECORDS:
@@ -51,6 +58,10 @@ class WorkerConfig:
             raise ConfigError(f"port must be in [0, 65535] (0: ephemeral), got {self.port}")
         if self.max_message_bytes < 1024 * 1024:
             raise ConfigError(f"max_message_bytes must be >= 1 MiB, got {self.max_message_bytes}")
+        if (self.max_sessions is not None and self.max_sessions < 0) or self.drain_grace_s < 0:
+            raise ConfigError("max_sessions must be >= 0 (or None) and drain_grace_s >= 0")
+        if self.aimd.budget_ms != self.budget_ms:
+            object.__setattr__(self, "aimd", replace(self.aimd, budget_ms=self.budget_ms))
 
     @property
     def max_instruction_tokens(self) -> int:

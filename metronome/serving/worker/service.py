@@ -15,6 +15,12 @@ Typed text and instructions are counted in tokens on a thread of their own befor
 sees them (``budget.py``): over the limit, they are refused there. With ``WorkerConfig.auth_token`` set,
 every RPC must carry the token (``auth.py``).
 
+Admission is the worker's own (``admission.py``): OpenSession answers ok or refused with the reason
+("memory", "latency cap", "draining"), and every tick's latency, from its last message to its answer,
+feeds the worker's AIMD controller. SIGTERM drains (``WorkerServer.drain``): no more admissions, the
+standard gRPC health service (what Kubernetes' grpc probes ask) says NOT_SERVING, live sessions run for
+``drain_grace_s``, then the worker stops and gateways end what is left as ``worker_draining``.
+
 >>> handle = await serve_worker(WorkerConfig(EngineConfig(model=ckpt, num_blocks=256), port=0))   # doctest: +SKIP
 >>> channel = grpc.aio.insecure_channel(handle.address)                            # doctest: +SKIP
 >>> stub = worker_pb2_grpc.WorkerStub(channel)                                     # doctest: +SKIP
@@ -31,6 +37,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
+from grpc_health.v1.health import aio as grpc_health   # the asyncio servicer
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from metronome import Engine
 from metronome.audio.adapter import InteractionAdapter
@@ -38,6 +46,7 @@ from metronome.serving.auth import TokenCheck
 from metronome.serving.gc_pauses import freeze_startup_heap
 from metronome.serving.proto import worker_pb2 as pb
 from metronome.serving.proto import worker_pb2_grpc
+from metronome.serving.worker.admission import WorkerAdmission
 from metronome.serving.worker.budget import InputBudget
 from metronome.serving.worker.config import WorkerConfig, make_adapter, policy_name
 from metronome.serving.worker.tick import StreamedTick, TickCore
@@ -54,6 +63,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.config = config
         self._executor = executor
         self.budget = InputBudget(engine.tokenizer, config.max_input_tokens, config.max_instruction_tokens)
+        self.admission = WorkerAdmission(config.aimd, engine.stats().capacity, config.max_sessions)
+        self._opening = 0   # OpenSession calls admitted and on their way to the engine thread
 
     @property
     def engine(self) -> Engine:
@@ -68,7 +79,25 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         if why is not None:
             log.info("session %s refused: %s", request.sid, why)
             return pb.OpenSessionResponse(ok=False, error=why)
-        return await self._on_engine_thread(context, "OpenSession", self.core.open, request)
+        if request.replace or self.core.is_open(request.sid):   # not an admission: the core answers it
+            return await self._on_engine_thread(context, "OpenSession", self.core.open, request)
+        # Decided and counted with no await between: concurrent gateways cannot both take the last slot.
+        live = self.core.sessions + self._opening
+        refused = self.admission.refusal(live, request.gateway_admits)
+        if refused is not None:
+            why = self.admission.explain(refused)
+            log.info("session %s refused: %s", request.sid, why)
+            return self._answer(pb.OpenSessionResponse(ok=False, error=why, refused=refused))
+        self._opening += 1
+        try:
+            opened = await self._on_engine_thread(context, "OpenSession", self.core.open, request)
+        finally:
+            self._opening -= 1
+        return self._answer(opened)
+
+    def _answer(self, response: pb.OpenSessionResponse) -> pb.OpenSessionResponse:
+        response.admission_cap, response.sessions = self.admission.cap, self.core.sessions
+        return response
 
     async def CloseSession(self, request, context):
         return await self._on_engine_thread(context, "CloseSession", self.core.close, request.sid)
@@ -76,8 +105,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def Step(self, request, context):
         tally: dict[str, int] = {}
         await self.budget.charge(tally, ((inp.sid, inp.text) for inp in request.sessions))
-        return await self._on_engine_thread(context, "Step", self.core.step, request, None,
-                                            self.budget.refusals(tally))
+        return self._observed(await self._timed(context, "Step", request, None, tally))
 
     async def StreamStep(self, request_iterator, context):
         """One tick whose input arrives over the frame period; the last message is the Step request proper."""
@@ -94,11 +122,28 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             last = message
         if last is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a StreamStep needs at least its last message")
-        return await self._on_engine_thread(context, "StreamStep", self.core.step, last, streamed,
-                                            self.budget.refusals(streamed.text_tokens))
+        return self._observed(await self._timed(context, "StreamStep", last, streamed, streamed.text_tokens))
+
+    async def _timed(self, context, what: str, request, streamed, tally) -> tuple[pb.StepResponse, float]:
+        """The tick on the engine thread, and its latency here: the wait behind other gateways' ticks included."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        response = await self._on_engine_thread(context, what, self.core.step, request, streamed,
+                                                self.budget.refusals(tally))
+        return response, (loop.time() - started) * 1e3
+
+    def _observed(self, timed: tuple[pb.StepResponse, float]) -> pb.StepResponse:
+        response, latency_ms = timed
+        if response.outputs:   # a tick with no session says nothing about load
+            self.admission.observe(latency_ms, self.core.sessions)
+        response.draining = self.admission.draining
+        return response
 
     async def Health(self, request, context):
-        return self.core.health
+        health = pb.HealthResponse()
+        health.CopyFrom(self.core.health)
+        health.admission_cap, health.draining = self.admission.cap, self.admission.draining
+        return health
 
     async def _on_engine_thread(self, context, what: str, fn, *args):
         loop = asyncio.get_running_loop()
@@ -122,10 +167,23 @@ class WorkerServer:
     host: str
     service: WorkerService
     executor: ThreadPoolExecutor
+    health: grpc_health.HealthServicer
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    async def drain(self, grace_s: float, poll_s: float = 0.1) -> None:
+        """Admit nothing more and tell the probes; return once no session is open or ``grace_s`` has passed."""
+        self.service.admission.draining = True
+        await self.health.enter_graceful_shutdown()   # every service NOT_SERVING from here on
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        log.info("draining: %d sessions open, up to %g s for them to end", self.service.core.sessions, grace_s)
+        while self.service.core.sessions and loop.time() < deadline:
+            await asyncio.sleep(poll_s)
+        if self.service.core.sessions:
+            log.info("drain grace over: closing %d sessions", self.service.core.sessions)
 
     async def stop(self, grace: float | None = None) -> None:
         """Stop serving, close every session (their KV returns to the pool), release the engine thread."""
@@ -157,6 +215,9 @@ async def serve_worker(config: WorkerConfig, *, engine: Engine | None = None,
                                           ("grpc.max_send_message_length", size)],
                                  interceptors=[TokenCheck(config.auth_token)] if config.auth_token else None)
         worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
+        health = grpc_health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        await health.set("", health_pb2.HealthCheckResponse.SERVING)
         port = server.add_insecure_port(f"{config.host}:{config.port}")
         if port == 0:
             raise OSError(f"cannot bind {config.host}:{config.port}")
@@ -171,26 +232,30 @@ async def serve_worker(config: WorkerConfig, *, engine: Engine | None = None,
     log.info("worker on %s:%d: %s, %s, capacity %d sessions, budget %g ms, adapter %s",
              config.host, port, engine.config.model, policy_name(engine.config.policy), stats.capacity,
              config.budget_ms, adapter.name)
-    return WorkerServer(server, port, config.host, service, executor)
+    return WorkerServer(server, port, config.host, service, executor, health)
 
 
 def run_worker(config: WorkerConfig) -> None:
-    """Serve until SIGINT/SIGTERM (the CLI's entry point); sessions are closed on the way out."""
+    """Serve until SIGINT or SIGTERM (the CLI's entry point); SIGTERM drains first (``drain_grace_s``). What is
+    left is closed on the way out."""
 
     async def main() -> None:
         handle = await serve_worker(config)
         freeze_startup_heap()
         stop = asyncio.Event()
+        signals: list[signal.Signals] = []
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
-                loop.add_signal_handler(sig, stop.set)
+                loop.add_signal_handler(sig, lambda sig=sig: (signals.append(sig), stop.set()))
             except (NotImplementedError, RuntimeError):  # not the main thread / not supported here
                 pass
         waiter = asyncio.ensure_future(handle.wait_for_termination())
         stopper = asyncio.ensure_future(stop.wait())
         await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
         stopper.cancel()
+        if signals and signals[0] == signal.SIGTERM:   # Kubernetes' stop; SIGINT (Ctrl-C) stops at once
+            await handle.drain(config.drain_grace_s)
         await handle.stop(grace=1.0)
 
     asyncio.run(main())

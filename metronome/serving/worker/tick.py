@@ -41,6 +41,7 @@ from metronome.audio.adapter import InteractionAdapter, PreparedInput, TickAudio
 from metronome.audio.pcm import SILENCE_DBFS, Resampler, check_sample_rate, decode_pcm16, levels
 from metronome.errors import ConfigError
 from metronome.serving.proto import worker_pb2 as pb
+from metronome.serving.worker.admission import MEMORY
 from metronome.serving.worker.budget import INPUT_TOO_LARGE
 from metronome.serving.worker.config import WorkerConfig, model_name, policy_name
 
@@ -149,6 +150,9 @@ class TickCore:
     def sessions(self) -> int:
         return len(self._sessions)
 
+    def is_open(self, sid: str) -> bool:
+        return sid in self._sessions
+
     def _snapshot(self) -> pb.HealthResponse:
         stats = self.engine.stats()
         return pb.HealthResponse(
@@ -176,7 +180,7 @@ class TickCore:
         except AdmissionError as exc:
             self.adapter.close_session(sid)
             log.info("session %s refused: %s", sid, exc)
-            return pb.OpenSessionResponse(ok=False, error=str(exc))
+            return pb.OpenSessionResponse(ok=False, error=str(exc), refused=MEMORY)
         self._opened[sid] = (request.mode, request.instructions)
         self.health = self._snapshot()
         log.debug("session %s open (engine session %d)", sid, self._sessions[sid])

@@ -64,8 +64,9 @@ async def workers():
 
 
 def gateway_config(addresses, budget_ms=None) -> GatewayConfig:
+    # Gateway admission: its own controllers must run at the adopted B too (the workers' always do).
     return GatewayConfig(workers=tuple(addresses), port=0, budget_ms=budget_ms, tokens_per_tick=1,
-                         aimd=AimdConfig(initial_cap=4, min_cap=4, target_fraction=1.0))
+                         aimd=AimdConfig(initial_cap=4, min_cap=4, target_fraction=1.0), admission="gateway")
 
 
 async def session_created(url: str) -> dict:

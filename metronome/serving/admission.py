@@ -1,8 +1,10 @@
 """Latency-driven admission control: how many sessions one worker may hold.
 
-The gateway's ticker calls :meth:`AimdController.observe` once per tick for each worker, with that
-tick's latency, whether the tick missed its deadline (ran past the frame budget ``B``) and the number
-of live sessions on the worker. The controller moves a *session cap*; a new session is admitted at
+Each worker owns one controller over its own ticks (``worker/admission.py``; the gateway's pool holds one
+per worker instead under ``GatewayConfig.admission = "gateway"``, the paper's arrangement, kept for
+experiments). :meth:`AimdController.observe` is called once per tick with that tick's latency, whether
+the tick missed its deadline (ran past the frame budget ``B``) and the number of live sessions on the
+worker. The controller moves a *session cap*; a new session is admitted at
 connect only while ``live < cap`` (:meth:`~AimdController.admits`), otherwise it is refused
 (``server_overloaded``). Admitted sessions are never evicted, so a decrease only stops admissions
 until enough sessions leave on their own.
