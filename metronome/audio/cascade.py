@@ -1,19 +1,23 @@
 """The cascade adapter: speech → VAD → Whisper → user turns of the LLM's chat template → streamed text.
 
-The embedded default a person can talk to. Per session a streaming Silero VAD (``audio/vad.py``) cuts
-the incoming audio into utterances, so words are never split at tick boundaries; per tick the finished
-utterances of ALL sessions are transcribed in one ``WhisperAsr.transcribe_batch`` call (``audio/asr.py``;
-its cost lands in the worker's ``frontend_ms``). Each recognised utterance enters its session as a user
-turn of the model's chat template (``audio/chat.py``), the system header first on the session's first
-tick, exactly as the energy adapter frames its turns.
+The embedded default a person can talk to. The speech front end (``audio/frontend.py``) runs beside the
+tick on threads of its own: per session a streaming Silero VAD cuts the incoming audio into utterances
+(so words are never split at tick boundaries; ``ENDPOINT_SILENCE_MS`` of silence ends one), and the
+finished utterances of ALL sessions are transcribed together by Whisper (``audio/asr.py``) whenever it is
+free. ``prepare`` only hands the front end this tick's audio and takes what it has finished: the tick
+never waits for Whisper, and a transcript joins the first tick that starts after it is ready. Each
+recognised utterance enters its session as a user turn of the model's chat template (``audio/chat.py``),
+the system header first on the session's first tick, exactly as the energy adapter frames its turns.
 
 Modes:
 
 * ``"turn"`` (default; request/response): a recognised utterance (or typed ``text``) is a complete
   user turn plus the generation prompt; the answer is decoded ``max_tokens`` per tick over the
   following ticks until the model's stop token (``finished=True``); the next tick closes the assistant
-  turn. A new utterance while an answer is streaming barges in: the answer ends there (the assistant
-  turn is closed) and the new question is answered. ``cancel`` ends the answer. An answer that reaches
+  turn. Speech that begins while an answer is streamed or spoken barges in: on the first tick after the
+  VAD hears it start (before Whisper has its words) the answer ends there (the assistant turn is closed,
+  its audio not yet taken is dropped, ``PreparedInput.cancelled``), and the new question, once
+  transcribed, is answered. ``cancel`` ends the answer. An answer that reaches
   ``max_response_tokens`` without a stop token is ended by the adapter (no runaway decode). Silence,
   noise and empty or whitespace-only transcripts add nothing and decode nothing.
 * ``"free_running"`` (full duplex, as the paper's sessions): the session decodes ``max_tokens`` every
@@ -26,23 +30,25 @@ PCM16 that is ready (``output_sample_rate``, 24 kHz by default). Barge-in and ``
 not yet taken; an answer cut at ``max_response_tokens`` is spoken up to where it stopped. Without a
 synthesizer the adapter is text only.
 
-``new_turn`` (the client committed its audio) flushes the VAD: the utterance in progress ends now and
-is transcribed this tick. A commit with nothing heard does nothing.
+``new_turn`` (the client committed its audio) flushes the VAD: the utterance in progress ends after this
+tick's audio and is transcribed at once. A commit with nothing heard does nothing.
 
-Per-session state is bounded: the VAD stream (≤ ``max_utterance_s`` of audio, 15 s by default), the
-detokeniser's window, and a few flags. Transcripts enter the context truncated to
+Per-session state is bounded: the front end's (the VAD stream, ≤ ``max_utterance_s`` of audio, 15 s by
+default, and a few utterances waiting for Whisper), the detokeniser's window, and a few flags. Transcripts enter the context truncated to
 ``max_transcript_tokens`` per tick. ``transcript`` of the prepared input is the text recognised this
 tick (every utterance is final when it is reported; the gateway turns it into the Realtime API's
-transcription ``delta`` and ``completed`` events).
+transcription ``delta`` and ``completed`` events). A failure of the VAD or Whisper on one session's audio
+is that session's ``error`` for the tick it is taken in.
 
 One conversation, as ticks (turn mode, SmolLM2, B = 2 s, 8 tokens per tick)::
 
     tick 1: 1.5 s silence, "What is the" ...   -> header                                  decode 0
-    tick 2: "...capital of France?", 0.6 s silence -> VAD ends the utterance; Whisper: "What is the
-            capital of France?" -> [<|im_start|>user\\n What is ... ?<|im_end|>\\n<|im_start|>assistant\\n]
+    tick 2: "...capital of France?", 0.6 s silence -> []  (beside the tick: the VAD ends the utterance,
+            Whisper hears "What is the capital of France?")                                decode 0
+    tick 3: silence -> [<|im_start|>user\\n What is ... ?<|im_end|>\\n<|im_start|>assistant\\n]
                                                                                          decode 8: "The capital of France is Paris"
-    tick 3: silence                              -> []                                    decode 8: "." <|im_end|>: finished
-    tick 4: silence                              -> ["\\n"] (closes the answer)           decode 0
+    tick 4: silence                              -> []                                    decode 8: "." <|im_end|>: finished
+    tick 5: silence                              -> ["\\n"] (closes the answer)           decode 0
 """
 
 from __future__ import annotations
@@ -50,18 +56,15 @@ from __future__ import annotations
 import copy
 import logging
 import math
-import re
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
-
-import numpy as np
 
 from metronome.audio.adapter import AdapterContext, InteractionAdapter, PreparedInput, TickAudio
 from metronome.audio.chat import ChatTemplate
 from metronome.audio.detokenize import IncrementalDetokenizer
+from metronome.audio.frontend import Heard, SpeechFrontend, clean_transcript
 from metronome.audio.turns import answer_close, decode_budget, default_stop_tokens, record_output, session_header
-from metronome.audio.vad import SAMPLE_RATE, SileroVad, VadConfig, VadStream
+from metronome.audio.vad import SAMPLE_RATE, SileroVad, VadConfig
 from metronome.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -71,9 +74,11 @@ log = logging.getLogger(__name__)
 
 MODES = ("turn", "free_running")
 SPEECH_TOKENS_PER_S = 6   # fast speech (~200 words/min) in SmolLM2 tokens, with margin
+# Silence that ends an utterance. Every millisecond of it is in the reply's latency; 300 ms still keeps a
+# question's pauses between words inside one utterance (Realtime's server VAD waits 500 ms by default).
+ENDPOINT_SILENCE_MS = 300
 
-# Whisper marks non-speech with bracketed tags ("[BLANK_AUDIO]", "(music)"); they are not words said.
-_NON_SPEECH = re.compile(r"\[[^\]]*\]|\([^)]*\)|\*[^*]*\*")
+__all__ = ["CascadeAdapter", "ENDPOINT_SILENCE_MS", "clean_transcript", "speech_out"]
 
 
 def speech_out(voice: str) -> SpeechSynthesizer | None:
@@ -90,33 +95,10 @@ def speech_out(voice: str) -> SpeechSynthesizer | None:
         return None
 
 
-def clean_transcript(text: str) -> str:
-    """``text`` without Whisper's non-speech tags and surrounding/duplicated whitespace ("" if nothing is left).
-
-    >>> clean_transcript("  [BLANK_AUDIO] ")
-    ''
-    >>> clean_transcript(" What is the capital of France? ")
-    'What is the capital of France?'
-    """
-    return " ".join(_NON_SPEECH.sub(" ", text).split())
-
-
-@dataclass
-class CascadeTiming:
-    """What the last ``prepare`` spent, for benchmarks and logs (the worker times it as a whole)."""
-
-    sessions: int = 0
-    vad_ms: float = 0.0
-    asr_ms: float = 0.0
-    utterances: int = 0
-    speech_s: float = 0.0
-
-
 @dataclass
 class _Session:
     mode: str
     header: list[int]                     # emitted on the first tick, then cleared
-    vad: VadStream
     detok: IncrementalDetokenizer
     responding: bool = False              # turn mode: an answer is being decoded
     response_tokens: int = 0              # turn mode: tokens decoded for the current answer
@@ -129,8 +111,9 @@ class _Session:
 class CascadeAdapter(InteractionAdapter):
     """Silero VAD + Whisper tiny.en in front of the engine's chat model.
 
-    ``vad`` / ``asr``: shared model instances (built here when not given; ~1 s each). ``vad_config``:
-    the per-session segmentation (``VadConfig()``: 500 ms of silence ends an utterance).
+    ``vad`` / ``asr``: shared model instances (built here when not given; ~1 s each), run beside the tick
+    by the adapter's ``SpeechFrontend``. ``vad_config``: the per-session segmentation (by default
+    ``ENDPOINT_SILENCE_MS`` of silence ends an utterance).
     ``max_input_tokens`` bounds one session's input per tick (typed text beyond it is refused with an
     error and the session is left as it was). ``max_response_tokens`` caps one turn-mode answer.
     ``speech``: a ``SpeechSynthesizer`` to speak the answers at ``speech_rate`` Hz (None: text only).
@@ -161,18 +144,22 @@ class CascadeAdapter(InteractionAdapter):
         self.max_response_tokens = max_response_tokens
         self.stop_token_ids = tuple(stop_token_ids) if stop_token_ids is not None else \
             default_stop_tokens(tokenizer, self.chat)
-        self.vad_config = vad_config or VadConfig()
+        self.vad_config = vad_config or VadConfig(min_silence_ms=ENDPOINT_SILENCE_MS)
         self.vad = vad if vad is not None else SileroVad()
         if asr is None:
             from metronome.audio.asr import WhisperAsr
 
             asr = WhisperAsr(cpu_threads=asr_threads)
         self.asr = asr
-        self.last_timing = CascadeTiming()
+        self.frontend = SpeechFrontend(self.vad, asr, vad_config=self.vad_config)
         self._sessions: dict[str, _Session] = {}
         self.speech = speech
         if speech is not None:
             self.output_sample_rate = speech_rate or speech.output_rate
+
+    def shutdown(self) -> None:
+        """Stop the speech front end's threads (the adapter is not used after this)."""
+        self.frontend.shutdown()
 
     # ------------------------------------------------------------------ sessions
     def open_session(self, session_id: str, mode: str, instructions: str) -> None:
@@ -180,10 +167,11 @@ class CascadeAdapter(InteractionAdapter):
         if session_id in self._sessions:
             raise ValueError(f"session {session_id!r} is already open")
         header = session_header(self.chat, instructions, self.max_input_tokens)
-        self._sessions[session_id] = _Session(mode, header, self.vad.open(self.vad_config),
-                                              IncrementalDetokenizer(self.tokenizer))
+        self.frontend.open(session_id)
+        self._sessions[session_id] = _Session(mode, header, IncrementalDetokenizer(self.tokenizer))
 
     def close_session(self, session_id: str) -> None:
+        self.frontend.close(session_id)
         state = self._sessions.pop(session_id, None)
         if state is not None and state.speech is not None:
             state.speech.cancel()
@@ -205,41 +193,25 @@ class CascadeAdapter(InteractionAdapter):
                 out[i] = PreparedInput(error=f"session {tick.session_id!r} is not open in the {self.name} adapter")
             else:
                 live.append(i)
-        timing = CascadeTiming(sessions=len(live))
+        # The front end's results that are ready now (from earlier ticks' audio); this tick's audio goes to it.
+        sids = [batch[i].session_id for i in live]
+        heard = self.frontend.take(sids)
+        self.frontend.submit([(batch[i].session_id, batch[i].pcm, batch[i].new_turn) for i in live])
+        states = [self._sessions[sid] for sid in sids]
 
-        # 1. VAD over every session's new audio, batched across sessions.
-        t0 = time.perf_counter()
-        states = [self._sessions[batch[i].session_id] for i in live]
-        events = self.vad.feed_many([s.vad for s in states], [batch[i].pcm for i in live]) if live else []
-        utterances: list[tuple[int, np.ndarray]] = []   # (position in `live`, audio)
-        for k, (i, ev) in enumerate(zip(live, events)):
-            utterances += [(k, u.audio) for u in ev.utterances]
-            if batch[i].new_turn:
-                u = states[k].vad.flush()
-                if u is not None:
-                    utterances.append((k, u.audio))
-        timing.vad_ms = (time.perf_counter() - t0) * 1e3
-
-        # 2. One ASR call for every utterance that ended this tick, in any session.
-        heard: list[list[str]] = [[] for _ in live]
-        if utterances:
-            t1 = time.perf_counter()
-            texts = self.asr.transcribe_batch([a for _, a in utterances])
-            timing.asr_ms = (time.perf_counter() - t1) * 1e3
-            timing.utterances = len(utterances)
-            timing.speech_s = sum(a.size for _, a in utterances) / SAMPLE_RATE
-            for (k, _), text in zip(utterances, texts):
-                text = clean_transcript(text)
-                if text:
-                    heard[k].append(text)
-        self.last_timing = timing
-
-        # 3. Turns and decode budgets per session.
+        # Turns and decode budgets per session.
         for k, i in enumerate(live):
             tick, state = batch[i], states[k]
-            transcript = self._bounded(" ".join(heard[k]))
+            got = heard.get(tick.session_id, Heard())
+            transcript = self._bounded(" ".join(got.transcripts))
+            if got.error:   # the front end failed on this session's audio: this tick's turn is lost, it says why
+                out[i] = PreparedInput(transcript=transcript, error=got.error)
+                continue
             new = copy.copy(state)
-            tokens = self._advance(new, tick, transcript)
+            # Speech began during an answer (and no turn of the user's ends it this tick already): cut it now.
+            barge_in = got.started and not transcript and not tick.text.strip() and \
+                (state.responding or state.speech is not None)
+            tokens = self._advance(new, tick, transcript, barge_in)
             if len(tokens) > self.max_input_tokens:
                 out[i] = PreparedInput(transcript=transcript, error=(
                     f"this tick's input is {len(tokens)} tokens; at most {self.max_input_tokens} fit in one tick "
@@ -247,10 +219,10 @@ class CascadeAdapter(InteractionAdapter):
                 continue
             self._sessions[tick.session_id] = new
             if self.speech is not None:
-                self._steer_speech(state, new, tick, transcript)
+                self._steer_speech(state, new, tick, transcript, barge_in)
             max_new, stops, ends = decode_budget(new, tick.max_tokens, self.max_response_tokens, self.stop_token_ids)
             out[i] = PreparedInput(token_ids=tokens or None, max_new_tokens=max_new, stop_token_ids=stops,
-                                   transcript=transcript, ends_response=ends)
+                                   transcript=transcript, ends_response=ends or barge_in, cancelled=barge_in)
         return out  # type: ignore[return-value]
 
     def _bounded(self, text: str) -> str:
@@ -262,7 +234,7 @@ class CascadeAdapter(InteractionAdapter):
             return text
         return self.tokenizer.decode(ids[:self.max_transcript_tokens], skip_special_tokens=True).strip()
 
-    def _advance(self, s: _Session, tick: TickAudio, transcript: str) -> list[int]:
+    def _advance(self, s: _Session, tick: TickAudio, transcript: str, barge_in: bool) -> list[int]:
         chat = self.chat
         tokens = s.header + s.close_next
         s.header, s.close_next = [], []
@@ -279,8 +251,8 @@ class CascadeAdapter(InteractionAdapter):
                     tokens += chat.user_turn(text, respond=n == len(turns) - 1)
             return tokens
 
-        if s.responding and (tick.cancel or turns or s.response_tokens >= self.max_response_tokens):
-            if not (tick.cancel or turns):
+        if s.responding and (tick.cancel or turns or barge_in or s.response_tokens >= self.max_response_tokens):
+            if not (tick.cancel or turns or barge_in):
                 log.info("session %s: answer cut at %d tokens (max_response_tokens)", tick.session_id,
                          s.response_tokens)
             tokens += chat.assistant_suffix   # the answer stops here (barge-in, cancel or the cap)
@@ -305,11 +277,11 @@ class CascadeAdapter(InteractionAdapter):
         return text
 
     # ------------------------------------------------------------------ speech out
-    def _steer_speech(self, old: _Session, new: _Session, tick: TickAudio, transcript: str) -> None:
-        """After a committed tick: a user turn or cancel silences the answer being spoken (barge-in);
-        a user turn opens the next answer's stream; an answer cut at the cap is spoken to its end."""
+    def _steer_speech(self, old: _Session, new: _Session, tick: TickAudio, transcript: str, barge_in: bool) -> None:
+        """After a committed tick: speech heard, a user turn or cancel silences the answer being spoken
+        (barge-in); a user turn opens the next answer's stream; an answer cut at the cap is spoken to its end."""
         user_turn = any(t and t.strip() for t in (transcript, tick.text))
-        if new.speech is not None and (user_turn or tick.cancel):
+        if new.speech is not None and (user_turn or tick.cancel or barge_in):
             new.speech.cancel()
             new.speech = None
         elif new.speech is not None and old.responding and not new.responding:
@@ -340,8 +312,7 @@ class CascadeAdapter(InteractionAdapter):
     def session_state(self, session_id: str) -> dict:
         s = self._sessions[session_id]
         return {"mode": s.mode, "responding": s.responding, "response_tokens": s.response_tokens,
-                "speaking": s.vad.speaking, "utterances": s.utterances, "detok_held": s.detok.held,
-                "vad_pending_samples": s.vad.pending_samples, "speaking": s.speech is not None}
+                "utterances": s.utterances, "detok_held": s.detok.held, "speaking": s.speech is not None}
 
     @property
     def sessions(self) -> int:
