@@ -84,7 +84,8 @@ class Client:
     async def run(self, http) -> None:
         async with http.ws_connect(self.url, max_msg_size=0) as ws:
             await self._expect(ws, "session.created")
-            await ws.send_json({"type": "session.update", "session": {"instructions": INSTRUCTIONS}})
+            await ws.send_json({"type": "session.update", "session": {
+                "instructions": INSTRUCTIONS, "audio": {"input": {"format": {"type": "audio/pcm", "rate": RATE}}}}})
             await self._expect(ws, "session.updated")
             reader = asyncio.ensure_future(self._read(ws))
             try:
@@ -110,8 +111,8 @@ class Client:
             t0 = self.start + q * self.cycle_s
             pieces = [clip[i:i + chunk] for i in range(0, clip.size, chunk)]
             record = {"session": self.index, "question": q, "clip": name, "speech_s": clip.size / RATE,
-                      "eos": t0 + clip.size / RATE, "transcript": None, "response": None, "first_audio": None,
-                      "first_text": None, "text": "", "status": None}
+                      "eos": t0 + clip.size / RATE, "transcript": None, "transcript_at": None, "response": None,
+                      "first_audio": None, "first_text": None, "text": "", "status": None}
             self.asked.append(record)
             sent = 0
             end = t0 + self.cycle_s
@@ -133,12 +134,14 @@ class Client:
             event = json.loads(msg.data)
             kind = event["type"]
             if kind == "metronome.tick":
-                self.ticks[event["tick"]] = {k: event[k] for k in ("latency_ms", "budget_ms", "deadline_met",
-                                                                   "batch", "frontend_ms", "engine_ms")}
+                self.ticks[event["tick"]] = {**{k: event[k] for k in ("latency_ms", "budget_ms", "deadline_met",
+                                                                      "batch", "frontend_ms", "engine_ms")},
+                                             "at": now}
             elif kind == "conversation.item.input_audio_transcription.completed":
                 pending = [r for r in self.asked if r["transcript"] is None and r["eos"] <= now]
                 if pending:
                     pending[-1]["transcript"] = event["transcript"]
+                    pending[-1]["transcript_at"] = now
                     self._awaiting = pending[-1]
             elif kind == "response.created" and self._awaiting is not None:
                 self._awaiting["response"] = event["response"]["id"]
@@ -190,7 +193,7 @@ async def drive(url: str, n: int, args, clips) -> tuple[list[Client], Client]:
 
 def run_n(n: int, args, clips, logdir: Path) -> dict:
     port, worker_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "metronome", "--log-level", "warning", "serve", "--model", "smollm2-135m",
+    cmd = [sys.executable, "-m", "metronome", "--log-level", args.log_level, "serve", "--model", "smollm2-135m",
            "--voice", args.voice, "--port", str(port), "--worker-port", str(worker_port),
            "--budget-ms", str(args.budget_ms), "--tokens-per-tick", str(args.tokens_per_tick),
            "--initial-cap", str(n + 2), "--target", "1.0", "--idle-timeout-s", "0"]
@@ -248,10 +251,12 @@ def main(argv=None) -> dict:
         "Formatter", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter), {}))
     p.add_argument("sessions", nargs="*", type=int, default=[1, 8, 16], help="session counts N")
     p.add_argument("--budget-ms", type=float, default=default_budget_ms("cascade"), help="frame budget B")
-    p.add_argument("--tokens-per-tick", type=int, default=8, help="decode tokens per session per tick")
+    p.add_argument("--tokens-per-tick", type=int, default=25,
+                   help="decode tokens per session per tick the gateway asks (serve's default; the cascade caps it)")
     p.add_argument("--cycle-s", type=float, default=10.0, help="seconds between one session's questions")
     p.add_argument("--questions", type=int, default=3, help="questions per session")
     p.add_argument("--voice", default="piper", choices=["piper", "espeak"], help="speech out")
+    p.add_argument("--log-level", default="info", help="the server's (its log goes beside --out)")
     p.add_argument("--out", default="results/voice_cpu.json", help="raw JSON")
     args = p.parse_args(argv)
     out = Path(args.out)

@@ -77,8 +77,12 @@ SPEECH_TOKENS_PER_S = 6   # fast speech (~200 words/min) in SmolLM2 tokens, with
 # Silence that ends an utterance. Every millisecond of it is in the reply's latency; 300 ms still keeps a
 # question's pauses between words inside one utterance (Realtime's server VAD waits 500 ms by default).
 ENDPOINT_SILENCE_MS = 300
+# Answer tokens decoded per second of ticks at most, whatever a client asks per tick: twice the rate speech
+# is spoken at (~15 characters, ~4 SmolLM2 tokens a second), so speech never waits for text, and a short B
+# gets a short tick (at 500 ms: 4 tokens).
+ANSWER_TOKENS_PER_S = 8
 
-__all__ = ["CascadeAdapter", "ENDPOINT_SILENCE_MS", "clean_transcript", "speech_out"]
+__all__ = ["ANSWER_TOKENS_PER_S", "CascadeAdapter", "ENDPOINT_SILENCE_MS", "clean_transcript", "speech_out"]
 
 
 def speech_out(voice: str) -> SpeechSynthesizer | None:
@@ -117,6 +121,8 @@ class CascadeAdapter(InteractionAdapter):
     ``max_input_tokens`` bounds one session's input per tick (typed text beyond it is refused with an
     error and the session is left as it was). ``max_response_tokens`` caps one turn-mode answer.
     ``speech``: a ``SpeechSynthesizer`` to speak the answers at ``speech_rate`` Hz (None: text only).
+    ``max_tokens_per_tick``: at most this many answer tokens a tick, whatever the client asks (None: no
+    cap; the worker builds it from B and ``ANSWER_TOKENS_PER_S``).
     """
 
     name = "cascade"
@@ -125,13 +131,14 @@ class CascadeAdapter(InteractionAdapter):
 
     @classmethod
     def from_context(cls, context: AdapterContext) -> "CascadeAdapter":
-        return cls(context.tokenizer, max_input_tokens=context.max_input_tokens, speech=speech_out(context.voice))
+        return cls(context.tokenizer, max_input_tokens=context.max_input_tokens, speech=speech_out(context.voice),
+                   max_tokens_per_tick=math.ceil(context.budget_ms / 1000.0 * ANSWER_TOKENS_PER_S))
 
     def __init__(self, tokenizer, *, vad: SileroVad | None = None, asr=None, vad_config: VadConfig | None = None,
                  max_input_tokens: int = 1024, max_transcript_tokens: int = 128, max_response_tokens: int = 256,
                  stop_token_ids: tuple[int, ...] | None = None, default_mode: str = "turn",
                  asr_threads: int = 0, speech: SpeechSynthesizer | None = None,
-                 speech_rate: int | None = None) -> None:
+                 speech_rate: int | None = None, max_tokens_per_tick: int | None = None) -> None:
         if default_mode not in MODES:
             raise ConfigError(f"default_mode must be one of {MODES}, got {default_mode!r}")
         if max_transcript_tokens < 1 or max_response_tokens < 1:
@@ -142,6 +149,7 @@ class CascadeAdapter(InteractionAdapter):
         self.max_input_tokens = max_input_tokens
         self.max_transcript_tokens = max_transcript_tokens
         self.max_response_tokens = max_response_tokens
+        self.max_tokens_per_tick = max_tokens_per_tick
         self.stop_token_ids = tuple(stop_token_ids) if stop_token_ids is not None else \
             default_stop_tokens(tokenizer, self.chat)
         self.vad_config = vad_config or VadConfig(min_silence_ms=ENDPOINT_SILENCE_MS)
@@ -220,7 +228,8 @@ class CascadeAdapter(InteractionAdapter):
             self._sessions[tick.session_id] = new
             if self.speech is not None:
                 self._steer_speech(state, new, tick, transcript, barge_in)
-            max_new, stops, ends = decode_budget(new, tick.max_tokens, self.max_response_tokens, self.stop_token_ids)
+            asked = tick.max_tokens if self.max_tokens_per_tick is None else min(tick.max_tokens, self.max_tokens_per_tick)
+            max_new, stops, ends = decode_budget(new, asked, self.max_response_tokens, self.stop_token_ids)
             out[i] = PreparedInput(token_ids=tokens or None, max_new_tokens=max_new, stop_token_ids=stops,
                                    transcript=transcript, ends_response=ends or barge_in, cancelled=barge_in)
         return out  # type: ignore[return-value]

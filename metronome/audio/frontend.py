@@ -264,10 +264,13 @@ class SpeechFrontend:
                 except Exception as exc:  # noqa: BLE001
                     log.exception("session %s: speech recognition failed", u.stream.sid)
                     results.append(exc)
+        wall = time.perf_counter() - t0
+        log.info("speech recognition: %d utterances, %.1f s of speech, in %.0f ms", len(batch),
+                 sum(u.audio.size for u in batch) / SAMPLE_RATE, wall * 1e3)
         with self._lock:
             s = self.stats
             s.asr_batches += 1
-            s.asr_s += time.perf_counter() - t0
+            s.asr_s += wall
             s.utterances += len(batch)
             s.speech_s += sum(u.audio.size for u in batch) / SAMPLE_RATE
             s.largest_batch = max(s.largest_batch, len(batch))
