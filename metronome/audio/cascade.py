@@ -34,11 +34,11 @@ synthesizer the adapter is text only.
 tick's audio and is transcribed at once. A commit with nothing heard does nothing.
 
 Per-session state is bounded: the front end's (the VAD stream, ≤ ``max_utterance_s`` of audio, 15 s by
-default, and a few utterances waiting for Whisper), the detokeniser's window, and a few flags. Transcripts enter the context truncated to
-``max_transcript_tokens`` per tick. ``transcript`` of the prepared input is the text recognised this
-tick (every utterance is final when it is reported; the gateway turns it into the Realtime API's
-transcription ``delta`` and ``completed`` events). A failure of the VAD or Whisper on one session's audio
-is that session's ``error`` for the tick it is taken in.
+default, and a few utterances waiting for Whisper), the detokeniser's window, and a few flags.
+Transcripts enter the context truncated to ``max_transcript_tokens`` per tick. ``transcript`` of the
+prepared input is the text recognised this tick (every utterance is final when it is reported; the
+gateway turns it into the Realtime API's transcription ``delta`` and ``completed`` events). A failure of
+the VAD or Whisper on one session's audio is that session's ``error`` for the tick it is taken in.
 
 One conversation, as ticks (turn mode, SmolLM2, B = 2 s, 8 tokens per tick)::
 
@@ -228,7 +228,8 @@ class CascadeAdapter(InteractionAdapter):
             self._sessions[tick.session_id] = new
             if self.speech is not None:
                 self._steer_speech(state, new, tick, transcript, barge_in)
-            asked = tick.max_tokens if self.max_tokens_per_tick is None else min(tick.max_tokens, self.max_tokens_per_tick)
+            cap = self.max_tokens_per_tick
+            asked = tick.max_tokens if cap is None else min(tick.max_tokens, cap)
             max_new, stops, ends = decode_budget(new, asked, self.max_response_tokens, self.stop_token_ids)
             out[i] = PreparedInput(token_ids=tokens or None, max_new_tokens=max_new, stop_token_ids=stops,
                                    transcript=transcript, ends_response=ends or barge_in, cancelled=barge_in)
