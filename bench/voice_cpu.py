@@ -12,7 +12,8 @@ question (``metronome/audio/samples/*.wav``, resampled to 24 kHz PCM16) every ``
 in real time in 20-ms chunks with silence between; the clients are staggered evenly over one cycle. One
 warm-up question is asked (and not counted) before the clients start.
 
-Measured per question: the end of speech (known from the audio sent: the moment its last speech sample is
+After its last question's cycle each client sends ``--tail-s`` more seconds of silence, so late answers still
+count. Measured per question: the end of speech (known from the audio sent: the moment its last speech sample is
 "spoken", at real-time pacing) → the first ``response.output_audio.delta`` of the response that answers it
 (the first ``response.created`` after its transcript). Also every tick's latency (the worker's Step round
 trip, from ``metronome.tick``) against B. Targets: median ≤ 1.0 s at N = 1, p95 ≤ 1.5 s at N = 8 and 16,
@@ -72,9 +73,10 @@ def quantile(values: list[float], q: float) -> float | None:
 class Client:
     """One session: streams its questions in real time and times each answer's first audio."""
 
-    def __init__(self, index: int, url: str, clips, start: float, cycle_s: float, questions: int) -> None:
+    def __init__(self, index: int, url: str, clips, start: float, cycle_s: float, questions: int,
+                 tail_s: float = 0.0) -> None:
         self.index, self.url, self.clips = index, url, clips
-        self.start, self.cycle_s, self.questions = start, cycle_s, questions
+        self.start, self.cycle_s, self.questions, self.tail_s = start, cycle_s, questions, tail_s
         self.asked: list[dict] = []          # per question: eos (monotonic), transcript, response id, first audio
         self.ticks: dict[int, dict] = {}
         self.errors: list[dict] = []
@@ -90,7 +92,7 @@ class Client:
             reader = asyncio.ensure_future(self._read(ws))
             try:
                 await self._stream(ws)
-                await asyncio.sleep(0)
+                await self._stream_silence(ws, self.tail_s)   # late answers still count
             finally:
                 reader.cancel()
 
@@ -127,6 +129,15 @@ class Client:
                                               "audio": base64.b64encode(pcm).decode("ascii")}))
                 sent += 1
 
+    async def _stream_silence(self, ws, seconds: float) -> None:
+        chunk = RATE * CHUNK_MS // 1000
+        frame = json.dumps({"type": "input_audio_buffer.append",
+                            "audio": base64.b64encode(encode_pcm16(np.zeros(chunk, np.float32))).decode("ascii")})
+        t0 = time.monotonic()
+        for k in range(int(seconds * 1000 / CHUNK_MS)):
+            await asyncio.sleep(max(0.0, t0 + (k + 1) * CHUNK_MS / 1000 - time.monotonic()))
+            await ws.send_str(frame)
+
     async def _read(self, ws) -> None:
         responses: dict[str, dict] = {}
         async for msg in ws:
@@ -138,11 +149,12 @@ class Client:
                                                                       "batch", "frontend_ms", "engine_ms")},
                                              "at": now}
             elif kind == "conversation.item.input_audio_transcription.completed":
+                # A session's transcripts come in the order it asked, however late: the oldest question waiting.
                 pending = [r for r in self.asked if r["transcript"] is None and r["eos"] <= now]
                 if pending:
-                    pending[-1]["transcript"] = event["transcript"]
-                    pending[-1]["transcript_at"] = now
-                    self._awaiting = pending[-1]
+                    pending[0]["transcript"] = event["transcript"]
+                    pending[0]["transcript_at"] = now
+                    self._awaiting = pending[0]
             elif kind == "response.created" and self._awaiting is not None:
                 self._awaiting["response"] = event["response"]["id"]
                 responses[event["response"]["id"]] = self._awaiting
@@ -185,7 +197,7 @@ async def drive(url: str, n: int, args, clips) -> tuple[list[Client], Client]:
         warm = Client(-1, url, clips, time.monotonic() + 1.0, args.cycle_s, 1)
         await warm.run(http)
         start = time.monotonic() + 2.0
-        clients = [Client(i, url, clips, start + i * args.cycle_s / n, args.cycle_s, args.questions)
+        clients = [Client(i, url, clips, start + i * args.cycle_s / n, args.cycle_s, args.questions, args.tail_s)
                    for i in range(n)]
         await asyncio.gather(*(c.run(http) for c in clients))
     return clients, warm
@@ -255,6 +267,8 @@ def main(argv=None) -> dict:
                    help="decode tokens per session per tick the gateway asks (serve's default; the cascade caps it)")
     p.add_argument("--cycle-s", type=float, default=10.0, help="seconds between one session's questions")
     p.add_argument("--questions", type=int, default=3, help="questions per session")
+    p.add_argument("--tail-s", type=float, default=10.0,
+                   help="silence each client keeps sending after its last question's cycle, for late answers")
     p.add_argument("--voice", default="piper", choices=["piper", "espeak"], help="speech out")
     p.add_argument("--log-level", default="info", help="the server's (its log goes beside --out)")
     p.add_argument("--out", default="results/voice_cpu.json", help="raw JSON")

@@ -14,8 +14,8 @@ So a transcript joins the first tick that starts after Whisper finished with it 
 after), and the VAD of later ticks never waits behind Whisper.
 
 Per-session state is bounded: the VAD stream (``VadConfig.max_utterance_s`` of audio), at most
-``max_queued`` utterances waiting for Whisper (more are dropped with an error for that session) and what
-is ready but not yet taken. ``close`` drops all of a session's pending work. A failure of the batched VAD
+``max_queued`` utterances waiting for Whisper and ``max_queued`` transcripts not yet taken (more are
+dropped with an error for that session). ``close`` drops all of a session's pending work. A failure of the batched VAD
 or ASR call is retried per session, so only the session whose input fails gets an error (logged).
 
 >>> front = SpeechFrontend(SileroVad(), asr)                                     # doctest: +SKIP
@@ -291,7 +291,10 @@ class SpeechFrontend:
             return   # closed (or closed and reopened) meanwhile: its results are dropped
         heard = self._ready.setdefault(stream.sid, Heard())
         heard.started |= started
-        if transcript:
+        if transcript and len(heard.transcripts) >= self.max_queued:   # a session nobody steps: bounded
+            log.warning("session %s: %d transcripts not taken; one is dropped", stream.sid, len(heard.transcripts))
+            error = error or "transcripts were not taken: one was dropped"
+        elif transcript:
             heard.transcripts.append(transcript)
         heard.error = heard.error or error
 

@@ -179,3 +179,18 @@ def test_the_front_end_ignores_unknown_sessions_and_stops_cleanly(vad):
     with pytest.raises(ValueError, match="already open"):
         front.open("x")
     front.shutdown()
+
+
+def test_what_a_session_does_not_take_stays_bounded(vad, spoken):
+    front = SpeechFrontend(vad, GatedAsr(), max_queued=1)
+    try:
+        front.open("idle")
+        for _ in range(2):                             # two questions, nobody takes the first transcript
+            front.submit([("idle", spoken, False)])
+            assert front.wait_idle(30)
+        heard = front.take(["idle"])["idle"]
+        assert heard.started and heard.transcripts == [QUESTION]
+        assert heard.error and "not taken" in heard.error
+        assert front.take(["idle"]) == {}
+    finally:
+        front.shutdown()
