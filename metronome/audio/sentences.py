@@ -58,7 +58,7 @@ class CutPolicy:
 
     max_chars: int = 200
     first_clause_chars: int = 24
-    first_words: int = 4
+    first_words: int = 3
 
     def __post_init__(self) -> None:
         if self.max_chars < 1 or self.first_clause_chars < 0 or self.first_words < 0:
