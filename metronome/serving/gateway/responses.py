@@ -95,6 +95,11 @@ def user_item_added(item_id: str) -> dict[str, Any]:
 
 
 def answer_events(session: ClientSession, out: pb.SessionOutput, events: list[dict[str, Any]]) -> None:
+    if out.cancelled and session.response is not None:
+        # The worker cut the answer the client still has open: the user spoke over it (barge-in). A client's own
+        # cancel closed its answer when it was sent; output after it belongs to the next answer.
+        events += finish_response(session, "cancelled", "turn_detected")
+        return
     spoken = out.audio_pcm16
     if (out.text or out.tokens or spoken) and session.response is None:
         events += start_response(session)
