@@ -104,6 +104,7 @@ class _Stream:
     vad: VadStream
     queued: int = 0      # utterances in the ASR queue (under the front end's lock)
     submitted: int = 0   # audio jobs of this session the VAD thread has not done yet (likewise)
+    unheard: int = 0     # utterances queued or in Whisper now (likewise)
     manual: bool = False                                    # VAD thread: only a commit ends a turn
     held: list[np.ndarray] = field(default_factory=list)    # VAD thread: finished utterances awaiting the commit
 
@@ -190,7 +191,7 @@ class SpeechFrontend:
         """Is audio of this session still in the front end (a transcript of it may come at a later tick)?"""
         with self._lock:
             stream = self._streams.get(sid)
-            return stream is not None and (stream.submitted > 0 or stream.queued > 0)
+            return stream is not None and (stream.submitted > 0 or stream.unheard > 0)
 
     def take(self, sids: list[str]) -> dict[str, Heard]:
         """What is ready for these sessions (only those with something), each handed out once."""
@@ -317,6 +318,7 @@ class SpeechFrontend:
                     self._report_locked(stream, error="speech recognition is behind: an utterance was dropped")
                     continue
                 stream.queued += 1
+                stream.unheard += 1
                 self._pending += 1
                 self._asr_queue.append(u)
             self._lock.notify_all()
@@ -338,6 +340,9 @@ class SpeechFrontend:
             except Exception:  # noqa: BLE001 - a bug here must not stop the front end for every session
                 log.exception("the speech front end's ASR step failed")
             finally:
+                with self._lock:
+                    for u in batch:
+                        u.stream.unheard -= 1
                 self._done(len(batch))
 
     def _run_asr(self, batch: list[_Utterance]) -> None:

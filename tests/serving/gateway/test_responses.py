@@ -130,3 +130,23 @@ def test_without_server_vad_all_speech_up_to_the_commit_is_one_turn():
     heard = tick(s, speech_stopped_ms=2500, transcript="Hello there")  # the commit flushed it
     assert {e["item_id"] for e in heard if "item_id" in e} == {first}
     assert s.input_item_id is None                                     # the next turn gets a new item
+
+
+def test_an_answer_the_worker_cut_because_the_user_spoke_ends_cancelled():
+    s = session()
+    tick(s, tokens=[1, 2], text="Once upon")
+    cut = tick(s, speech_started_ms=900, cancelled=True, finished=True)
+    assert kinds(cut)[0] == "input_audio_buffer.speech_started"
+    done, = [e for e in cut if e["type"] == "response.done"]
+    assert done["response"]["status"] == "cancelled"
+    assert done["response"]["status_details"]["reason"] == "turn_detected"
+    assert s.response is None and not tick(s)                  # nothing more of that answer
+
+
+def test_a_client_cancel_with_a_new_message_leaves_the_next_answer_open():
+    s = session()
+    tick(s, tokens=[1], text="Once")
+    cancel_response(s)
+    after = tick(s, cancelled=True, tokens=[7], text="Sure")   # the worker's cancel tick already answers anew
+    assert "response.created" in kinds(after) and "response.done" not in kinds(after)
+    assert s.response is not None
