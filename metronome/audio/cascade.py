@@ -39,12 +39,13 @@ Turn detection (the Realtime API's, ``set_turn_detection``, or ``TickAudio.turn_
 or timings are checked here, so a refusal is that session's error in the same tick, and applied by the
 front end before the session's next audio. Without server VAD the front end holds finished utterances
 until the commit, which makes them and the utterance in progress ONE user turn. ``create_response`` False:
-a turn the VAD ended joins the conversation unanswered until the commit (``response.create``). The
+a turn the VAD ended joins the conversation unanswered until the commit (``response.create``); a commit
+that comes while the front end still has the turn's audio answers its transcript when it comes. The
 front end's speech marks go out as ``speech_started_ms`` / ``speech_stopped_ms`` (ms into the session's
 input audio) in the tick that takes them.
 
-Per-session state is bounded: the front end's (the VAD stream, ≤ ``max_utterance_s`` of audio, 15 s by
-default, and a few utterances waiting for Whisper), the detokeniser's window, and a few flags.
+Per-session state is bounded: the front end's (the VAD stream and the utterances held for a commit, each
+≤ ``max_utterance_s`` of audio, 15 s by default, and a few utterances waiting for Whisper), the detokeniser's window, and a few flags.
 Transcripts enter the context truncated to ``max_transcript_tokens`` per tick. ``transcript`` of the
 prepared input is the text recognised this tick (every utterance is final when it is reported; the
 gateway turns it into the Realtime API's transcription ``delta`` and ``completed`` events). A failure of

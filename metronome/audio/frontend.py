@@ -11,19 +11,21 @@ someone start talking: barge-in) and the transcripts of finished utterances. Two
 * ASR: whenever it is free, every utterance queued (of any session, up to ``max_batch``) in one
   ``transcribe_batch`` call; the cleaned transcripts are ready then.
 
+So a transcript joins the first tick that starts after Whisper finished with it (on average half a tick
+after), and the VAD of later ticks never waits behind Whisper. ``busy`` says whether a session's audio is
+still on its way (a commit that came first waits for its transcript).
+
 ``configure`` (the client's turn detection) is queued in order with the audio, so the VAD thread, the only
 owner of the VAD streams, applies it before the session's next audio. In manual mode (no server VAD) the
 VAD thread holds a session's finished utterances (at most ``max_utterance_s`` of them, the oldest dropped)
 until the commit, which flushes the stream and queues held + flushed as ONE utterance: one transcript.
-
-So a transcript joins the first tick that starts after Whisper finished with it (on average half a tick
-after), and the VAD of later ticks never waits behind Whisper.
+Back in server-VAD mode, utterances still held are transcribed at once.
 
 Per-session state is bounded: the VAD stream and the held utterances (``VadConfig.max_utterance_s`` of
-audio each), at most
-``max_queued`` utterances waiting for Whisper and ``max_queued`` transcripts not yet taken (more are
-dropped with an error for that session). ``close`` drops all of a session's pending work. A failure of the batched VAD
-or ASR call is retried per session, so only the session whose input fails gets an error (logged).
+audio each), at most ``max_queued`` utterances waiting for Whisper and ``max_queued`` transcripts not yet
+taken (more are dropped with an error for that session). ``close`` drops all of a session's pending work. A
+failure of the batched VAD or ASR call is retried per session, so only the session whose input fails gets
+an error (logged).
 
 >>> front = SpeechFrontend(SileroVad(), asr)                                     # doctest: +SKIP
 >>> front.open("a")                                                              # doctest: +SKIP
