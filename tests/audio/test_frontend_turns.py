@@ -9,7 +9,8 @@ import numpy as np
 from metronome.audio.adapter import TickAudio, TurnDetection
 from metronome.audio.sentences import CutPolicy
 from metronome.audio.tts import SpeechSynthesizer
-from metronome.audio.vad import SAMPLE_RATE
+from metronome.audio.frontend import SpeechFrontend
+from metronome.audio.vad import SAMPLE_RATE, VadConfig
 from tests.audio.speech import silence, synth, trim
 from tests.audio.test_frontend import QUESTION, TOKENS, GatedAsr, make, spoken, tick, vad  # noqa: F401 (fixtures)
 from tests.audio.test_tts import ScriptedVoice
@@ -139,3 +140,32 @@ def test_response_create_before_whisper_is_done_answers_the_turn_when_it_comes(m
     tick(adapter, pcm=spoken)                           # the next turn the VAD ends waits for its own create
     later = settled(adapter)
     assert later.transcript == QUESTION and later.max_new_tokens == 0
+
+
+def test_utterances_held_for_a_commit_are_transcribed_when_server_vad_is_back(make):
+    asr = GatedAsr()
+    adapter = make(asr)
+    adapter.open_session("a", "turn", "")
+    tick(adapter, pcm=silence(0.3), turn_detection=TurnDetection(server_vad=False))
+    assert settled(adapter, pcm=np.concatenate([trim(synth(QUESTION)), silence(1.0)])).transcript == ""
+    assert settled(adapter, turn_detection=TurnDetection()).transcript == ""     # held until now: no commit came
+    back = settled(adapter)
+    assert back.transcript == QUESTION and back.max_new_tokens == TOKENS and asr.batches == [1]
+
+
+def test_held_utterances_stay_within_max_utterance_s_the_oldest_dropped(vad):
+    asr = SizedAsr()
+    config = VadConfig(min_silence_ms=300, max_utterance_s=4.0)
+    front = SpeechFrontend(vad, asr, vad_config=config)
+    try:
+        front.open("a")
+        front.configure("a", config, manual=True)
+        said = trim(synth(QUESTION))
+        for _ in range(4):                             # about twice what may be held
+            front.submit([("a", np.concatenate([said, silence(0.8)]), False)])
+        front.submit([("a", np.zeros(0, np.float32), True)])
+        assert front.wait_idle(30)
+        assert front.take(["a"])["a"].transcripts == [QUESTION]
+        assert len(asr.sizes) == 1 and said.size <= asr.sizes[0] <= 4.0 * SAMPLE_RATE
+    finally:
+        front.shutdown()
