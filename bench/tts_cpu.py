@@ -17,7 +17,7 @@ Per engine:
 
 * **first audio**: a typical answer (``ANSWER``) fed to a ``SpeechStream`` as 4-character deltas at
   once; the time from the first delta until its first piece of audio is ready (median of ``--repeats``
-  after one warm-up; the engines take turns within each repetition). Two cuts: the default (the first clause, ``CutPolicy()``) and whole sentences.
+  after one warm-up; the engines take turns within each repetition). Two cuts: the first clause (``CutPolicy(first_words=0)``) and whole sentences.
 * **real-time factor**: wall time of ``voice.synthesize`` / seconds of audio, over every piece of
   ``PARAGRAPH`` (median over repeats), and the share of the wall time spent phonemizing for ``piper``.
 * **word error rate**: each piece of ``PARAGRAPH`` transcribed back by the packaged Whisper tiny.en
@@ -139,11 +139,11 @@ def first_audio_s(synth: SpeechSynthesizer, text: str) -> float:
 
 
 def pieces_of(text: str) -> list[str]:
-    cutter = SentenceCutter(CutPolicy())
+    cutter = SentenceCutter(CutPolicy(first_words=0))
     return cutter.push(text) + cutter.flush()
 
 
-POLICIES = {"first_clause": CutPolicy(), "whole_sentence": CutPolicy(first_clause_chars=0)}
+POLICIES = {"first_clause": CutPolicy(first_words=0), "whole_sentence": CutPolicy(first_clause_chars=0)}
 
 
 def synthesize_paragraph(voice: Voice, pieces: list[str]) -> tuple[dict, list[np.ndarray]]:

@@ -103,6 +103,8 @@ class PreparedInput:
     # The response ends after this tick's decode even without a stop token (the adapter's length cap):
     # the worker reports it as finished, so clients get their response.done.
     ends_response: bool = False
+    # The response was cut short (barge-in: the user started speaking over it); its untaken audio is dropped.
+    cancelled: bool = False
     # Ask the engine for the last input position's hidden state (``InteractionAdapter.on_hidden``):
     # for models whose own output heads run in the adapter, e.g. Moshi's depth transformer.
     return_hidden: bool = False

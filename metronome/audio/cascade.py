@@ -1,20 +1,26 @@
 """The cascade adapter: speech → VAD → Whisper → user turns of the LLM's chat template → streamed text.
 
-The embedded default a person can talk to. Per session a streaming Silero VAD (``audio/vad.py``) cuts
-the incoming audio into utterances, so words are never split at tick boundaries; per tick the finished
-utterances of ALL sessions are transcribed in one ``WhisperAsr.transcribe_batch`` call (``audio/asr.py``;
-its cost lands in the worker's ``frontend_ms``). Each recognised utterance enters its session as a user
-turn of the model's chat template (``audio/chat.py``), the system header first on the session's first
-tick, exactly as the energy adapter frames its turns.
+The embedded default a person can talk to. The speech front end (``audio/frontend.py``) runs beside the
+tick on threads of its own: per session a streaming Silero VAD cuts the incoming audio into utterances
+(so words are never split at tick boundaries; ``ENDPOINT_SILENCE_MS`` of silence ends one), and the
+finished utterances of ALL sessions are transcribed together by Whisper (``audio/asr.py``) whenever it is
+free. ``prepare`` only hands the front end this tick's audio and takes what it has finished: the tick
+never waits for Whisper, and a transcript joins the first tick that starts after it is ready. Each
+recognised utterance enters its session as a user turn of the model's chat template (``audio/chat.py``),
+the system header first on the session's first tick, exactly as the energy adapter frames its turns.
 
 Modes:
 
 * ``"turn"`` (default; request/response): a recognised utterance (or typed ``text``) is a complete
   user turn plus the generation prompt; the answer is decoded ``max_tokens`` per tick over the
   following ticks until the model's stop token (``finished=True``); the next tick closes the assistant
-  turn. A new utterance while an answer is streaming barges in: the answer ends there (the assistant
-  turn is closed) and the new question is answered. ``cancel`` ends the answer. An answer that reaches
-  ``max_response_tokens`` without a stop token is ended by the adapter (no runaway decode). Silence,
+  turn. Speech that begins while an answer is streamed or spoken barges in: on the first tick after the
+  VAD hears it start (before Whisper has its words) the answer ends there (the assistant turn is closed,
+  its audio not yet taken is dropped, ``PreparedInput.cancelled``), and the new question, once
+  transcribed, is answered (``TurnDetection.interrupt_response`` False: speech does not cut the answer; its
+  transcript, when it comes, still does). ``cancel`` ends the answer. An answer that reaches
+  ``max_response_tokens``, or the client's ``max_output_tokens``, without a stop token is ended by the
+  adapter (no runaway decode); at most ``max_tokens_per_tick`` of it is decoded per tick. Silence,
   noise and empty or whitespace-only transcripts add nothing and decode nothing.
 * ``"free_running"`` (full duplex, as the paper's sessions): the session decodes ``max_tokens`` every
   tick and hears itself; utterances are inserted as user turns (closing whatever the model was saying
@@ -26,23 +32,34 @@ PCM16 that is ready (``output_sample_rate``, 24 kHz by default). Barge-in and ``
 not yet taken; an answer cut at ``max_response_tokens`` is spoken up to where it stopped. Without a
 synthesizer the adapter is text only.
 
-``new_turn`` (the client committed its audio) flushes the VAD: the utterance in progress ends now and
-is transcribed this tick. A commit with nothing heard does nothing.
+``new_turn`` (the client committed its audio) flushes the VAD: the utterance in progress ends after this
+tick's audio and is transcribed at once. A commit with nothing heard does nothing.
 
-Per-session state is bounded: the VAD stream (≤ ``max_utterance_s`` of audio, 15 s by default), the
-detokeniser's window, and a few flags. Transcripts enter the context truncated to
-``max_transcript_tokens`` per tick. ``transcript`` of the prepared input is the text recognised this
-tick (every utterance is final when it is reported; the gateway turns it into the Realtime API's
-transcription ``delta`` and ``completed`` events).
+Turn detection (the Realtime API's, ``set_turn_detection``, or ``TickAudio.turn_detection``): a threshold
+or timings are checked here, so a refusal is that session's error in the same tick, and applied by the
+front end before the session's next audio. Without server VAD the front end holds finished utterances
+until the commit, which makes them and the utterance in progress ONE user turn. ``create_response`` False:
+a turn the VAD ended joins the conversation unanswered until the commit (``response.create``); a commit
+that comes while the front end still has the turn's audio answers its transcript when it comes. The
+front end's speech marks go out as ``speech_started_ms`` / ``speech_stopped_ms`` (ms into the session's
+input audio) in the tick that takes them.
+
+Per-session state is bounded: the front end's (the VAD stream and the utterances held for a commit, each
+≤ ``max_utterance_s`` of audio, 15 s by default, and a few utterances waiting for Whisper), the detokeniser's window, and a few flags.
+Transcripts enter the context truncated to ``max_transcript_tokens`` per tick. ``transcript`` of the
+prepared input is the text recognised this tick (every utterance is final when it is reported; the
+gateway turns it into the Realtime API's transcription ``delta`` and ``completed`` events). A failure of
+the VAD or Whisper on one session's audio is that session's ``error`` for the tick it is taken in.
 
 One conversation, as ticks (turn mode, SmolLM2, B = 2 s, 8 tokens per tick)::
 
     tick 1: 1.5 s silence, "What is the" ...   -> header                                  decode 0
-    tick 2: "...capital of France?", 0.6 s silence -> VAD ends the utterance; Whisper: "What is the
-            capital of France?" -> [<|im_start|>user\\n What is ... ?<|im_end|>\\n<|im_start|>assistant\\n]
+    tick 2: "...capital of France?", 0.6 s silence -> []  (beside the tick: the VAD ends the utterance,
+            Whisper hears "What is the capital of France?")                                decode 0
+    tick 3: silence -> [<|im_start|>user\\n What is ... ?<|im_end|>\\n<|im_start|>assistant\\n]
                                                                                          decode 8: "The capital of France is Paris"
-    tick 3: silence                              -> []                                    decode 8: "." <|im_end|>: finished
-    tick 4: silence                              -> ["\\n"] (closes the answer)           decode 0
+    tick 4: silence                              -> []                                    decode 8: "." <|im_end|>: finished
+    tick 5: silence                              -> ["\\n"] (closes the answer)           decode 0
 """
 
 from __future__ import annotations
@@ -51,18 +68,15 @@ import copy
 import dataclasses
 import logging
 import math
-import re
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
-
-import numpy as np
 
 from metronome.audio.adapter import AdapterContext, InteractionAdapter, PreparedInput, TickAudio, TurnDetection
 from metronome.audio.chat import ChatTemplate
 from metronome.audio.detokenize import IncrementalDetokenizer
+from metronome.audio.frontend import Heard, SpeechFrontend, clean_transcript
 from metronome.audio.turns import answer_close, decode_budget, default_stop_tokens, record_output, session_header
-from metronome.audio.vad import SAMPLE_RATE, SileroVad, VadConfig, VadEvents, VadStream
+from metronome.audio.vad import SAMPLE_RATE, SileroVad, VadConfig
 from metronome.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -72,9 +86,15 @@ log = logging.getLogger(__name__)
 
 MODES = ("turn", "free_running")
 SPEECH_TOKENS_PER_S = 6   # fast speech (~200 words/min) in SmolLM2 tokens, with margin
+# Silence that ends an utterance. Every millisecond of it is in the reply's latency; 300 ms still keeps a
+# question's pauses between words inside one utterance (Realtime's server VAD waits 500 ms by default).
+ENDPOINT_SILENCE_MS = 300
+# Answer tokens decoded per second of ticks at most, whatever a client asks per tick: twice the rate speech
+# is spoken at (~15 characters, ~4 SmolLM2 tokens a second), so speech never waits for text, and a short B
+# gets a short tick (at 500 ms: 4 tokens).
+ANSWER_TOKENS_PER_S = 8
 
-# Whisper marks non-speech with bracketed tags ("[BLANK_AUDIO]", "(music)"); they are not words said.
-_NON_SPEECH = re.compile(r"\[[^\]]*\]|\([^)]*\)|\*[^*]*\*")
+__all__ = ["ANSWER_TOKENS_PER_S", "CascadeAdapter", "ENDPOINT_SILENCE_MS", "clean_transcript", "speech_out"]
 
 
 def speech_out(voice: str) -> SpeechSynthesizer | None:
@@ -91,37 +111,10 @@ def speech_out(voice: str) -> SpeechSynthesizer | None:
         return None
 
 
-def _ms(samples: int | None) -> int | None:
-    return None if samples is None else samples * 1000 // SAMPLE_RATE
-
-
-def clean_transcript(text: str) -> str:
-    """``text`` without Whisper's non-speech tags and surrounding/duplicated whitespace ("" if nothing is left).
-
-    >>> clean_transcript("  [BLANK_AUDIO] ")
-    ''
-    >>> clean_transcript(" What is the capital of France? ")
-    'What is the capital of France?'
-    """
-    return " ".join(_NON_SPEECH.sub(" ", text).split())
-
-
-@dataclass
-class CascadeTiming:
-    """What the last ``prepare`` spent, for benchmarks and logs (the worker times it as a whole)."""
-
-    sessions: int = 0
-    vad_ms: float = 0.0
-    asr_ms: float = 0.0
-    utterances: int = 0
-    speech_s: float = 0.0
-
-
 @dataclass
 class _Session:
     mode: str
     header: list[int]                     # emitted on the first tick, then cleared
-    vad: VadStream
     detok: IncrementalDetokenizer
     responding: bool = False              # turn mode: an answer is being decoded
     response_tokens: int = 0              # turn mode: tokens decoded for the current answer
@@ -130,18 +123,21 @@ class _Session:
     utterances: int = 0                   # recognised utterances (introspection)
     speech: SpeechStream | None = None    # the answer being spoken (with a synthesizer only)
     turn_detection: TurnDetection = field(default_factory=TurnDetection)
-    held: list[np.ndarray] = field(default_factory=list)  # utterances waiting for the client's commit (no server VAD)
     unanswered: bool = False              # turn mode: a user turn joined without a response (create_response off)
+    awaiting: bool = False                # turn mode: committed while its audio was in the front end: answer it
 
 
 class CascadeAdapter(InteractionAdapter):
     """Silero VAD + Whisper tiny.en in front of the engine's chat model.
 
-    ``vad`` / ``asr``: shared model instances (built here when not given; ~1 s each). ``vad_config``:
-    the per-session segmentation (``VadConfig()``: 500 ms of silence ends an utterance).
+    ``vad`` / ``asr``: shared model instances (built here when not given; ~1 s each), run beside the tick
+    by the adapter's ``SpeechFrontend``. ``vad_config``: the per-session segmentation (by default
+    ``ENDPOINT_SILENCE_MS`` of silence ends an utterance).
     ``max_input_tokens`` bounds one session's input per tick (typed text beyond it is refused with an
     error and the session is left as it was). ``max_response_tokens`` caps one turn-mode answer.
     ``speech``: a ``SpeechSynthesizer`` to speak the answers at ``speech_rate`` Hz (None: text only).
+    ``max_tokens_per_tick``: at most this many answer tokens a tick, whatever the client asks (None: no
+    cap; the worker builds it from B and ``ANSWER_TOKENS_PER_S``).
     """
 
     name = "cascade"
@@ -150,13 +146,14 @@ class CascadeAdapter(InteractionAdapter):
 
     @classmethod
     def from_context(cls, context: AdapterContext) -> "CascadeAdapter":
-        return cls(context.tokenizer, max_input_tokens=context.max_input_tokens, speech=speech_out(context.voice))
+        return cls(context.tokenizer, max_input_tokens=context.max_input_tokens, speech=speech_out(context.voice),
+                   max_tokens_per_tick=math.ceil(context.budget_ms / 1000.0 * ANSWER_TOKENS_PER_S))
 
     def __init__(self, tokenizer, *, vad: SileroVad | None = None, asr=None, vad_config: VadConfig | None = None,
                  max_input_tokens: int = 1024, max_transcript_tokens: int = 128, max_response_tokens: int = 256,
                  stop_token_ids: tuple[int, ...] | None = None, default_mode: str = "turn",
                  asr_threads: int = 0, speech: SpeechSynthesizer | None = None,
-                 speech_rate: int | None = None) -> None:
+                 speech_rate: int | None = None, max_tokens_per_tick: int | None = None) -> None:
         if default_mode not in MODES:
             raise ConfigError(f"default_mode must be one of {MODES}, got {default_mode!r}")
         if max_transcript_tokens < 1 or max_response_tokens < 1:
@@ -167,20 +164,25 @@ class CascadeAdapter(InteractionAdapter):
         self.max_input_tokens = max_input_tokens
         self.max_transcript_tokens = max_transcript_tokens
         self.max_response_tokens = max_response_tokens
+        self.max_tokens_per_tick = max_tokens_per_tick
         self.stop_token_ids = tuple(stop_token_ids) if stop_token_ids is not None else \
             default_stop_tokens(tokenizer, self.chat)
-        self.vad_config = vad_config or VadConfig()
+        self.vad_config = vad_config or VadConfig(min_silence_ms=ENDPOINT_SILENCE_MS)
         self.vad = vad if vad is not None else SileroVad()
         if asr is None:
             from metronome.audio.asr import WhisperAsr
 
             asr = WhisperAsr(cpu_threads=asr_threads)
         self.asr = asr
-        self.last_timing = CascadeTiming()
+        self.frontend = SpeechFrontend(self.vad, asr, vad_config=self.vad_config)
         self._sessions: dict[str, _Session] = {}
         self.speech = speech
         if speech is not None:
             self.output_sample_rate = speech_rate or speech.output_rate
+
+    def shutdown(self) -> None:
+        """Stop the speech front end's threads (the adapter is not used after this)."""
+        self.frontend.shutdown()
 
     # ------------------------------------------------------------------ sessions
     def open_session(self, session_id: str, mode: str, instructions: str) -> None:
@@ -188,10 +190,11 @@ class CascadeAdapter(InteractionAdapter):
         if session_id in self._sessions:
             raise ValueError(f"session {session_id!r} is already open")
         header = session_header(self.chat, instructions, self.max_input_tokens)
-        self._sessions[session_id] = _Session(mode, header, self.vad.open(self.vad_config),
-                                              IncrementalDetokenizer(self.tokenizer))
+        self.frontend.open(session_id)
+        self._sessions[session_id] = _Session(mode, header, IncrementalDetokenizer(self.tokenizer))
 
     def close_session(self, session_id: str) -> None:
+        self.frontend.close(session_id)
         state = self._sessions.pop(session_id, None)
         if state is not None and state.speech is not None:
             state.speech.cancel()
@@ -216,54 +219,40 @@ class CascadeAdapter(InteractionAdapter):
                 out[i] = PreparedInput(error=refused)
             else:
                 live.append(i)
-        timing = CascadeTiming(sessions=len(live))
+        # The front end's results that are ready now (from earlier ticks' audio); this tick's audio goes to it.
+        sids = [batch[i].session_id for i in live]
+        heard = self.frontend.take(sids)
+        self.frontend.submit([(batch[i].session_id, batch[i].pcm, batch[i].new_turn) for i in live])
+        states = [self._sessions[sid] for sid in sids]
 
-        # 1. VAD over every session's new audio, batched across sessions.
-        t0 = time.perf_counter()
-        states = [self._sessions[batch[i].session_id] for i in live]
-        events = self.vad.feed_many([s.vad for s in states], [batch[i].pcm for i in live]) if live else []
-        utterances: list[tuple[int, np.ndarray]] = []   # (position in `live`, audio)
-        marks: list[tuple[int | None, int | None]] = []  # (speech started, stopped) per live session, in ms
-        for k, (i, ev) in enumerate(zip(live, events)):
-            ended, stopped_at = self._turns_ended(states[k], ev, batch[i].new_turn)
-            utterances += [(k, audio) for audio in ended]
-            marks.append((_ms(ev.started_at), _ms(stopped_at)))
-        timing.vad_ms = (time.perf_counter() - t0) * 1e3
-
-        # 2. One ASR call for every utterance that ended this tick, in any session.
-        heard: list[list[str]] = [[] for _ in live]
-        if utterances:
-            t1 = time.perf_counter()
-            texts = self.asr.transcribe_batch([a for _, a in utterances])
-            timing.asr_ms = (time.perf_counter() - t1) * 1e3
-            timing.utterances = len(utterances)
-            timing.speech_s = sum(a.size for _, a in utterances) / SAMPLE_RATE
-            for (k, _), text in zip(utterances, texts):
-                text = clean_transcript(text)
-                if text:
-                    heard[k].append(text)
-        self.last_timing = timing
-
-        # 3. Turns and decode budgets per session.
+        # Turns and decode budgets per session.
         for k, i in enumerate(live):
             tick, state = batch[i], states[k]
-            started_ms, stopped_ms = marks[k]
-            transcript = self._bounded(" ".join(heard[k]))
+            got = heard.get(tick.session_id, Heard())
+            transcript = self._bounded(" ".join(got.transcripts))
+            marks = {"speech_started_ms": got.started_ms, "speech_stopped_ms": got.stopped_ms}
+            if got.error:   # the front end failed on this session's audio: this tick's turn is lost, it says why
+                out[i] = PreparedInput(transcript=transcript, error=got.error, **marks)
+                continue
             new = copy.copy(state)
-            tokens = self._advance(new, tick, transcript)
+            # Speech began during an answer (and no turn of the user's ends it this tick already): cut it now.
+            barge_in = got.started and not transcript and not tick.text.strip() and \
+                state.turn_detection.interrupt_response and (state.responding or state.speech is not None)
+            tokens = self._advance(new, tick, transcript, barge_in, self.frontend.busy(tick.session_id))
             if len(tokens) > self.max_input_tokens:
-                out[i] = PreparedInput(transcript=transcript, speech_started_ms=started_ms,
-                                       speech_stopped_ms=stopped_ms, error=(
+                out[i] = PreparedInput(transcript=transcript, **marks, error=(
                     f"this tick's input is {len(tokens)} tokens; at most {self.max_input_tokens} fit in one tick "
                     "(send shorter text)"))
                 continue
             self._sessions[tick.session_id] = new
             if self.speech is not None:
-                self._steer_speech(state, new, tick, transcript)
-            max_new, stops, ends = decode_budget(new, tick.max_tokens, self._response_cap(tick), self.stop_token_ids)
+                self._steer_speech(state, new, tick, transcript, barge_in)
+            cap = self.max_tokens_per_tick
+            asked = tick.max_tokens if cap is None else min(tick.max_tokens, cap)
+            max_new, stops, ends = decode_budget(new, asked, self._response_cap(tick), self.stop_token_ids)
             out[i] = PreparedInput(token_ids=tokens or None, max_new_tokens=max_new, stop_token_ids=stops,
-                                   transcript=transcript, ends_response=ends, speech_started_ms=started_ms,
-                                   speech_stopped_ms=stopped_ms)
+                                   transcript=transcript, ends_response=ends or barge_in, cancelled=barge_in,
+                                   **marks)
         return out  # type: ignore[return-value]
 
     def _response_cap(self, tick: TickAudio) -> int:
@@ -271,33 +260,9 @@ class CascadeAdapter(InteractionAdapter):
         cap = self.max_response_tokens
         return min(cap, tick.max_output_tokens) if tick.max_output_tokens else cap
 
-    def _turns_ended(self, state: _Session, events: VadEvents, new_turn: bool) -> tuple[list[np.ndarray], int | None]:
-        """The utterances whose turn ended this tick (to transcribe) and where the speech stopped, in samples.
-
-        With server VAD a pause ends a turn; without it the utterances wait in ``held`` (within
-        ``max_utterance_s``) for the client's commit, which also ends the utterance in progress."""
-        stopped_at = events.stopped_at
-        ended = [u.audio for u in events.utterances]
-        if not state.turn_detection.server_vad:
-            state.held += ended
-            ended = []
-            limit = int(self.vad_config.max_utterance_s * SAMPLE_RATE)
-            while sum(a.size for a in state.held) > limit:
-                state.held.pop(0)   # the oldest speech goes first: Whisper hears at most its window
-        if new_turn:
-            speaking = state.vad.speaking
-            u = state.vad.flush()
-            if speaking:
-                stopped_at = state.vad.last_end
-            ended += state.held + ([u.audio] if u is not None else [])
-            state.held = []
-            if len(ended) > 1:
-                ended = [np.concatenate(ended)]   # one committed turn: one transcript
-        return ended, stopped_at
-
     def set_turn_detection(self, session_id: str, turn: TurnDetection) -> str | None:
-        """The session's VAD segments with ``turn``'s threshold and timings from now on (unset: ours); a
-        message for the client, and the session as it was, when the VAD cannot take them."""
+        """The session's VAD segments with ``turn``'s threshold and timings from its next audio on (unset: ours);
+        a message for the client, and the session as it was, when the VAD cannot take them."""
         state = self._sessions[session_id]
         base, changes = self.vad_config, {}
         if turn.threshold is not None:
@@ -312,7 +277,7 @@ class CascadeAdapter(InteractionAdapter):
             config = dataclasses.replace(base, **changes)
         except ValueError as exc:
             return f"turn_detection refused: {exc}"
-        state.vad.reconfigure(config)
+        self.frontend.configure(session_id, config, manual=not turn.server_vad)
         state.turn_detection = turn
         return None
 
@@ -325,7 +290,7 @@ class CascadeAdapter(InteractionAdapter):
             return text
         return self.tokenizer.decode(ids[:self.max_transcript_tokens], skip_special_tokens=True).strip()
 
-    def _advance(self, s: _Session, tick: TickAudio, transcript: str) -> list[int]:
+    def _advance(self, s: _Session, tick: TickAudio, transcript: str, barge_in: bool, in_flight: bool) -> list[int]:
         chat = self.chat
         tokens = s.header + s.close_next
         s.header, s.close_next = [], []
@@ -342,15 +307,16 @@ class CascadeAdapter(InteractionAdapter):
                     tokens += chat.user_turn(text, respond=n == len(turns) - 1)
             return tokens
 
-        if s.responding and (tick.cancel or turns or s.response_tokens >= self._response_cap(tick)):
-            if not (tick.cancel or turns):
+        if s.responding and (tick.cancel or turns or barge_in or s.response_tokens >= self._response_cap(tick)):
+            if not (tick.cancel or turns or barge_in):
                 log.info("session %s: answer cut at %d tokens (max_response_tokens)", tick.session_id,
                          s.response_tokens)
             tokens += chat.assistant_suffix   # the answer stops here (barge-in, cancel or the cap)
             s.responding = False
             s.detok = IncrementalDetokenizer(self.tokenizer)
-        # A spoken turn the VAD ended waits for the client's response.create when create_response is off.
-        respond = bool(turns) and (tick.new_turn or bool(tick.text) or s.turn_detection.create_response)
+        # A spoken turn the VAD ended waits for the client's response.create when create_response is off. A
+        # commit can come before the transcript it answers (Whisper works beside the tick): it waits for it.
+        respond = bool(turns) and (tick.new_turn or s.awaiting or bool(tick.text) or s.turn_detection.create_response)
         for n, text in enumerate(turns):
             tokens += chat.user_turn(text, respond=respond and n == len(turns) - 1)
         if turns and not respond:
@@ -359,9 +325,11 @@ class CascadeAdapter(InteractionAdapter):
             tokens += chat.generation_prompt
             respond = True
         if respond:
-            s.unanswered = False
+            s.unanswered = s.awaiting = False
             s.responding = True
             s.response_tokens = 0
+        else:
+            s.awaiting = in_flight and (s.awaiting or tick.new_turn)
         return tokens
 
     def on_output(self, session_id: str, token_ids: list[int], finished: bool) -> str:
@@ -376,11 +344,11 @@ class CascadeAdapter(InteractionAdapter):
         return text
 
     # ------------------------------------------------------------------ speech out
-    def _steer_speech(self, old: _Session, new: _Session, tick: TickAudio, transcript: str) -> None:
-        """After a committed tick: a user turn or cancel silences the answer being spoken (barge-in);
-        a user turn opens the next answer's stream; an answer cut at the cap is spoken to its end."""
+    def _steer_speech(self, old: _Session, new: _Session, tick: TickAudio, transcript: str, barge_in: bool) -> None:
+        """After a committed tick: speech heard, a user turn or cancel silences the answer being spoken
+        (barge-in); a user turn opens the next answer's stream; an answer cut at the cap is spoken to its end."""
         user_turn = any(t and t.strip() for t in (transcript, tick.text))
-        if new.speech is not None and (user_turn or tick.cancel):
+        if new.speech is not None and (user_turn or tick.cancel or barge_in):
             new.speech.cancel()
             new.speech = None
         elif new.speech is not None and old.responding and not new.responding:
@@ -416,8 +384,7 @@ class CascadeAdapter(InteractionAdapter):
     def session_state(self, session_id: str) -> dict:
         s = self._sessions[session_id]
         return {"mode": s.mode, "responding": s.responding, "response_tokens": s.response_tokens,
-                "speaking": s.vad.speaking, "utterances": s.utterances, "detok_held": s.detok.held,
-                "vad_pending_samples": s.vad.pending_samples, "speaking": s.speech is not None}
+                "utterances": s.utterances, "detok_held": s.detok.held, "speaking": s.speech is not None}
 
     @property
     def sessions(self) -> int:

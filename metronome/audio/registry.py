@@ -8,7 +8,7 @@ Whisper, the omni adapters their audio encoders), so the CLI can read this table
 model's own audio path at its B, else the speech cascade.
 
 >>> resolve_adapter("smollm2-135m", "auto", None)
-('cascade', 2000.0)
+('cascade', 500.0)
 >>> resolve_adapter("smollm2-135m", "energy", 500.0)
 ('energy', 500.0)
 """
@@ -31,7 +31,9 @@ class AdapterRecord:
 
 
 _RECORDS = (
-    AdapterRecord("cascade", "metronome.audio.cascade:CascadeAdapter.from_context", DEFAULT_BUDGET_MS),
+    # The cascade's B is short: a spoken reply waits for up to three tick boundaries (its audio reaching the
+    # VAD, its transcript joining a tick, its first speech leaving in one). Measured: docs/benchmarks/cpu.md.
+    AdapterRecord("cascade", "metronome.audio.cascade:CascadeAdapter.from_context", 500.0),
     AdapterRecord("energy", "metronome.audio.energy_tokens:EnergyTokenAdapter.from_context", DEFAULT_BUDGET_MS),
     *(AdapterRecord(m.name, m.adapter, m.budget_ms) for m in OMNI_MODELS),
 )
@@ -53,7 +55,7 @@ def default_budget_ms(adapter: str) -> float:
     """The frame budget B ``adapter`` is built for (ValueError for an unknown adapter).
 
     >>> default_budget_ms("moshi"), default_budget_ms("cascade")
-    (80.0, 2000.0)
+    (80.0, 500.0)
     """
     return adapter_record(adapter).budget_ms
 

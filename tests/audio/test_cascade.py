@@ -1,6 +1,8 @@
 """The cascade adapter (Silero VAD → Whisper tiny.en → SmolLM2 chat turns) with the real engine, ticked directly.
 
-Speech is synthesised with espeak-ng; every component is the real one. The worker's threading and the
+Speech is synthesised with espeak-ng; every component is the real one. Each tick first waits until the
+speech front end has done the earlier ticks' audio (as if Whisper kept up within a tick), so a transcript
+joins the tick after the one whose audio ended its utterance (``test_frontend.py`` covers the timing). The worker's threading and the
 gateway are left out here (``tests/serving/test_cascade_gateway.py`` covers them).
 """
 
@@ -33,7 +35,9 @@ def engine():
 
 @pytest.fixture(scope="module")
 def adapter(engine):
-    return CascadeAdapter(engine.tokenizer, asr_threads=2)
+    adapter = CascadeAdapter(engine.tokenizer, asr_threads=2)
+    yield adapter
+    adapter.shutdown()
 
 
 class Conversation:
@@ -48,9 +52,11 @@ class Conversation:
         self.answers: list[str] = []
         self.decoded_per_tick: list[int] = []
         self.finished = 0
+        self.cancelled = 0
 
     def tick(self, pcm=None, **kw):
         pcm = np.zeros(0, np.float32) if pcm is None else pcm
+        assert self.adapter.frontend.wait_idle(60)
         prepared, = self.adapter.prepare([TickAudio(self.sid, pcm, max_tokens=self.tokens, **kw)])
         assert prepared.error is None, prepared.error
         if prepared.transcript:
@@ -68,6 +74,7 @@ class Conversation:
             self.answers[-1] += text
         self.decoded_per_tick.append(len(out.token_ids))
         self.finished += out.finished
+        self.cancelled += prepared.cancelled
         return prepared, out
 
     def stream(self, audio, tick_s=TICK_S):
@@ -150,8 +157,10 @@ def test_commit_flushes_the_utterance_without_waiting_for_silence(conv):
     c = conv()
     speech = np.concatenate([silence(0.3), trim(synth(JAPAN))])
     c.stream(speech)                                   # no trailing silence: the VAD is still in the utterance
+    c.tick()
     assert not c.heard
-    p, o = c.tick(new_turn=True)
+    c.tick(new_turn=True)
+    p, o = c.tick()                                    # the flushed utterance, transcribed beside the tick
     assert p.transcript and "Japan" in p.transcript, p.transcript
     assert p.max_new_tokens == TOKENS and o.token_ids
     for _ in range(4):
@@ -166,7 +175,9 @@ def test_a_new_utterance_barges_in_and_gets_its_own_answer(conv):
     # Ask the next question while the first answer is still streaming.
     c.stream(np.concatenate([question(GERMANY), silence(6.0)]), tick_s=0.5)
     assert len(c.heard) == 2, c.heard
-    assert c.finished == 1                              # the first answer was cut, the second one ran to its end
+    # The first answer was cut when the second question began (before its words were known); the second
+    # ran to its end.
+    assert c.cancelled == 1 and c.finished == 2
     assert "Berlin" in c.answers[1] and "Berlin" not in c.answers[0], c.answers
     assert not c.adapter.session_state(c.sid)["responding"]
 
@@ -228,6 +239,7 @@ def test_an_answer_is_capped_and_typed_text_is_a_turn_too(engine, adapter):
         assert not capped.session_state("capped")["responding"]
     finally:
         c.close()
+        capped.shutdown()
 
 
 def test_a_client_cap_on_the_answer_ends_it_within_the_adapters(conv):
@@ -265,7 +277,8 @@ def test_without_server_vad_only_the_commit_ends_the_turn(conv, adapter):
     c.tick(silence(0.1), turn_detection=TurnDetection(server_vad=False))
     c.stream(np.concatenate([question(FRANCE, pad_s=2.0), silence(2.0)]))   # a long pause: not a turn's end
     assert not c.heard and c.finished == 0
-    p, o = c.tick(new_turn=True)
+    c.tick(new_turn=True)
+    p, o = c.tick()                                                  # the committed turn, transcribed beside the tick
     assert p.transcript and "France" in p.transcript, p.transcript
     assert p.max_new_tokens == TOKENS and o.token_ids
 

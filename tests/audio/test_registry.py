@@ -14,7 +14,7 @@ def checkpoint(tmp_path, model_type):
 
 @pytest.mark.parametrize("model_type,adapter,budget", [
     ("moshi", "moshi", 80.0), ("minicpmo", "minicpm_o", 1000.0), ("qwen2_5_omni", "qwen2_5_omni", 2000.0),
-    ("qwen3_omni_moe_thinker", "qwen3_omni", 2000.0), ("llama", "cascade", 2000.0)])
+    ("qwen3_omni_moe_thinker", "qwen3_omni", 2000.0), ("llama", "cascade", 500.0)])
 def test_auto_follows_the_checkpoint_model_type(tmp_path, model_type, adapter, budget):
     assert resolve_adapter(checkpoint(tmp_path, model_type), "auto", None) == (adapter, budget)
 
@@ -29,8 +29,8 @@ def test_explicit_choices_win_and_unknown_ones_are_refused(tmp_path):
 
 def test_unreadable_configs_and_packaged_names_fall_back_to_the_cascade(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
-    assert resolve_adapter(str(tmp_path), "auto", None) == ("cascade", 2000.0)
-    assert resolve_adapter("smollm2-135m", "auto", None) == ("cascade", 2000.0)
+    assert resolve_adapter(str(tmp_path), "auto", None) == ("cascade", 500.0)
+    assert resolve_adapter("smollm2-135m", "auto", None) == ("cascade", 500.0)
 
 
 def test_every_mapped_adapter_is_registered():

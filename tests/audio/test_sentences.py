@@ -72,10 +72,19 @@ def test_a_long_sentence_is_cut_at_its_last_clause_mark():
 
 
 def test_the_first_piece_ends_at_a_clause_for_early_audio():
-    policy = CutPolicy(max_chars=200, first_clause_chars=20)
+    policy = CutPolicy(max_chars=200, first_clause_chars=20, first_words=0)
     text = "Yes, the capital of France is Paris, a city on the Seine, with many museums. It is old, and big."
     assert cut(text, policy) == [
         "Yes, the capital of France is Paris,", "a city on the Seine, with many museums.", "It is old, and big."]
+
+
+def test_the_first_piece_ends_after_its_first_words_when_no_clause_mark_comes_sooner():
+    policy = CutPolicy(max_chars=200, first_clause_chars=24, first_words=4)
+    text = "The capital of France is Paris. It is old, and big."
+    assert cut(text, policy) == ["The capital of France", "is Paris.", "It is old, and big."]
+    assert cut(text, policy, deltas=["The capital of Fr", "ance", " is Paris.", " It is old, and big."]) == \
+        ["The capital of France", "is Paris.", "It is old, and big."]   # "Fr" is not yet a whole word
+    assert cut("Yes, it is. Paris is big.", policy) == ["Yes, it is.", "Paris is big."]   # a sentence is sooner
 
 
 def test_punctuation_alone_is_not_spoken():

@@ -291,3 +291,34 @@ def test_without_a_synthesizer_the_cascade_stays_text_only(smollm2_tokenizer):
     assert adapter.on_output("s", smollm2_tokenizer.encode("Hi.", add_special_tokens=False), True) == "Hi."
     assert adapter.output_sample_rate == 0 and adapter.take_audio("s") == b""
     assert not adapter.session_state("s")["speaking"]
+
+
+class HeldVoice(ScriptedVoice):
+    """A scripted voice that says when its first call has begun (and is held at the gate)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Event()
+
+    def synthesize(self, text: str) -> np.ndarray:
+        self.entered.set()
+        return super().synthesize(text)
+
+
+def test_an_answers_first_words_go_before_the_later_sentences_of_another():
+    voice = HeldVoice()
+    voice.gate.clear()
+    long_first = ("Once upon a time, in a land far away beyond the mountains and the seas, there lived a very "
+                  "old king who ruled his people wisely and well.")   # ~9 s of speech covers what follows it
+    with SpeechSynthesizer(voice, policy=CutPolicy(first_clause_chars=0)) as synth:
+        story = synth.open()
+        story.feed(long_first + " There was a horse. It was white. ")
+        assert voice.entered.wait(10)                  # the story's first sentence is on the only thread
+        reply = synth.open()
+        reply.feed("Paris is the capital. ")
+        voice.gate.set()
+        story.finish()
+        reply.finish()
+        assert [c.text for c in reply.wait(10)] == ["Paris is the capital."]
+        assert len(story.wait(10)) == 3
+    assert voice.calls == [long_first, "Paris is the capital.", "There was a horse.", "It was white."]

@@ -139,7 +139,10 @@ class ClientSession:
         self.response: Response | None = None
         self.next_response: ResponseRequest | None = None
         self.cancelling = False               # a cancel is on its way to the worker: its answer's output is dropped
-        self.input_item_id: str | None = None  # the user turn the VAD is hearing (speech_started .. transcript)
+        self.input_item_id: str | None = None  # the user turn the VAD is hearing (speech_started .. its commit)
+        # The user turn committed last, until its transcript comes (Whisper works beside the worker's tick, so
+        # the next turn may have started by then).
+        self.committed_item_id: str | None = None
         self.input_tokens = 0                 # tokens the worker took in since the last response ended (usage)
         self.rate = TokenBucket(rate=max_messages_per_s, burst=2 * max_messages_per_s)
         self.strikes = 0  # consecutive events over the rate limit (a flood closes the session)

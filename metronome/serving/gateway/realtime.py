@@ -33,7 +33,7 @@ from metronome.serving.gateway.handle import TickReport, WorkerHandle
 from metronome.serving.gateway.http import REALTIME_PATH, HttpEndpoints
 from metronome.serving.gateway.pool import WorkerPool
 from metronome.serving.gateway.response import ResponseRequest, new_id
-from metronome.serving.gateway.responses import cancel_response, tick_events, user_item_added
+from metronome.serving.gateway.responses import cancel_response, commit_turn, tick_events
 from metronome.serving.gateway.session_update import SessionChange, apply_update, read_update, session_view
 from metronome.serving.metrics import GatewayMetrics
 from metronome.serving.proto import worker_pb2 as pb
@@ -321,11 +321,9 @@ class Gateway:
             self._update_session(conn, session, event)
         elif isinstance(event, InputAudioBufferCommit):
             session.new_turn = session.started = True
-            item_id = session.input_item_id = session.input_item_id or new_id("item")
-            committed = {"type": "input_audio_buffer.committed", "event_id": event.event_id, "item_id": item_id,
-                         "previous_item_id": None}
-            # Without server VAD the commit ends the turn (with it, the VAD's stop adds the item).
-            session.send_all([committed] if session.turn_detection else [committed, user_item_added(item_id)])
+            events = commit_turn(session)
+            events[0]["event_id"] = event.event_id
+            session.send_all(events)
         elif isinstance(event, InputAudioBufferClear):
             session.discard_audio()
             session.send({"type": "input_audio_buffer.cleared", "event_id": event.event_id})

@@ -3,7 +3,8 @@
 The user's turn: ``input_audio_buffer.speech_started`` / ``speech_stopped`` where the worker's VAD heard
 them, then (server VAD) ``input_audio_buffer.committed`` and ``conversation.item.added`` for the turn's item,
 and once it is transcribed ``conversation.item.input_audio_transcription.delta`` / ``completed`` and
-``conversation.item.done``, all with that item's id.
+``conversation.item.done``, all with that item's id. The transcript comes at the tick Whisper finishes (beside
+the worker's tick), possibly after the next turn's ``speech_started``: it goes to the turn committed last.
 
 An answer (``Response``) opens on its first text or audio: ``response.created``, ``response.output_item.added``,
 ``conversation.item.added``, ``response.content_part.added``; then ``response.output_text.delta`` (the
@@ -65,8 +66,10 @@ def user_turn_events(session: ClientSession, out: pb.SessionOutput, events: list
         # Adapters report whole utterances (the cascade transcribes a turn once it ended), so each transcript
         # is final: a delta with all of it, then `completed`. A user turn that arrives while a response
         # streams ends that response (barge-in; the adapter closed the answer already).
-        item_id = session.input_item_id or new_id("item")
-        session.input_item_id = None
+        item_id = session.committed_item_id or session.input_item_id or new_id("item")
+        if session.committed_item_id is None:
+            session.input_item_id = None
+        session.committed_item_id = None
         user_item = {"id": item_id, "object": "realtime.item", "type": "message", "role": "user",
                      "status": "completed", "content": [{"type": "input_audio", "transcript": out.transcript}]}
         events.append({"type": "conversation.item.input_audio_transcription.delta", "item_id": item_id,
@@ -80,11 +83,27 @@ def user_turn_events(session: ClientSession, out: pb.SessionOutput, events: list
 
 
 def speech_stopped(session: ClientSession, stopped_ms: int, events: list[dict[str, Any]]) -> None:
-    item_id = session.input_item_id = session.input_item_id or new_id("item")
+    # The stop a client's commit caused is heard after the commit (the VAD runs beside the tick): its turn's.
+    late = session.input_item_id is None and session.committed_item_id is not None
+    item_id = session.committed_item_id if late else (session.input_item_id or new_id("item"))
     events.append({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": stopped_ms, "item_id": item_id})
-    if session.turn_detection is not None:   # the server's VAD ended the turn: it commits the buffer itself
+    if session.turn_detection is None:
+        session.input_item_id = None if late else item_id   # a pause; only the commit ends the turn
+    elif late:
+        events.append(user_item_added(item_id))   # committed by the client already; the VAD's stop adds the item
+    else:   # the server's VAD ended the turn: it commits the buffer itself
+        session.input_item_id, session.committed_item_id = None, item_id
         events.append({"type": "input_audio_buffer.committed", "item_id": item_id, "previous_item_id": None})
         events.append(user_item_added(item_id))
+
+
+def commit_turn(session: ClientSession) -> list[dict[str, Any]]:
+    """input_audio_buffer.commit: the events that answer it (``committed`` first). Without server VAD the commit
+    ends the turn and adds its item; with it, the VAD's stop adds the item."""
+    item_id = session.input_item_id or new_id("item")
+    session.input_item_id, session.committed_item_id = None, item_id
+    committed = {"type": "input_audio_buffer.committed", "item_id": item_id, "previous_item_id": None}
+    return [committed] if session.turn_detection else [committed, user_item_added(item_id)]
 
 
 def user_item_added(item_id: str) -> dict[str, Any]:
@@ -95,6 +114,11 @@ def user_item_added(item_id: str) -> dict[str, Any]:
 
 
 def answer_events(session: ClientSession, out: pb.SessionOutput, events: list[dict[str, Any]]) -> None:
+    if out.cancelled and session.response is not None:
+        # The worker cut the answer the client still has open: the user spoke over it (barge-in). A client's own
+        # cancel closed its answer when it was sent; output after it belongs to the next answer.
+        events += finish_response(session, "cancelled", "turn_detected")
+        return
     spoken = out.audio_pcm16
     if (out.text or out.tokens or spoken) and session.response is None:
         events += start_response(session)

@@ -329,6 +329,7 @@ class TickCore:
             out.input_tokens = job.prepared.num_tokens
             capped = job.prepared.ends_response and len(result.token_ids) >= job.prepared.max_new_tokens
             out.finished = result.finished or capped
+            out.cancelled |= job.prepared.cancelled   # the adapter cut the answer (barge-in): no more of it comes
             out.preempted = job.preempted or result.preempted
             out.text = self.adapter.on_output(out.sid, list(result.token_ids), out.finished)
             audio, spoken = self.adapter.take_spoken(out.sid)

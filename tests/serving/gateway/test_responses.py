@@ -8,7 +8,7 @@ import json
 from metronome.serving.gateway.client_session import ClientSession
 from metronome.serving.gateway.handle import TickReport
 from metronome.serving.gateway.response import ResponseRequest
-from metronome.serving.gateway.responses import cancel_response, tick_events
+from metronome.serving.gateway.responses import cancel_response, commit_turn, tick_events
 from metronome.serving.proto import worker_pb2 as pb
 
 REPORT = TickReport(tick=1, latency_ms=5.0, drift_ms=0.0, deadline_met=True, batch=1)
@@ -130,3 +130,49 @@ def test_without_server_vad_all_speech_up_to_the_commit_is_one_turn():
     heard = tick(s, speech_stopped_ms=2500, transcript="Hello there")  # the commit flushed it
     assert {e["item_id"] for e in heard if "item_id" in e} == {first}
     assert s.input_item_id is None                                     # the next turn gets a new item
+
+
+def test_an_answer_the_worker_cut_because_the_user_spoke_ends_cancelled():
+    s = session()
+    tick(s, tokens=[1, 2], text="Once upon")
+    cut = tick(s, speech_started_ms=900, cancelled=True, finished=True)
+    assert kinds(cut)[0] == "input_audio_buffer.speech_started"
+    done, = [e for e in cut if e["type"] == "response.done"]
+    assert done["response"]["status"] == "cancelled"
+    assert done["response"]["status_details"]["reason"] == "turn_detected"
+    assert s.response is None and not tick(s)                  # nothing more of that answer
+
+
+def test_a_client_cancel_with_a_new_message_leaves_the_next_answer_open():
+    s = session()
+    tick(s, tokens=[1], text="Once")
+    cancel_response(s)
+    after = tick(s, cancelled=True, tokens=[7], text="Sure")   # the worker's cancel tick already answers anew
+    assert "response.created" in kinds(after) and "response.done" not in kinds(after)
+    assert s.response is not None
+
+
+def test_a_transcript_after_the_next_turn_began_goes_to_the_turn_it_says():
+    s = session()
+    first = tick(s, speech_started_ms=100)[0]["item_id"]
+    assert tick(s, speech_stopped_ms=900)[0]["item_id"] == first        # committed; Whisper has it
+    late = tick(s, speech_started_ms=1300, transcript="Hello there")     # the next turn began first
+    second = late[0]["item_id"]
+    assert second != first
+    assert {e["item_id"] for e in late[1:] if "item_id" in e} == {first}
+    assert next(e for e in late if e["type"] == "conversation.item.done")["item"]["id"] == first
+    assert tick(s, speech_stopped_ms=2000, transcript="Again")[-1]["item"]["id"] == second
+
+
+def test_without_server_vad_the_stop_a_commit_caused_belongs_to_the_committed_turn():
+    s = session()
+    s.turn_detection = None
+    turn = tick(s, speech_started_ms=100)[0]["item_id"]
+    committed = commit_turn(s)
+    assert kinds(committed) == ["input_audio_buffer.committed", "conversation.item.added"]
+    assert committed[0]["item_id"] == turn
+    stop = tick(s, speech_stopped_ms=1800)                               # the front end's flush, a tick later
+    assert kinds(stop) == ["input_audio_buffer.speech_stopped"] and stop[0]["item_id"] == turn
+    after = tick(s, speech_started_ms=2100, transcript="Hello there")    # speaking again before the transcript
+    assert after[0]["item_id"] != turn
+    assert next(e for e in after if e["type"] == "conversation.item.done")["item"]["id"] == turn

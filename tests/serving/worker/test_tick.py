@@ -161,3 +161,52 @@ def test_realtime_controls_reach_the_adapter_and_the_output_says_what_the_tick_d
     out = by_sid(core.step(pb.StepRequest(tokens_per_tick=2, sessions=[pb.SessionInput(sid="s")])))["s"]
     assert seen[0].turn_detection is None and seen[0].max_output_tokens == 0     # not sent: unchanged
     assert not out.cancelled and not out.HasField("speech_started_ms")
+
+
+def test_speech_over_an_answer_cancels_it_and_whisper_never_runs_on_the_tick(engine, config):
+    """The cascade through the tick core: the VAD and Whisper work beside the tick (Whisper faked, held at
+    a gate); speech heard during an answer ends it on the next tick, with no audio and no more tokens."""
+    import threading
+    from dataclasses import replace
+
+    from metronome.audio.cascade import CascadeAdapter
+    from metronome.audio.sentences import CutPolicy
+    from metronome.audio.tts import SpeechSynthesizer
+    from tests.audio.speech import synth, trim
+    from tests.audio.test_frontend import GatedAsr
+    from tests.audio.test_tts import ScriptedVoice
+
+    voice, asr = ScriptedVoice(), GatedAsr(text="Stop.")
+    voice.gate.clear()                                 # the answer's speech is not ready when the user talks
+    asr.gate.clear()
+    with SpeechSynthesizer(voice, policy=CutPolicy(first_clause_chars=0)) as speech:
+        adapter = CascadeAdapter(engine.tokenizer, asr=asr, speech=speech)
+        core = TickCore(engine, adapter, replace(config, adapter="cascade"))
+        try:
+            assert core.open(pb.OpenSessionRequest(sid="s", mode="turn")).ok
+
+            def step(tick, **inp):
+                return by_sid(core.step(pb.StepRequest(tick=tick, tokens_per_tick=4, sessions=[
+                    pb.SessionInput(sid="s", sample_rate=16000, **inp)])))["s"]
+
+            first = step(1, text="Tell me a story.")
+            assert len(first.tokens) == 4 and not first.finished and not first.audio_pcm16
+            onset = encode_pcm16(trim(synth("Stop, please stop"))[:8000])   # speech begins, has not ended
+            during = step(2, audio_pcm16=onset)
+            assert len(during.tokens) == 4 and not during.finished           # the VAD runs beside the tick
+            assert adapter.frontend.wait_idle(30)
+            cut = step(3)
+            voice.gate.set()
+            assert cut.finished and cut.cancelled and not cut.tokens and not cut.audio_pcm16 and not cut.error
+            assert not adapter.speaking("s") and not adapter.session_state("s")["responding"]
+            after = step(4, audio_pcm16=encode_pcm16(np.zeros(16000, np.float32)))   # silence ends the utterance
+            assert not after.tokens and not after.audio_pcm16 and not after.finished
+            assert asr.entered.wait(30)                # Whisper has it, held: the tick went on without it
+            asr.gate.set()
+            assert adapter.frontend.wait_idle(30)
+            heard = step(5)
+            assert heard.transcript == "Stop." and len(heard.tokens) == 4
+            assert threading.get_ident() not in asr.threads
+        finally:
+            core.close_all()
+            adapter.shutdown()
