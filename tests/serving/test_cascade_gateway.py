@@ -156,3 +156,28 @@ async def test_a_session_that_only_sends_silence_and_noise_gets_ticks_and_nothin
                                 "conversation.item.input_audio_transcription.delta"}, kinds
         finally:
             events.close()
+
+
+async def test_five_questions_from_one_user_leave_room_for_a_second(cascade_worker):
+    """One user asks five questions in a row, then a second user connects and is admitted. The ticks that
+    prefill a question overrun the latency target even at one session; a cost that does not grow with the
+    number of sessions is not load, so the worker's own admission (the default) keeps its cap above one."""
+    config = GatewayConfig(workers=(cascade_worker.address,), port=0, budget_ms=BUDGET_MS,
+                           tokens_per_tick=TOKENS_PER_TICK)
+    server = await serve_gateway(config)
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.ws_connect(server.url) as first:
+                events = Events(first)
+                try:
+                    await events.wait(lambda e: e["type"] == "session.created")
+                    for city in ("France", "Germany", "Japan", "France", "Germany"):
+                        heard, _ = await ask(first, events, f"What is the capital of {city}?", 24000)
+                        assert "capital" in heard.lower(), heard
+                    async with http.ws_connect(server.url) as second:
+                        hello = await second.receive_json(timeout=30)
+                        assert hello["type"] == "session.created", hello
+                finally:
+                    events.close()
+    finally:
+        await server.stop()
