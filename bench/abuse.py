@@ -57,16 +57,9 @@ def tiny_checkpoint() -> str:
     """A random 2-layer Llama with SmolLM2's tokenizer (and chat template), in a temporary directory."""
     import tempfile
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+    from metronome.experiments.sweep import make_tiny_checkpoint
 
-    from metronome.models.embedded import embedded_checkpoint
-
-    path = tempfile.mkdtemp(prefix="abuse-tiny-")
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=49152, max_position_embeddings=8192)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    AutoTokenizer.from_pretrained(embedded_checkpoint("smollm2-135m")).save_pretrained(path)
-    return path
+    return make_tiny_checkpoint(tempfile.mkdtemp(prefix="abuse-tiny-"), max_position_embeddings=8192)
 
 
 def free_port() -> int:
