@@ -35,6 +35,11 @@ QUIET_THREAD_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
 PLAN_ENV = "METRONOME_THREAD_PLAN"
 
 
+def triton_interpreted() -> bool:
+    """Whether Triton kernels run in its interpreter on the CPU (``TRITON_INTERPRET=1``, as in the tests)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def usable_cores() -> int:
     """Cores this process may run on (its affinity mask, which containers narrow), at least 1."""
     if hasattr(os, "sched_getaffinity"):

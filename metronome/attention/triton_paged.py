@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -54,6 +53,7 @@ import triton.language as tl
 from triton.language.extra.cuda import globaltimer, smid
 
 from metronome.attention.metadata import PagedAttentionMetadata, write_kv
+from metronome.cpu import triton_interpreted
 
 LOG2E = 1.4426950408889634
 
@@ -82,10 +82,6 @@ def _next_pow2(x: int) -> int:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 # --------------------------------------------------------------------------------------------- kernels
@@ -459,7 +455,7 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         out = torch.empty((t, heads, head_dim), dtype=query.dtype, device=query.device)
     if t == 0:
         return out
-    interp = _interpreting() or not query.is_cuda
+    interp = triton_interpreted() or not query.is_cuda
     g = heads // kv_heads
     block_d = max(16, _next_pow2(head_dim))
     qk_scale = (scale if scale is not None else 1.0 / math.sqrt(head_dim)) * LOG2E

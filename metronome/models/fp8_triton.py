@@ -18,13 +18,13 @@ quantised at all. Interpreted (CPU tests), the operands are upcast to float32, a
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from metronome.attention.fp8 import E4M3, E4M3_MAX
+from metronome.cpu import triton_interpreted
 
 BLOCK_K = 1024
 _MAX = tl.constexpr(E4M3_MAX)
@@ -119,9 +119,8 @@ def w8a16_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     # give the GPU's SMs several programs each at the hidden sizes of 7B models (N >= 3584).
     block_n = 32 if n >= 2048 else 16
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
-    interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     _w8a16[grid](x, codes, scale, bias if bias is not None else scale, y, m, n, k,
                  x.stride(0), codes.stride(0), y.stride(0), HAS_BIAS=bias is not None,
-                 DOT_F32=interpreting or x.dtype == torch.float32,
+                 DOT_F32=triton_interpreted() or x.dtype == torch.float32,
                  BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, num_warps=4, num_stages=4)
     return y

@@ -30,21 +30,17 @@ their references; bf16 runs on the tensor cores with fp32 accumulation.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from metronome.cpu import triton_interpreted
 from metronome.models.fp8 import ExpertScales
 
 # How expert weights are scaled (the kernels' SCALE): float weights, E4M3 per output channel, E4M3 per group.
 NO_SCALE, CHANNEL_SCALE, GROUP_SCALE = 0, 1, 2
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @dataclass(frozen=True)
@@ -307,7 +303,7 @@ def grouped_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, 
     act = torch.empty((m, inter), dtype=x.dtype, device=x.device)
     out = torch.empty((m, h), dtype=torch.float32, device=x.device)
     # fp32 operands multiply in IEEE fp32 (not TF32), as do the interpreter's upcast bf16 operands.
-    dot_f32 = _interpreting() or not x.is_cuda or x.dtype == torch.float32
+    dot_f32 = triton_interpreted() or not x.is_cuda or x.dtype == torch.float32
     gate_up_scale = (scales.gate_up, scales.gate_up_group) if scales is not None else (None, 0)
     down_scale = (scales.down, scales.down_group) if scales is not None else (None, 0)
     launch_gate_up(x, w_gate_up, act, routing, k, launch.gate_up, dot_f32, *gate_up_scale)
