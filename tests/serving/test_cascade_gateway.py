@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from metronome.config import AimdConfig, EngineConfig, GatewayConfig, KVPolicy
+from metronome.config import EngineConfig, GatewayConfig, KVPolicy
 from metronome.serving.gateway import serve_gateway
 from metronome.serving.worker import WorkerConfig, serve_worker
 from tests.audio.speech import silence, synth, trim
@@ -37,9 +37,7 @@ async def cascade_worker():
 
 @asynccontextmanager
 async def gateway_for(worker):
-    config = GatewayConfig(workers=(worker.address,), port=0, budget_ms=BUDGET_MS, tokens_per_tick=TOKENS_PER_TICK,
-                           # Admission is tested elsewhere; ASR ticks on a slow CI box must not shrink the cap.
-                           aimd=AimdConfig(initial_cap=4, min_cap=4, target_fraction=1.0))
+    config = GatewayConfig(workers=(worker.address,), port=0, budget_ms=BUDGET_MS, tokens_per_tick=TOKENS_PER_TICK)
     server = await serve_gateway(config)
     try:
         async with aiohttp.ClientSession() as http, http.ws_connect(server.url) as ws:

@@ -43,9 +43,7 @@ async def start_worker(checkpoint: str, port: int = 0):
 @asynccontextmanager
 async def running_gateway(workers, **overrides):
     config = GatewayConfig(workers=tuple(w.address for w in workers), port=0, budget_ms=BUDGET_MS,
-                           tokens_per_tick=4, **overrides,
-                           # Admission control is tested on its own; here a slow CI box must not shrink the cap.
-                           aimd=AimdConfig(initial_cap=8, min_cap=8, target_fraction=1.0))
+                           tokens_per_tick=4, **overrides)
     server = await serve_gateway(config)
     try:
         yield server.gateway, server.address

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from websockets.sync.client import connect
 
-from metronome.config import AimdConfig, EngineConfig, GatewayConfig, KVPolicy
+from metronome.config import EngineConfig, GatewayConfig, KVPolicy
 from metronome.serving.gateway import serve_gateway
 from metronome.serving.worker import WorkerConfig, serve_worker
 
@@ -38,9 +38,7 @@ class Stack:
                               policy=KVPolicy(sinks=4, window=64, block_size=8))
         self.worker = await serve_worker(WorkerConfig(engine, budget_ms=BUDGET_MS, port=0))
         config = GatewayConfig(workers=(self.worker.address,), port=0, budget_ms=BUDGET_MS, tokens_per_tick=2,
-                               max_message_bytes=8192,
-                               # Admission is not under test here: keep the cap from shrinking below 8.
-                               aimd=AimdConfig(initial_cap=64, min_cap=8, target_fraction=1.0))
+                               max_message_bytes=8192)
         self.gateway = await serve_gateway(config)
         self.url = self.gateway.url
 

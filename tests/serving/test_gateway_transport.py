@@ -22,7 +22,7 @@ import pytest
 from aiohttp import web
 from picows import WSMsgType
 
-from metronome.config import AimdConfig, GatewayConfig
+from metronome.config import GatewayConfig
 from metronome.serving import protocol
 from metronome.serving.gateway import ws_aiohttp, ws_picows
 from metronome.serving.gateway.client_session import ClientSession, step_request_wire
@@ -332,8 +332,7 @@ async def aiohttp_gateway(config: GatewayConfig):
 
 async def test_the_aiohttp_transport_still_serves_sessions(worker):
     config = GatewayConfig(workers=(worker.address,), port=0, budget_ms=BUDGET_MS, tokens_per_tick=4,
-                           max_message_bytes=MAX_MESSAGE, aimd=AimdConfig(initial_cap=2, min_cap=2, target_fraction=1.0),
-                           max_sessions=2)
+                           max_message_bytes=MAX_MESSAGE, max_sessions=2)
     async with aiohttp_gateway(config) as (gateway, addr):
         async with aiohttp.ClientSession() as http:
             ws = await http.ws_connect(f"ws://{addr}/v1/realtime")
@@ -810,8 +809,7 @@ async def test_stopping_the_gateway_closes_every_session_on_the_worker(recording
 
 @pytest.mark.parametrize("transport", ["picows", "aiohttp"])
 async def test_a_browser_sends_the_api_key_as_a_subprotocol_and_gets_realtime_echoed(worker, transport):
-    config = GatewayConfig(workers=(worker.address,), port=0, budget_ms=BUDGET_MS, tokens_per_tick=4, api_key="sekret",
-                           aimd=AimdConfig(initial_cap=2, min_cap=2, target_fraction=1.0))
+    config = GatewayConfig(workers=(worker.address,), port=0, budget_ms=BUDGET_MS, tokens_per_tick=4, api_key="sekret")
     serving = running_gateway([worker], api_key="sekret") if transport == "picows" else aiohttp_gateway(config)
     async with serving as (gateway, addr), aiohttp.ClientSession() as http:
         # As OpenAI's browser clients: new WebSocket(url, ["realtime", "openai-insecure-api-key." + key]).

@@ -49,9 +49,7 @@ async def gateway(worker, **overrides):
     limits = dict(max_message_bytes=64 << 10, max_text_bytes_per_tick=16 << 10, max_instruction_bytes=8 << 10,
                   abuse_window_s=60.0)
     config = GatewayConfig(workers=(worker.address,), port=0, budget_ms=BUDGET_MS, tokens_per_tick=4,
-                           **{**limits, **overrides},
-                           # The controller is tested on its own: a slow CI box must not shrink the cap here.
-                           aimd=AimdConfig(initial_cap=8, min_cap=8, target_fraction=1.0))
+                           **{**limits, **overrides})
     server = await serve_gateway(config)
     try:
         yield server.gateway, server.address

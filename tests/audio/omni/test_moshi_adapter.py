@@ -394,7 +394,7 @@ async def test_gateway_streams_moshi_audio_deltas(moshi):
     ``response.output_audio.delta`` events of one 80 ms frame each at 24 kHz."""
     import aiohttp
 
-    from metronome.config import AimdConfig, GatewayConfig
+    from metronome.config import GatewayConfig
     from metronome.serving.gateway import serve_gateway
     from metronome.serving.worker import WorkerConfig, serve_worker
     from tests.serving.test_gateway import chunks, of_type, recv_until, tone
@@ -402,8 +402,7 @@ async def test_gateway_streams_moshi_audio_deltas(moshi):
     path, _ = moshi
     worker = await serve_worker(WorkerConfig(engine_config(path), adapter="moshi", budget_ms=80.0, port=0,
                                              max_input_tokens=64))
-    gateway = await serve_gateway(GatewayConfig(workers=(worker.address,), port=0, budget_ms=80.0, tokens_per_tick=1,
-                                                aimd=AimdConfig(initial_cap=4, min_cap=4, target_fraction=1.0)))
+    gateway = await serve_gateway(GatewayConfig(workers=(worker.address,), port=0, budget_ms=80.0, tokens_per_tick=1))
     try:
         async with aiohttp.ClientSession() as http, http.ws_connect(f"ws://{gateway.address}/v1/realtime") as ws:
             await recv_until(ws, of_type("session.created"))

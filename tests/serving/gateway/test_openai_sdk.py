@@ -18,7 +18,7 @@ import pytest_asyncio
 import soundfile
 import soxr
 
-from metronome.config import AimdConfig, EngineConfig, GatewayConfig, KVPolicy
+from metronome.config import EngineConfig, GatewayConfig, KVPolicy
 from metronome.serving.gateway import serve_gateway
 from metronome.serving.worker import WorkerConfig, serve_worker
 
@@ -38,8 +38,7 @@ async def server():
     engine = EngineConfig(model="smollm2-135m", policy=KVPolicy(sinks=16, window=256, block_size=16), num_blocks=200)
     worker = await serve_worker(WorkerConfig(engine, adapter="cascade", budget_ms=BUDGET_MS, port=0))
     gateway = await serve_gateway(GatewayConfig(
-        workers=(worker.address,), port=0, budget_ms=BUDGET_MS, tokens_per_tick=8, api_key=API_KEY,
-        aimd=AimdConfig(initial_cap=4, min_cap=4, target_fraction=1.0)))   # admission is tested elsewhere
+        workers=(worker.address,), port=0, budget_ms=BUDGET_MS, tokens_per_tick=8, api_key=API_KEY))
     yield gateway
     await gateway.stop()
     await worker.stop()
