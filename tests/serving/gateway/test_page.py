@@ -61,6 +61,19 @@ def server():
     serve.wait(timeout=60)
 
 
+def spoken_question(folder) -> str:
+    """The packaged France question followed by 2 s of silence, as a WAV. Chromium loops its fake microphone's
+    file; the sample alone has 0.2 s of silence between loops, less than the VAD's end of a turn, so its
+    repeats would run together into one 15-s utterance instead of a question and a pause."""
+    import numpy as np
+    import soundfile as sf
+
+    speech, rate = sf.read(resources.files("metronome.audio") / "samples" / "01_france.wav", dtype="float32")
+    path = os.path.join(folder, "question.wav")
+    sf.write(path, np.concatenate([speech, np.zeros(2 * rate, np.float32)]), rate, subtype="PCM_16")
+    return path
+
+
 def browser(question_wav: str, profile: str):
     from selenium.webdriver.chrome.options import Options
     from selenium.webdriver.chrome.service import Service
@@ -84,8 +97,7 @@ def test_page_is_served_with_its_files(server):
 
 
 def test_a_spoken_question_is_heard_answered_and_played(server, tmp_path):
-    question = str(resources.files("metronome.audio") / "samples" / "01_france.wav")
-    driver = browser(question, str(tmp_path / "profile"))
+    driver = browser(spoken_question(tmp_path), str(tmp_path / "profile"))
     try:
         driver.get(server + "/")
         driver.find_element("id", "talk").click()
@@ -110,8 +122,7 @@ def test_with_an_api_key_the_page_sends_it_as_a_subprotocol(tmp_path):
     """A server with --api-key: the page asks for the key and connects with it as the WebSocket subprotocol
     `openai-insecure-api-key.KEY` beside `realtime` (chromium fails a handshake whose 101 does not echo one)."""
     serve, url = start_serve({"METRONOME_API_KEY": "sk-page-test"})
-    question = str(resources.files("metronome.audio") / "samples" / "01_france.wav")
-    driver = browser(question, str(tmp_path / "profile"))
+    driver = browser(spoken_question(tmp_path), str(tmp_path / "profile"))
     try:
         page = urllib.request.urlopen(url + "/", timeout=10).read().decode()
         assert 'data-auth-required="true"' in page
