@@ -114,6 +114,8 @@ async def victim(url: str, stop: asyncio.Event, ticks: list[dict]) -> None:
                 if event["type"] == "metronome.tick":
                     ticks.append(event)
 
+        await ws.send_json({"type": "session.update",    # 320 samples are 20 ms at 16 kHz (the default is 24)
+                            "session": {"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}}})
         reader = asyncio.create_task(read())
         next_at = time.monotonic()
         while not stop.is_set():

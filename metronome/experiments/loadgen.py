@@ -82,6 +82,7 @@ class SessionTrace:
     delta_chars: int = 0
     hold_s: float | None = None          # how long the client stays once connected (None: to the run's end)
     left_s: float | None = None          # when it closed its session itself (after hold_s)
+    input_rate: int | None = None        # the input rate the server confirmed (session.updated)
 
 
 @dataclass
@@ -150,7 +151,9 @@ class LoadRun:
                 tr.refused = first.get("error", {}).get("type", first.get("type"))
                 return
             tr.connected_s = self.now()
-            await ws.send_json({"type": "session.update", "session": {"mode": "free_running"}})
+            # The rate is stated: a session that names none is read at the Realtime API's 24 kHz.
+            await ws.send_json({"type": "session.update", "session": {
+                "mode": "free_running", "audio": {"input": {"format": {"type": "audio/pcm", "rate": RATE}}}}})
             reader = asyncio.create_task(self._read(ws, tr))
             phase = (tr.index * CHUNK_MS / max(1, self.n)) % CHUNK_MS / 1000.0
             start = self.now() + phase
@@ -193,6 +196,8 @@ class LoadRun:
                                  event["batch"], bool(event.get("preempted")), pending_chars,
                                  event.get("engine_ms"), event.get("frontend_ms"), event.get("worker_ms")])
                 pending_chars = 0
+            elif kind == "session.updated":
+                tr.input_rate = event["session"]["audio"]["input"]["format"]["rate"]
             elif kind == "response.output_text.delta":
                 tr.deltas += 1
                 tr.delta_chars += len(event.get("delta", ""))

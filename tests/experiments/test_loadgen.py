@@ -8,7 +8,7 @@ import asyncio
 
 from metronome.experiments.cliff import analyse_run
 from metronome.monitor.fill import fit_fill
-from metronome.experiments.loadgen import LoadRun
+from metronome.experiments.loadgen import RATE, LoadRun
 from metronome.experiments.server import start
 
 N = 3
@@ -27,6 +27,7 @@ async def test_load_generator_streams_through_gateway_and_sees_the_pool_run_dry(
 
     sessions = result["sessions"]
     assert all(s["refused"] is None and s["connected_s"] is not None for s in sessions)
+    assert all(s["input_rate"] == RATE for s in sessions)          # the server reads the audio at its real rate
     assert all(s["chunks_sent"] > 150 for s in sessions)          # ~50 chunks/s for ~4 s each
     assert all(len(s["ticks"]) > 15 and s["deltas"] > 5 for s in sessions)
     # the worker's engine and front-end times ride on every tick event, inside the tick's latency
