@@ -187,7 +187,8 @@ def make_engine(model, args, device: torch.device, *, cuda_graphs: bool | None =
                                  attention="triton" if cuda else "torch",
                                  cuda_graphs=(cuda and not args.no_graphs) if cuda_graphs is None else cuda_graphs,
                                  kv_memory_fraction=kv_fraction, num_blocks=None if cuda else args.num_blocks,
-                                 max_chunk_tokens=args.chunk, max_batch_tokens=args.batch_tokens), model=model)
+                                 max_chunk_tokens=args.chunk, max_batch_tokens=args.batch_tokens,
+                                 quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype), model=model)
     print(f"engine ready in {time.perf_counter() - start:.1f} s, KV capacity {engine.stats().capacity} sessions",
           flush=True)
     return engine
@@ -418,7 +419,14 @@ def tune_moe(args) -> dict:
     dev = torch.device("cuda")
     w_gate_up = torch.randn(e, 2 * inter, h, device=dev, dtype=torch.bfloat16) * 0.02
     w_down = torch.randn(e, h, inter, device=dev, dtype=torch.bfloat16) * 0.02
-    grid = [TileConfig(n, kk, w, st) for n, kk, w, st in itertools.product((64, 128), (64, 128, 256), (4, 8), (3, 4))]
+    gate_up_scale, down_scale = (None, 0), (None, 0)
+    reductions = (64, 128, 256)
+    if args.quantization == "fp8":   # E4M3 experts, one scale per output channel: half the bytes a step
+        from metronome.models.fp8 import quantize
+
+        (w_gate_up, s_gu), (w_down, s_dn) = quantize(w_gate_up), quantize(w_down)
+        gate_up_scale, down_scale, reductions = (s_gu, h), (s_dn, inter), (128, 256, 512)
+    grid = [TileConfig(n, kk, w, st) for n, kk, w, st in itertools.product((64, 128), reductions, (4, 8), (3, 4))]
 
     def timed(fn) -> float:
         fn()
@@ -445,8 +453,10 @@ def tune_moe(args) -> dict:
             act = torch.empty(t * k, inter, device=dev, dtype=torch.bfloat16)
             out = torch.empty(t * k, h, device=dev, dtype=torch.float32)
             for cfg in grid:
-                for kernel, fn in (("gate_up", lambda: launch_gate_up(x, w_gate_up, act, routing, k, cfg, False)),
-                                   ("down", lambda: launch_down(act, w_down, out, weights, routing, cfg, False))):
+                for kernel, fn in (("gate_up", lambda: launch_gate_up(x, w_gate_up, act, routing, k, cfg, False,
+                                                                      *gate_up_scale)),
+                                   ("down", lambda: launch_down(act, w_down, out, weights, routing, cfg, False,
+                                                                *down_scale))):
                     try:
                         ms = timed(fn)
                     except Exception as exc:   # e.g. out of shared memory for this tile shape
@@ -454,7 +464,7 @@ def tune_moe(args) -> dict:
                         continue
                     if kernel not in best or ms < best[kernel]["ms"]:
                         best[kernel] = {"ms": ms, "block_m": bm, **vars(cfg)}
-        weight_bytes = 3 * inter * h * 2 * e * (1 - (1 - k / e) ** t)
+        weight_bytes = 3 * inter * h * w_down.element_size() * e * (1 - (1 - k / e) ** t)
         row = {"tokens": t, **best, "expert_bytes": weight_bytes,
                "tb_per_s": weight_bytes / ((best["gate_up"]["ms"] + best["down"]["ms"]) * 1e-3) / 1e12}
         rows.append(row)
@@ -806,6 +816,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--stop-factor", type=float, default=argparse.SUPPRESS,
                    help=f"stop the sweep once a tick exceeds this x 0.3·B; default {per_model('stop_factor')}")
     p.add_argument("--no-graphs", action="store_true", help="eager decode rounds (no CUDA graphs)")
+    p.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="the decoder's weights: fp8 (E4M3, quantised at load) or bf16 when not given")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="the KV pool's element type")
     p.add_argument("--compare-sessions", default=argparse.SUPPRESS,
                    help="qwen3_omni: N for eager whole ticks, per-expert loop vs grouped GEMM ('' skips); "
                         "default 16,64, smoke 2")
