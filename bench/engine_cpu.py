@@ -98,7 +98,7 @@ class MetronomeArm:
         policy = KVPolicy(sinks=args.sinks, window=args.window, block_size=16, positions="rebased")
         blocks = blocks_per_session(policy, 256, SMOLLM2["max_position_embeddings"]) * max(args.session_list + (args.profile or [])) + 2
         self.engine = Engine(EngineConfig(model=checkpoint, policy=policy, device="cpu", dtype=dtype,
-                                          num_blocks=blocks, max_chunk_tokens=256))
+                                          num_blocks=blocks, max_chunk_tokens=256, cpu_linear=args.cpu_linear))
         self.args = args
 
     def open(self, histories: list[list[int]]):
@@ -366,6 +366,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=1024)
     p.add_argument("--threads", type=int, default=None, help="torch threads [default: usable cores]")
     p.add_argument("--random-weights", action="store_true", help="SmolLM2's shapes with random weights")
+    p.add_argument("--cpu-linear", choices=["auto", "packed", "aten"], default="auto",
+                   help="Metronome's linear layers: weights packed for oneDNN, or aten's F.linear (EngineConfig)")
     p.add_argument("--profile", default=None, metavar="N[,N]", help="profile one tick at each N instead")
     p.add_argument("--per-round-gather", action="store_true",
                    help="--profile: decode rounds gather the keys every round (the reference) instead of once a step")

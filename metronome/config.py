@@ -81,6 +81,10 @@ class EngineConfig:
     scales, quantised at load (an FP8 checkpoint, ``quantization_config.quant_method == "fp8"``, loads as
     stored whatever this says). ``kv_cache_dtype="fp8"``: KV pages hold E4M3 with one scale per layer and
     KV head, one byte per element (``"auto"``: the compute ``dtype``).
+
+    ``cpu_linear`` (CPU only): ``"packed"`` packs the decoder's linear weights once for oneDNN
+    (``models/cpu_linear.py``); ``"aten"`` keeps ``F.linear``; ``"auto"`` packs bfloat16 weights where oneDNN
+    can (a CPU with bf16 instructions) and leaves float32 to aten.
     """
 
     model: str = "smollm2-135m"
@@ -96,6 +100,7 @@ class EngineConfig:
     seed: int = 0
     quantization: str | None = None  # None (the checkpoint's dtype) or "fp8"
     kv_cache_dtype: str = "auto"     # "auto" (the compute dtype) or "fp8"
+    cpu_linear: str = "auto"         # "auto", "packed" or "aten"
 
     def __post_init__(self) -> None:
         if self.dtype == "auto":
@@ -120,6 +125,8 @@ class EngineConfig:
             raise ConfigError(f"quantization must be None or 'fp8', got {self.quantization!r}")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ConfigError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
+        if self.cpu_linear not in ("auto", "packed", "aten"):
+            raise ConfigError(f"cpu_linear must be 'auto', 'packed' or 'aten', got {self.cpu_linear!r}")
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from metronome.engine.runner import DTYPES, ModelRunner, available_memory_bytes,
 from metronome.engine.scheduler import InvariantError, Scheduler
 from metronome.engine.session import Session, SessionStatus
 from metronome.errors import ConfigError, MetronomeError
+from metronome.models.cpu_linear import pack_linears_, packable
 from metronome.models.fp8 import quantize_decoder_
 from metronome.models.llama import LlamaFamilyForCausalLM
 from metronome.models.loader import load_model, load_tokenizer
@@ -94,6 +95,8 @@ class Engine:
             quantize_decoder_(self.model)
             if self.device.type == "cuda":  # the bf16 weights' memory goes back, so the KV pool can use it
                 torch.cuda.empty_cache()
+        if self.device.type == "cpu" and config.quantization is None:
+            self._pack_cpu_linears(config.cpu_linear, dtype)
         self.spec = self.model.spec
         self.max_model_len = self.spec.max_position_embeddings
         policy = config.policy
@@ -125,6 +128,18 @@ class Engine:
         if self.device.type != "cpu":
             return str(self.device)
         return f"cpu ({read_capability().describe()}, {torch.get_num_threads()} torch threads)"
+
+    def _pack_cpu_linears(self, choice: str, dtype: torch.dtype) -> None:
+        """Pack the decoder layers' weights for oneDNN (``EngineConfig.cpu_linear``)."""
+        if choice == "aten" or (choice == "auto" and dtype != torch.bfloat16):
+            return
+        if not packable(dtype):
+            if choice == "packed":
+                raise ConfigError(f"cpu_linear='packed': oneDNN on this CPU cannot pack {dtype} weights "
+                                  f"({read_capability().describe()})")
+            return
+        count = pack_linears_(self.model.model.layers)
+        log.info("packed %d linear weights (%s) for oneDNN", count, dtype)
 
     def _blocks_from_memory(self, block_bytes: int) -> int:
         budget = int(available_memory_bytes(self.device) * self.config.kv_memory_fraction)
