@@ -79,6 +79,7 @@ class TickAudio:
     new_turn: bool = False   # the user finished speaking / asked for a response
     text: str = ""           # a typed user message, if any
     cancel: bool = False     # stop the current response
+    clear_buffer: bool = False   # the client cleared its input audio before this tick's ``pcm``: drop the rest
     max_tokens: int = 0
     max_output_tokens: int = 0   # cap on the answer in progress (0: the adapter's own)
     turn_detection: TurnDetection | None = None   # set on the tick the client changed it; kept until the next

@@ -222,6 +222,9 @@ class CascadeAdapter(InteractionAdapter):
         # The front end's results that are ready now (from earlier ticks' audio); this tick's audio goes to it.
         sids = [batch[i].session_id for i in live]
         heard = self.frontend.take(sids)
+        for i in live:
+            if batch[i].clear_buffer:
+                self.frontend.clear(batch[i].session_id)
         self.frontend.submit([(batch[i].session_id, batch[i].pcm, batch[i].new_turn) for i in live])
         states = [self._sessions[sid] for sid in sids]
 

@@ -121,6 +121,14 @@ class _Configure:
 
 
 @dataclass
+class _Clear:
+    """A control entry in the VAD queue: the session's uncommitted audio goes (the open utterance, and in
+    manual mode the finished ones awaiting the commit)."""
+
+    stream: _Stream
+
+
+@dataclass
 class _Utterance:
     stream: _Stream
     audio: np.ndarray
@@ -189,6 +197,15 @@ class SpeechFrontend:
             self._pending += 1
         self._vad_jobs.put(_Configure(stream, config, manual))
 
+    def clear(self, sid: str) -> None:
+        """Drop the session's uncommitted audio, in order with its audio: what it submits later is kept."""
+        with self._lock:
+            stream = self._streams.get(sid)
+            if stream is None:
+                return
+            self._pending += 1
+        self._vad_jobs.put(_Clear(stream))
+
     def busy(self, sid: str) -> bool:
         """Is audio of this session still in the front end (a transcript of it may come at a later tick)?"""
         with self._lock:
@@ -226,12 +243,15 @@ class SpeechFrontend:
             try:
                 if isinstance(job, _Configure):
                     self._apply(job)
+                elif isinstance(job, _Clear):
+                    job.stream.vad.discard()
+                    job.stream.held = []
                 else:
                     self._run_vad(job)
             except Exception:  # noqa: BLE001 - a bug here must not stop the front end for every session
                 log.exception("the speech front end's VAD step failed")
             finally:
-                if not isinstance(job, _Configure):
+                if isinstance(job, list):
                     with self._lock:
                         for stream, _, _ in job:
                             stream.submitted -= 1

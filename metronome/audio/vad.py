@@ -241,6 +241,15 @@ class VadStream:
         speech_end = self._silence_start if self._silence_start is not None else self._pos
         return self._close(self._pos, speech_end, forced=False)
 
+    def discard(self) -> None:
+        """Drop the open utterance and the pre-roll (the client cleared its input buffer): the next
+        utterance starts with audio that comes after this. Stream offsets and the model state carry on."""
+        self._triggered = False
+        self._utt, self._utt_len = [], 0
+        self._silence_start = None
+        self._recent = np.zeros(0, np.float32)
+        self._last_end = self._pos
+
     # -- internals ------------------------------------------------------------------------------------
 
     def _take_windows(self, chunk: np.ndarray) -> list[np.ndarray]:

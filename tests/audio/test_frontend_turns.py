@@ -169,3 +169,30 @@ def test_held_utterances_stay_within_max_utterance_s_the_oldest_dropped(vad):
         assert len(asr.sizes) == 1 and said.size <= asr.sizes[0] <= 4.0 * SAMPLE_RATE
     finally:
         front.shutdown()
+
+
+def test_a_clear_drops_the_utterance_in_progress_and_keeps_what_follows(make):
+    """input_audio_buffer.clear while the VAD holds an open utterance: nothing of it is transcribed; speech
+    after the clear is its own turn, without the cleared audio."""
+    asr = SizedAsr()
+    adapter = make(asr)
+    adapter.open_session("a", "turn", "")
+    said = trim(synth(QUESTION))
+    tick(adapter, pcm=silence(0.3))
+    assert settled(adapter, pcm=said).transcript == ""     # speaking: the utterance is open
+    assert settled(adapter, pcm=silence(1.0), clear_buffer=True).transcript == ""
+    assert settled(adapter).transcript == "" and asr.batches == []
+    settled(adapter, pcm=np.concatenate([said, silence(1.0)]))
+    assert settled(adapter).transcript == QUESTION
+    assert asr.sizes and asr.sizes[0] < 1.5 * said.size    # the cleared speech is not in it
+
+
+def test_a_clear_drops_the_turns_held_for_a_commit(make):
+    asr = GatedAsr()
+    adapter = make(asr)
+    adapter.open_session("a", "turn", "")
+    tick(adapter, pcm=silence(0.3), turn_detection=TurnDetection(server_vad=False))
+    settled(adapter, pcm=np.concatenate([trim(synth(QUESTION)), silence(1.0)]))   # ended, held for the commit
+    settled(adapter, clear_buffer=True)
+    settled(adapter, new_turn=True)
+    assert not settled(adapter).transcript and asr.batches == []

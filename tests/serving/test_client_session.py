@@ -137,3 +137,15 @@ def test_streamed_pieces_carry_input_without_controls_and_still_count_against_th
     last = pb.StepRequest.FromString(step_request_wire([s.take_tick_wire()], 4, 9)).sessions[0]
     assert (last.audio_pcm16, last.text, last.new_turn, last.cancel) == (b"\x02\x00" * 60, "12345", True, True)
     assert s.append_audio(b"\x03\x00" * 160)          # a new tick: the whole bound again
+
+
+def test_a_clear_reaches_the_worker_even_when_no_audio_was_streamed_this_tick():
+    """The worker's VAD may hold the start of an utterance from earlier ticks: every clear must say so."""
+    session = make()
+    assert session.append_audio(b"\x01\x00" * 160)
+    session.take_tick_input()                       # that audio went with an earlier tick
+    session.discard_audio()
+    assert session.has_unsent_input
+    cleared = session.take_tick_input()
+    assert cleared.clear_audio and not cleared.audio_pcm16
+    assert not session.take_tick_input().clear_audio   # said once

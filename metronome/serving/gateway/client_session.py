@@ -198,11 +198,11 @@ class ClientSession:
         self.audio_bytes = 0
 
     def discard_audio(self) -> None:
-        """Drop the tick's audio so far, what was already streamed to the worker too (a clear, a rate change)."""
+        """Drop the session's uncommitted audio (a clear, a rate change): the tick's so far, what was already
+        streamed to the worker, and what the worker's VAD holds (the next entry says clear_audio)."""
         self.clear_audio()
-        if self.streamed_audio_bytes:
-            self.audio_discarded = True
-            self.streamed_audio_bytes = 0
+        self.audio_discarded = True
+        self.streamed_audio_bytes = 0
 
     @property
     def has_unsent_input(self) -> bool:

@@ -57,6 +57,7 @@ class StreamedInput:
     text: list[str] = field(default_factory=list)
     new_turn: bool = False
     cancel: bool = False
+    cleared: bool = False
     error: str = ""
 
     def add(self, inp: pb.SessionInput) -> int:
@@ -65,6 +66,7 @@ class StreamedInput:
         if inp.clear_audio:
             self.audio.clear()
             self.error = ""
+            self.cleared = True
         if audio:
             if inp.sample_rate != self.sample_rate:
                 self.audio.clear()
@@ -243,7 +245,7 @@ class TickCore:
         pcm = np.zeros(0, np.float32)
         out.input_dbfs = SILENCE_DBFS
         audio = inp.audio_pcm16   # read once: each read of a protobuf bytes field copies it
-        text, new_turn, cancel = inp.text, inp.new_turn, inp.cancel
+        text, new_turn, cancel, cleared = inp.text, inp.new_turn, inp.cancel, inp.clear_audio
         out.cancelled = cancel or (earlier is not None and earlier.cancel)
         if earlier is not None:
             if earlier.error and not inp.clear_audio:
@@ -252,6 +254,7 @@ class TickCore:
                 audio = b"".join([*earlier.audio, audio])
             text = "".join(earlier.text) + text
             new_turn, cancel = new_turn or earlier.new_turn, cancel or earlier.cancel
+            cleared = cleared or earlier.cleared
         if audio:
             check_sample_rate(inp.sample_rate)
             pcm = decode_pcm16(audio)
@@ -261,7 +264,7 @@ class TickCore:
             if resampler is None or resampler.in_rate != inp.sample_rate:
                 resampler = self._resamplers[inp.sid] = Resampler(inp.sample_rate, self.adapter.sample_rate)
             pcm = resampler.process(pcm)
-        return TickAudio(session_id=inp.sid, pcm=pcm, new_turn=new_turn, text=text, cancel=cancel,
+        return TickAudio(session_id=inp.sid, pcm=pcm, new_turn=new_turn, text=text, cancel=cancel, clear_buffer=cleared,
                          max_tokens=inp.max_tokens or default_tokens, max_output_tokens=inp.max_output_tokens,
                          turn_detection=turn_detection(inp.turn_detection) if inp.HasField("turn_detection") else None)
 
