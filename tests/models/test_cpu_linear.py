@@ -13,6 +13,7 @@ from metronome import Engine, EngineConfig, KVPolicy, StepInput
 from metronome.errors import ConfigError
 from metronome.models.cpu_linear import PackedLinear, pack_linears_, packable
 from tests.engine.oracle import hf_windowed_logprobs
+from tests.engine.test_engine_fp8 import drive
 
 needs_mkldnn = pytest.mark.skipif(not packable(torch.float32), reason="torch built without oneDNN")
 
@@ -47,19 +48,6 @@ def test_pack_replaces_every_linear_and_keeps_the_rest():
     assert pack_linears_(block) == 2
     assert [type(m).__name__ for m in block.modules()].count("Linear") == 0
     assert isinstance(block[2][1], nn.LayerNorm)
-
-
-def drive(engine, rng, steps):
-    """Two sessions; the first's tokens and the log-probabilities it got for them."""
-    sid, other = engine.open_session(), engine.open_session()
-    tokens, logprobs = [], []
-    for _ in range(steps):
-        chunk = [rng.randrange(128) for _ in range(rng.randint(1, 12))]
-        out, _ = engine.step([StepInput(sid, token_ids=chunk, max_new_tokens=3, prompt_logprobs=True),
-                              StepInput(other, token_ids=[rng.randrange(128)], max_new_tokens=2)])
-        logprobs += [(len(tokens) + i, lp) for i, lp in enumerate(out.prompt_logprobs) if lp is not None]
-        tokens += chunk + out.token_ids
-    return tokens, logprobs
 
 
 @needs_mkldnn
