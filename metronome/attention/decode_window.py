@@ -27,6 +27,9 @@ from metronome.attention.reference import live_keys
 
 # Spare columns per row beyond the longest gathered row: rounds append into them.
 SPARE_COLUMNS = 32
+# Unbounded sessions' columns grow by at least this fraction, in steps of COLUMN_STEP: live keys grow every
+# step, and regrowing (fresh zeroed memory for every layer's buffers, then a copy) each step costs more than slack.
+COLUMN_GROWTH, COLUMN_STEP = 0.25, 64
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,10 @@ class DecodeWindow:
     name = "torch-decode-window"
 
     def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_heads: int,
-                 scale: float | None = None) -> None:
+                 scale: float | None = None, max_live_keys: int | None = None) -> None:
+        """``max_live_keys``: the most keys a session can hold (a bounded policy's sinks + window, with the
+        partial blocks at its ends), which caps the columns' growth slack; None: unbounded."""
+        self.max_columns = None if max_live_keys is None else max_live_keys + SPARE_COLUMNS
         self.kv_caches = kv_caches
         self.num_heads = num_heads
         self.scale = scale
@@ -93,6 +99,9 @@ class DecodeWindow:
         gather = sorted(set(gather) | set(full.tolist()))
         fresh = live_keys(meta, gather) if gather else None
         need = max([self.cols_cap] + ([fresh.token.shape[1] + SPARE_COLUMNS] if fresh else []))
+        if need > self.cols_cap:   # bounded sessions: straight to the most they can hold, once
+            slack = -(-int(self.cols_cap * (1 + COLUMN_GROWTH)) // COLUMN_STEP) * COLUMN_STEP
+            need = max(need, slack if self.max_columns is None else self.max_columns)
         if n > self.rows_cap or need > self.cols_cap:
             self._grow(max(n, self.rows_cap), need)
         cols, device = self.cols_cap, self.device

@@ -105,7 +105,9 @@ class ModelRunner:
             self.attention = TorchPagedAttention(self.spec.num_heads)
         # The CPU path's torch attention over compute-dtype pages: decode rounds attend over keys gathered once
         # per step (see decode_rounds); E4M3 pages go through the reference, which applies their scales.
-        self.decode_window = DecodeWindow(self.kv_caches, self.spec.num_heads) \
+        policy = config.policy
+        max_live = policy.sinks + policy.window + 2 * policy.block_size if policy.bounded else None
+        self.decode_window = DecodeWindow(self.kv_caches, self.spec.num_heads, max_live_keys=max_live) \
             if (isinstance(self.attention, TorchPagedAttention) and self.device.type == "cpu"
                 and self.kv_dtype != E4M3) else None
         self._in_rounds = False

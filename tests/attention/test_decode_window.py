@@ -178,3 +178,30 @@ def test_the_next_step_starts_from_the_cache_again():
     window = run_rounds(sim, [[1, 2]] * 5)
     sim.prefill(1, 9)                        # the session's next step: a prefill, then rounds again
     run_rounds(sim, [[2, 1]] * 5, window=window)
+
+
+def test_growing_sessions_regrow_the_buffers_a_few_times_not_every_step(monkeypatch):
+    """Young sessions' live keys grow every step until their windows fill. A bounded session's columns grow
+    once, to the most it can hold; an unbounded one's by a quarter at a time. Most steps reuse the buffers."""
+    grows = []
+    real_grow = DecodeWindow._grow
+
+    def counted_grow(self, rows, cols):
+        grows.append(cols)
+        real_grow(self, rows, cols)
+
+    monkeypatch.setattr(DecodeWindow, "_grow", counted_grow)
+    sinks, bs, steps = 4, 4, 24
+    for window_len, max_live in ((200, 4 + 200 + 2 * 4), (None, None)):
+        grows.clear()
+        sim = PagedSim(sinks, window_len, bs, num_blocks=800)
+        for sid in (1, 2):
+            sim.prefill(sid, 3)
+        window = DecodeWindow(sim.caches, HEADS, max_live_keys=max_live)
+        for _ in range(steps):                 # each step: a prefill of 7, then 3 decode rounds
+            for sid in (1, 2):
+                sim.prefill(sid, 7)
+            run_rounds(sim, [[1, 2]] * 3, window=window)
+        assert 0 < len(grows) <= steps // 3    # without the slack: every step
+        if max_live is not None:
+            assert window.cols_cap == window.max_columns
