@@ -317,9 +317,11 @@ class CascadeAdapter(InteractionAdapter):
             tokens += chat.assistant_suffix   # the answer stops here (barge-in, cancel or the cap)
             s.responding = False
             s.detok = IncrementalDetokenizer(self.tokenizer)
-        # A spoken turn the VAD ended waits for the client's response.create when create_response is off. A
-        # commit can come before the transcript it answers (Whisper works beside the tick): it waits for it.
-        respond = bool(turns) and (tick.new_turn or s.awaiting or bool(tick.text) or s.turn_detection.create_response)
+        # A spoken turn the VAD ended waits for the client's response.create when create_response is off; a typed
+        # one always does, as in OpenAI's API. A commit can come before the transcript it answers (Whisper works
+        # beside the tick): it waits for it.
+        respond = bool(turns) and (tick.new_turn or s.awaiting
+                                   or (bool(transcript.strip()) and s.turn_detection.create_response))
         for n, text in enumerate(turns):
             tokens += chat.user_turn(text, respond=respond and n == len(turns) - 1)
         if turns and not respond:

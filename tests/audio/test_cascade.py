@@ -225,7 +225,7 @@ def test_an_answer_is_capped_and_typed_text_is_a_turn_too(engine, adapter):
     capped = CascadeAdapter(engine.tokenizer, vad=adapter.vad, asr=adapter.asr, max_response_tokens=3)
     c = Conversation(engine, capped, "capped", tokens=2)
     try:
-        p, o = c.tick(text="Tell me a long story about a dragon.")
+        p, o = c.tick(text="Tell me a long story about a dragon.", new_turn=True)   # item + response.create
         assert p.max_new_tokens == 2 and len(o.token_ids) == 2
         assert not p.ends_response and not o.finished
         p, o = c.tick()
@@ -242,13 +242,24 @@ def test_an_answer_is_capped_and_typed_text_is_a_turn_too(engine, adapter):
         capped.shutdown()
 
 
+def test_typed_text_waits_for_response_create(conv):
+    """conversation.item.create adds a user turn; as in OpenAI's API only response.create answers it."""
+    c = conv(tokens=2)
+    p, o = c.tick(text="My name is Ada.")
+    assert p.token_ids and p.max_new_tokens == 0 and not o.token_ids     # in the conversation, unanswered
+    p, o = c.tick(text="What is my name?")
+    assert p.max_new_tokens == 0 and not o.token_ids
+    p, o = c.tick(new_turn=True)                                          # response.create
+    assert p.max_new_tokens == 2 and len(o.token_ids) == 2
+
+
 def test_a_client_cap_on_the_answer_ends_it_within_the_adapters(conv):
     c = conv(tokens=2)
-    p, o = c.tick(text="Tell me a long story about a dragon.", max_output_tokens=3)
+    p, o = c.tick(text="Tell me a long story about a dragon.", new_turn=True, max_output_tokens=3)
     assert p.max_new_tokens == 2 and not p.ends_response
     p, o = c.tick(max_output_tokens=3)
     assert p.max_new_tokens == 1 and p.ends_response and o.finished   # the client's 3, not the adapter's 256
-    p, o = c.tick(text="And another one.", max_output_tokens=10_000)   # above the adapter's cap: the adapter's holds
+    p, o = c.tick(text="And another one.", new_turn=True, max_output_tokens=10_000)   # above the adapter's cap: the adapter's holds
     assert p.max_new_tokens == 2 and not p.ends_response
 
 

@@ -141,7 +141,7 @@ def test_speech_during_an_answer_cancels_it_before_whisper_has_the_words(make, s
     with SpeechSynthesizer(voice, policy=CutPolicy(first_clause_chars=0)) as speech:
         adapter = make(asr, speech=speech)
         adapter.open_session("a", "turn", "")
-        assert tick(adapter, text="Tell me a story.").max_new_tokens == TOKENS
+        assert tick(adapter, text="Tell me a story.", new_turn=True).max_new_tokens == TOKENS
         voice.gate.clear()                             # the story is not spoken yet when the user starts talking
         story = smollm2_tokenizer.encode("Once upon a time. There was a king. He", add_special_tokens=False)
         adapter.on_output("a", story, False)

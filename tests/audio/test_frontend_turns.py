@@ -91,7 +91,7 @@ def test_speech_marks_are_ms_of_the_sessions_input_and_a_commit_stops_the_speech
 def spoken_over(adapter, voice, smollm2_tokenizer, **kw):
     """An answer is streaming and being spoken; the user starts to talk. The tick after the VAD heard it."""
     adapter.open_session("a", "turn", "")
-    assert tick(adapter, text="Tell me a story.", **kw).max_new_tokens == TOKENS
+    assert tick(adapter, text="Tell me a story.", new_turn=True, **kw).max_new_tokens == TOKENS
     voice.gate.clear()                                  # the story is not spoken yet when the user starts talking
     adapter.on_output("a", smollm2_tokenizer.encode("Once upon a time. There was a king. He",
                                                     add_special_tokens=False), False)
