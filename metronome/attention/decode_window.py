@@ -27,9 +27,10 @@ from metronome.attention.reference import live_keys
 
 # Spare columns per row beyond the longest gathered row: rounds append into them.
 SPARE_COLUMNS = 32
-# Unbounded sessions' columns grow by at least this fraction, in steps of COLUMN_STEP: live keys grow every
-# step, and regrowing (fresh zeroed memory for every layer's buffers, then a copy) each step costs more than slack.
-COLUMN_GROWTH, COLUMN_STEP = 0.25, 64
+# Columns grow by at least this fraction, in steps of COLUMN_STEP (a bounded session's up to the most it can
+# hold): live keys grow every step until a window is full, and regrowing (fresh zeroed memory for every layer's
+# buffers, then a copy) each step costs more than the slack.
+COLUMN_GROWTH, COLUMN_STEP = 1.0, 64
 
 
 @dataclass(frozen=True)
@@ -99,9 +100,9 @@ class DecodeWindow:
         gather = sorted(set(gather) | set(full.tolist()))
         fresh = live_keys(meta, gather) if gather else None
         need = max([self.cols_cap] + ([fresh.token.shape[1] + SPARE_COLUMNS] if fresh else []))
-        if need > self.cols_cap:   # bounded sessions: straight to the most they can hold, once
+        if need > self.cols_cap:
             slack = -(-int(self.cols_cap * (1 + COLUMN_GROWTH)) // COLUMN_STEP) * COLUMN_STEP
-            need = max(need, slack if self.max_columns is None else self.max_columns)
+            need = max(need, slack if self.max_columns is None else min(slack, self.max_columns))
         if n > self.rows_cap or need > self.cols_cap:
             self._grow(max(n, self.rows_cap), need)
         cols, device = self.cols_cap, self.device

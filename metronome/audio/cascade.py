@@ -125,6 +125,7 @@ class _Session:
     turn_detection: TurnDetection = field(default_factory=TurnDetection)
     unanswered: bool = False              # turn mode: a user turn joined without a response (create_response off)
     awaiting: bool = False                # turn mode: committed while its audio was in the front end: answer it
+    typed_later: list[str] = field(default_factory=list)   # turn mode: typed during an answer; joins after it
 
 
 class CascadeAdapter(InteractionAdapter):
@@ -310,6 +311,12 @@ class CascadeAdapter(InteractionAdapter):
                     tokens += chat.user_turn(text, respond=n == len(turns) - 1)
             return tokens
 
+        spoken = transcript if transcript and transcript.strip() else ""
+        typed = tick.text if tick.text and tick.text.strip() else ""
+        if typed and s.responding and not (tick.new_turn or spoken or tick.cancel or barge_in):
+            s.typed_later.append(typed)   # as in OpenAI's API the answer runs on; the message joins after it
+            typed = ""
+        turns = [t for t in (spoken, typed) if t]
         if s.responding and (tick.cancel or turns or barge_in or s.response_tokens >= self._response_cap(tick)):
             if not (tick.cancel or turns or barge_in):
                 log.info("session %s: answer cut at %d tokens (max_response_tokens)", tick.session_id,
@@ -317,11 +324,13 @@ class CascadeAdapter(InteractionAdapter):
             tokens += chat.assistant_suffix   # the answer stops here (barge-in, cancel or the cap)
             s.responding = False
             s.detok = IncrementalDetokenizer(self.tokenizer)
+        if s.typed_later and not s.responding:
+            turns, s.typed_later = s.typed_later + turns, []
         # A spoken turn the VAD ended waits for the client's response.create when create_response is off; a typed
         # one always does, as in OpenAI's API. A commit can come before the transcript it answers (Whisper works
-        # beside the tick): it waits for it.
-        respond = bool(turns) and (tick.new_turn or s.awaiting
-                                   or (bool(transcript.strip()) and s.turn_detection.create_response))
+        # beside the tick): the transcript is answered when it comes.
+        respond = bool(turns) and (tick.new_turn
+                                   or (bool(spoken) and (s.awaiting or s.turn_detection.create_response)))
         for n, text in enumerate(turns):
             tokens += chat.user_turn(text, respond=respond and n == len(turns) - 1)
         if turns and not respond:

@@ -242,8 +242,11 @@ class VadStream:
         return self._close(self._pos, speech_end, forced=False)
 
     def discard(self) -> None:
-        """Drop the open utterance and the pre-roll (the client cleared its input buffer): the next
-        utterance starts with audio that comes after this. Stream offsets and the model state carry on."""
+        """Drop the open utterance, the pre-roll and the samples not yet scored (the client cleared its input
+        buffer): the next utterance starts with audio that comes after this. Stream offsets count the dropped
+        samples; the model state carries on."""
+        self._pos += self._pending.size
+        self._pending = np.zeros(0, np.float32)
         self._triggered = False
         self._utt, self._utt_len = [], 0
         self._silence_start = None

@@ -181,8 +181,8 @@ def test_the_next_step_starts_from_the_cache_again():
 
 
 def test_growing_sessions_regrow_the_buffers_a_few_times_not_every_step(monkeypatch):
-    """Young sessions' live keys grow every step until their windows fill. A bounded session's columns grow
-    once, to the most it can hold; an unbounded one's by a quarter at a time. Most steps reuse the buffers."""
+    """Young sessions' live keys grow every step until their windows fill. The columns double at a time, a
+    bounded session's up to the most it can hold: most steps reuse the buffers as they are."""
     grows = []
     real_grow = DecodeWindow._grow
 
@@ -204,4 +204,4 @@ def test_growing_sessions_regrow_the_buffers_a_few_times_not_every_step(monkeypa
             run_rounds(sim, [[1, 2]] * 3, window=window)
         assert 0 < len(grows) <= steps // 3    # without the slack: every step
         if max_live is not None:
-            assert window.cols_cap == window.max_columns
+            assert window.cols_cap <= window.max_columns

@@ -253,6 +253,23 @@ def test_typed_text_waits_for_response_create(conv):
     assert p.max_new_tokens == 2 and len(o.token_ids) == 2
 
 
+def test_text_typed_during_an_answer_joins_after_it(conv):
+    """OpenAI lets an answer run when an item is added; the message joins the conversation once it ends."""
+    c = conv(tokens=2)
+    p, o = c.tick(text="Tell me a long story about a dragon.", new_turn=True)
+    assert p.max_new_tokens == 2
+    p, o = c.tick(text="Also, my name is Ada.")
+    assert p.max_new_tokens == 2 and not p.token_ids               # the story goes on, nothing inserted into it
+    assert c.adapter.session_state(c.sid)["responding"]
+    p, o = c.tick(cancel=True)                                     # the story ends (response.cancel) ...
+    suffix = c.adapter.chat.assistant_suffix
+    assert p.token_ids[:len(suffix)] == suffix
+    assert "Ada" in c.adapter.tokenizer.decode(p.token_ids)        # ... and the typed message joins, unanswered
+    assert p.max_new_tokens == 0
+    p, o = c.tick(new_turn=True)                                   # response.create answers it
+    assert p.max_new_tokens == 2
+
+
 def test_a_client_cap_on_the_answer_ends_it_within_the_adapters(conv):
     c = conv(tokens=2)
     p, o = c.tick(text="Tell me a long story about a dragon.", new_turn=True, max_output_tokens=3)

@@ -149,3 +149,33 @@ def test_a_clear_reaches_the_worker_even_when_no_audio_was_streamed_this_tick():
     cleared = session.take_tick_input()
     assert cleared.clear_audio and not cleared.audio_pcm16
     assert not session.take_tick_input().clear_audio   # said once
+
+
+def test_a_clear_after_a_commit_in_the_same_tick_keeps_the_committed_audio():
+    """commit, more audio, clear (one tick): the worker gets the committed audio and the commit, no clear."""
+    session = make()
+    before, after = b"\x01\x00" * 160, b"\x02\x00" * 160
+    assert session.append_audio(before)
+    session.commit()
+    assert session.append_audio(after)
+    session.discard_audio()
+    tick = session.take_tick_input()
+    assert tick.new_turn and not tick.clear_audio and tick.audio_pcm16 == before
+    session.discard_audio()                          # a later tick's clear: whole again
+    assert session.take_tick_input().clear_audio
+
+
+def test_a_clear_lost_with_a_broken_stream_goes_again_with_the_last_message():
+    from metronome.serving.gateway.client_session import step_request_wire
+    from metronome.serving.proto import worker_pb2 as pb
+
+    def entry(parts):
+        return pb.StepRequest.FromString(step_request_wire([parts], 0, 0)).sessions[0]
+
+    session = make()
+    session.discard_audio()
+    assert session.append_audio(b"\x01\x00" * 160)
+    assert entry(session.take_stream_wire()).clear_audio
+    session.forget_streamed(lost=True)               # the stream broke: the worker never saw that entry
+    assert entry(session.take_tick_wire()).clear_audio
+    assert not entry(session.take_tick_wire()).clear_audio

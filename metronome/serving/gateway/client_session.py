@@ -124,7 +124,9 @@ class ClientSession:
         self.audio_bytes = 0
         self.streamed_audio_bytes = 0  # already sent this tick (StreamStep): still counted by the bounds
         self.streamed_text_bytes = 0
-        self.audio_discarded = False   # audio streamed this tick was discarded: the next entry says clear_audio
+        self.audio_discarded = False   # the client cleared its audio: the next entry says clear_audio
+        self.clear_streamed = False    # this tick's clear went out on the stream (sent again if the stream is lost)
+        self.commit_mark: int | None = None   # chunks of ``audio`` before this tick's commit (None: no commit)
         self.new_turn = False
         self.texts: list[str] = []
         self.text_bytes = 0            # UTF-8 bytes in ``texts``: at most ``max_text_bytes`` per tick
@@ -197,9 +199,21 @@ class ClientSession:
         self.audio.clear()
         self.audio_bytes = 0
 
+    def commit(self) -> None:
+        """The client committed its audio (``input_audio_buffer.commit``): its turn ends with this tick."""
+        self.new_turn = self.started = True
+        self.commit_mark = len(self.audio)
+
     def discard_audio(self) -> None:
         """Drop the session's uncommitted audio (a clear, a rate change): the tick's so far, what was already
-        streamed to the worker, and what the worker's VAD holds (the next entry says clear_audio)."""
+        streamed to the worker, and what the worker's VAD holds (the next entry says clear_audio).
+
+        After a commit in this tick only the audio that came after the commit goes (the worker flushes the
+        rest as the committed turn); audio streamed since the commit stays with it."""
+        if self.commit_mark is not None:
+            del self.audio[self.commit_mark:]
+            self.audio_bytes = sum(map(len, self.audio))
+            return
         self.clear_audio()
         self.audio_discarded = True
         self.streamed_audio_bytes = 0
@@ -245,6 +259,8 @@ class ClientSession:
         """
         if not self.has_unsent_input:
             return None
+        if self.commit_mark is not None:
+            self.commit_mark = 0   # what was committed and what followed go out together
         self.streamed_audio_bytes += self.audio_bytes
         self.streamed_text_bytes += self.text_bytes
         return self._take_wire(controls=False)
@@ -256,10 +272,13 @@ class ClientSession:
         self.forget_streamed()
         return parts
 
-    def forget_streamed(self) -> None:
-        """The tick's streamed input is used or lost: the bounds count from zero again."""
+    def forget_streamed(self, lost: bool = False) -> None:
+        """The tick's streamed input is used or ``lost``: the bounds count from zero again. A clear lost with
+        the stream goes again with the next entry (the worker's VAD may still hold audio it drops)."""
         self.streamed_audio_bytes = self.streamed_text_bytes = 0
-        self.audio_discarded = False
+        if lost and self.clear_streamed:
+            self.audio_discarded = True
+        self.clear_streamed = False
 
     def take_tick_wire(self) -> list[bytes]:
         """``take_tick_input``, already in protobuf wire format: one ``StepRequest.sessions`` entry, in parts.
@@ -278,6 +297,7 @@ class ClientSession:
         self.clear_text()
         if controls:
             self.new_turn = self.cancel = False
+            self.commit_mark = None
         return parts
 
     def _entry_wire(self, audio: list[bytes], audio_bytes: int, text: bytes, controls: bool) -> list[bytes]:
@@ -302,6 +322,7 @@ class ClientSession:
         if self.audio_discarded:
             tail.append(b"\x40\x01")
             self.audio_discarded = False
+            self.clear_streamed = not controls
         head_b, tail_b = b"".join(head), b"".join(tail)
         return [b"\x0a" + _varint(len(head_b) + audio_bytes + len(tail_b)) + head_b, *audio, tail_b]
 
@@ -322,6 +343,8 @@ class ClientSession:
         if self.turn_detection_changed:
             inp.turn_detection.CopyFrom(turn_detection_message(self.turn_detection))
             self.turn_detection_changed = False
+        self.audio_discarded = False
+        self.commit_mark = None
         self.forget_streamed()
         self.clear_audio()
         self.clear_text()

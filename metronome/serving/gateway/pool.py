@@ -304,7 +304,7 @@ class WorkerPool:
         for session in sessions:
             if session.streamed_audio_bytes or session.streamed_text_bytes:
                 lost.append(session)
-            session.forget_streamed()   # a pending clear goes too: what it would clear is gone
+            session.forget_streamed(lost=True)   # a clear it carried goes again with the last message
         if lost:
             log.warning("the input %d sessions streamed to %s was lost", len(lost), handle.address)
         return lost

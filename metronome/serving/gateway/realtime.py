@@ -320,7 +320,7 @@ class Gateway:
         if isinstance(event, SessionUpdate):
             self._update_session(conn, session, event)
         elif isinstance(event, InputAudioBufferCommit):
-            session.new_turn = session.started = True
+            session.commit()
             events = commit_turn(session)
             events[0]["event_id"] = event.event_id
             session.send_all(events)

@@ -189,7 +189,7 @@ def test_speech_over_an_answer_cancels_it_and_whisper_never_runs_on_the_tick(eng
                 return by_sid(core.step(pb.StepRequest(tick=tick, tokens_per_tick=4, sessions=[
                     pb.SessionInput(sid="s", sample_rate=16000, **inp)])))["s"]
 
-            first = step(1, text="Tell me a story.")
+            first = step(1, text="Tell me a story.", new_turn=True)   # item + response.create
             assert len(first.tokens) == 4 and not first.finished and not first.audio_pcm16
             onset = encode_pcm16(trim(synth("Stop, please stop"))[:8000])   # speech begins, has not ended
             during = step(2, audio_pcm16=onset)
