@@ -300,7 +300,9 @@ class CascadeAdapter(InteractionAdapter):
         s.header, s.close_next = [], []
         if transcript:
             s.utterances += 1
-        turns = [t for t in (transcript, tick.text) if t and t.strip()]
+        spoken = transcript if transcript and transcript.strip() else ""
+        typed = tick.text if tick.text and tick.text.strip() else ""
+        turns = [t for t in (spoken, typed) if t]
 
         if s.mode == "free_running":
             if turns:
@@ -311,12 +313,9 @@ class CascadeAdapter(InteractionAdapter):
                     tokens += chat.user_turn(text, respond=n == len(turns) - 1)
             return tokens
 
-        spoken = transcript if transcript and transcript.strip() else ""
-        typed = tick.text if tick.text and tick.text.strip() else ""
         if typed and s.responding and not (tick.new_turn or spoken or tick.cancel or barge_in):
             s.typed_later.append(typed)   # as in OpenAI's API the answer runs on; the message joins after it
-            typed = ""
-        turns = [t for t in (spoken, typed) if t]
+            turns = []                    # (the typed message was the tick's only turn)
         if s.responding and (tick.cancel or turns or barge_in or s.response_tokens >= self._response_cap(tick)):
             if not (tick.cancel or turns or barge_in):
                 log.info("session %s: answer cut at %d tokens (max_response_tokens)", tick.session_id,

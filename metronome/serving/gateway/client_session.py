@@ -344,11 +344,11 @@ class ClientSession:
             inp.turn_detection.CopyFrom(turn_detection_message(self.turn_detection))
             self.turn_detection_changed = False
         self.audio_discarded = False
-        self.commit_mark = None
         self.forget_streamed()
         self.clear_audio()
         self.clear_text()
         self.new_turn = self.cancel = False
+        self.commit_mark = None
         return inp
 
     # ------------------------------------------------------------------ output
