@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -64,7 +65,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self._executor = executor
         self.budget = InputBudget(engine.tokenizer, config.max_input_tokens, config.max_instruction_tokens)
         self.admission = WorkerAdmission(config.aimd, engine.stats().capacity, config.max_sessions)
-        self._opening = 0   # OpenSession calls admitted and on their way to the engine thread
+        # OpenSession calls admitted and not yet opened by the engine thread, which takes each off as it opens
+        # it: counted once, never both here and in the core while the answer is on its way back to the loop.
+        self._opening = 0
+        self._opening_lock = threading.Lock()
 
     @property
     def engine(self) -> Engine:
@@ -82,18 +86,28 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         if request.replace or self.core.is_open(request.sid):   # not an admission: the core answers it
             return await self._on_engine_thread(context, "OpenSession", self.core.open, request)
         # Decided and counted with no await between: concurrent gateways cannot both take the last slot.
-        live = self.core.sessions + self._opening
-        refused = self.admission.refusal(live, request.gateway_admits)
+        with self._opening_lock:
+            refused = self.admission.refusal(self.live_sessions, request.gateway_admits)
+            if refused is None:
+                self._opening += 1
         if refused is not None:
             why = self.admission.explain(refused)
             log.info("session %s refused: %s", request.sid, why)
             return self._answer(pb.OpenSessionResponse(ok=False, error=why, refused=refused))
-        self._opening += 1
+        return self._answer(await self._on_engine_thread(context, "OpenSession", self._open_admitted, request))
+
+    @property
+    def live_sessions(self) -> int:
+        """Sessions open on the engine and admitted on their way to it (what admission counts)."""
+        return self.core.sessions + self._opening
+
+    def _open_admitted(self, request: pb.OpenSessionRequest) -> pb.OpenSessionResponse:
+        """Engine thread: open an admitted session; it leaves the admitted count as it enters the core's."""
         try:
-            opened = await self._on_engine_thread(context, "OpenSession", self.core.open, request)
+            return self.core.open(request)
         finally:
-            self._opening -= 1
-        return self._answer(opened)
+            with self._opening_lock:
+                self._opening -= 1
 
     def _answer(self, response: pb.OpenSessionResponse) -> pb.OpenSessionResponse:
         response.admission_cap, response.sessions = self.admission.cap, self.core.sessions

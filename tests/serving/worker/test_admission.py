@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import grpc
 import pytest
@@ -49,6 +50,25 @@ async def test_concurrent_askers_get_exactly_the_cap_and_the_reason_for_the_rest
         assert all(a.admission_cap == 3 for a in answers)
         health = await stub.Health(pb.HealthRequest())
         assert health.sessions == 3 and health.admission_cap == 3 and not health.draining
+
+
+async def test_a_session_the_engine_has_opened_is_not_counted_again_before_its_answer_returns(small_worker):
+    """Opened on the engine thread, its answer not yet back on the event loop: it counts once, not twice (the
+    double count refused sessions below the cap when several connected at once)."""
+    service = small_worker.service
+    gate = threading.Event()
+    small_worker.executor.submit(gate.wait)                   # the engine thread is busy with a tick
+    async with grpc.aio.insecure_channel(small_worker.address) as channel:
+        stub = pb_grpc.WorkerStub(channel)
+        calls = [asyncio.ensure_future(stub.OpenSession(pb.OpenSessionRequest(sid=f"s{i}"))) for i in range(2)]
+        while service.live_sessions < 2:                      # both admitted, waiting for the engine thread
+            await asyncio.sleep(0.001)
+        gate.set()
+        small_worker.executor.submit(lambda: None).result()   # both opened; the loop has not resumed them
+        assert service.core.sessions == 2 and service.live_sessions == 2
+        assert service.admission.refusal(service.live_sessions) is None   # the cap (3) has room for one more
+        assert all(a.ok for a in await asyncio.gather(*calls))
+        assert (await stub.OpenSession(pb.OpenSessionRequest(sid="s2"))).ok
 
 
 async def test_memory_refusals_come_from_the_engines_reservation(chat_checkpoint):
