@@ -9,7 +9,8 @@ Per N, fresh processes as a user runs them: ``python -m metronome serve`` (one w
 packaged SmolLM2-135M, Whisper tiny.en, speech out on with the packaged Piper voice; gateway on loopback,
 admission held open for N sessions) and N WebSocket clients in this process. Each client asks a spoken
 question (``metronome/audio/samples/*.wav``, resampled to 24 kHz PCM16) every ``--cycle-s`` seconds, streamed
-in real time in 20-ms chunks with silence between; the clients are staggered evenly over one cycle. One
+in real time in 20-ms chunks with silence between; the clients are staggered evenly over one cycle, and each
+question starts after a random lead of up to B (so its end falls anywhere within a tick). One
 warm-up question is asked (and not counted) before the clients start.
 
 After its last question's cycle each client sends ``--tail-s`` more seconds of silence, so late answers still
@@ -74,9 +75,12 @@ class Client:
     """One session: streams its questions in real time and times each answer's first audio."""
 
     def __init__(self, index: int, url: str, clips, start: float, cycle_s: float, questions: int,
-                 tail_s: float = 0.0) -> None:
+                 tail_s: float = 0.0, phase_s: float = 0.0) -> None:
         self.index, self.url, self.clips = index, url, clips
         self.start, self.cycle_s, self.questions, self.tail_s = start, cycle_s, questions, tail_s
+        # Each question starts after a random lead in [0, phase_s): with phase_s = B its end of speech falls at
+        # any point of a tick, not at the one phase that a cycle of whole ticks would repeat for every question.
+        self.leads = np.random.default_rng(index + 1).uniform(0.0, phase_s, questions)
         self.asked: list[dict] = []          # per question: eos (monotonic), transcript, response id, first audio
         self.ticks: dict[int, dict] = {}
         self.errors: list[dict] = []
@@ -111,9 +115,10 @@ class Client:
         for q in range(self.questions):
             name, clip = self.clips[(self.index + q) % len(self.clips)]
             t0 = self.start + q * self.cycle_s
-            pieces = [clip[i:i + chunk] for i in range(0, clip.size, chunk)]
+            spoken = np.concatenate([np.zeros(round(self.leads[q] * RATE), np.float32), clip])
+            pieces = [spoken[i:i + chunk] for i in range(0, spoken.size, chunk)]
             record = {"session": self.index, "question": q, "clip": name, "speech_s": clip.size / RATE,
-                      "eos": t0 + clip.size / RATE, "transcript": None, "transcript_at": None, "response": None,
+                      "eos": t0 + spoken.size / RATE, "transcript": None, "transcript_at": None, "response": None,
                       "first_audio": None, "first_text": None, "text": "", "status": None}
             self.asked.append(record)
             sent = 0
@@ -197,8 +202,8 @@ async def drive(url: str, n: int, args, clips) -> tuple[list[Client], Client]:
         warm = Client(-1, url, clips, time.monotonic() + 1.0, args.cycle_s, 1)
         await warm.run(http)
         start = time.monotonic() + 2.0
-        clients = [Client(i, url, clips, start + i * args.cycle_s / n, args.cycle_s, args.questions, args.tail_s)
-                   for i in range(n)]
+        clients = [Client(i, url, clips, start + i * args.cycle_s / n, args.cycle_s, args.questions, args.tail_s,
+                          phase_s=args.budget_ms / 1000) for i in range(n)]
         await asyncio.gather(*(c.run(http) for c in clients))
     return clients, warm
 
@@ -266,7 +271,7 @@ def main(argv=None) -> dict:
     p.add_argument("--tokens-per-tick", type=int, default=25,
                    help="decode tokens per session per tick the gateway asks (serve's default; the cascade caps it)")
     p.add_argument("--cycle-s", type=float, default=10.0, help="seconds between one session's questions")
-    p.add_argument("--questions", type=int, default=3, help="questions per session")
+    p.add_argument("--questions", type=int, default=6, help="questions per session")
     p.add_argument("--tail-s", type=float, default=10.0,
                    help="silence each client keeps sending after its last question's cycle, for late answers")
     p.add_argument("--voice", default="piper", choices=["piper", "espeak"], help="speech out")
