@@ -202,9 +202,11 @@ class DecodeWindow:
             for buf, cache in ((k_buf, k_cache), (v_buf, v_cache)):
                 gathered = cache.view(-1, kv_heads, head_dim).index_select(0, plan.gather_slots.flatten())
                 buf.index_copy_(0, plan.gather_rows, gathered.view(rows, slots, kv_heads, head_dim).transpose(1, 2))
-        n = query.shape[0]
+        n, heads = query.shape[:2]
         k, v = k_buf[:n, :, :plan.width], v_buf[:n, :, :plan.width]
-        o = F.scaled_dot_product_attention(query.unsqueeze(2), k.to(query.dtype), v.to(query.dtype),
-                                           attn_mask=plan.mask, scale=self.scale,
-                                           enable_gqa=kv_heads != query.shape[1])
-        return o.squeeze(2)
+        # The query heads that share a KV head (GQA's repeat_interleave order) stand as that head's query rows:
+        # each KV head is read once, where SDPA's enable_gqa on the CPU expands K/V per query head first.
+        grouped = query.view(n, kv_heads, heads // kv_heads, head_dim)
+        o = F.scaled_dot_product_attention(grouped, k.to(query.dtype), v.to(query.dtype), attn_mask=plan.mask,
+                                           scale=self.scale)
+        return o.reshape(n, heads, head_dim)
