@@ -6,9 +6,9 @@ over this worker's tick latency (``serving/admission.py``), checked here first, 
 last message to its answer, the wait behind other gateways' ticks on the one engine thread included. A
 draining worker admits nothing.
 
-All calls come from the worker's asyncio loop (``service.py``): a decision and the count of sessions
-being opened change together, with no await between, so two gateways asking at once cannot both take
-the last slot.
+Decisions come from the worker's asyncio loop (``service.py``): a decision and the count of sessions being
+opened change together, under one lock and with no await between, so two gateways asking at once cannot
+both take the last slot. The engine thread takes a session off that count as it opens it.
 
 >>> from metronome.config import AimdConfig
 >>> a = WorkerAdmission(AimdConfig(budget_ms=100, initial_cap=2), memory_cap=3)

@@ -55,6 +55,13 @@ from metronome.serving.worker.tick import StreamedTick, TickCore
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class _Opening:
+    """One admitted OpenSession while it counts towards the sessions being opened."""
+
+    counted: bool = True
+
+
 class WorkerService(worker_pb2_grpc.WorkerServicer):
     """The RPC handlers: every call into the tick core goes through ``executor`` (one thread)."""
 
@@ -67,6 +74,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.admission = WorkerAdmission(config.aimd, engine.stats().capacity, config.max_sessions)
         # OpenSession calls admitted and not yet opened by the engine thread, which takes each off as it opens
         # it: counted once, never both here and in the core while the answer is on its way back to the loop.
+        # A call given up before the engine thread ran it is taken off by the loop (``_Opening``).
         self._opening = 0
         self._opening_lock = threading.Lock()
 
@@ -94,19 +102,35 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             why = self.admission.explain(refused)
             log.info("session %s refused: %s", request.sid, why)
             return self._answer(pb.OpenSessionResponse(ok=False, error=why, refused=refused))
-        return self._answer(await self._on_engine_thread(context, "OpenSession", self._open_admitted, request))
+        opening = _Opening()
+        try:
+            opened = await self._on_engine_thread(context, "OpenSession", self._open_admitted, request, opening)
+        except asyncio.CancelledError:
+            # The caller gave up (its deadline passed behind a long tick): a session opened for nobody would
+            # hold its reservation for good, so it is closed (closing is idempotent: it may never have opened).
+            self._executor.submit(self.core.close, request.sid)
+            raise
+        finally:
+            self._uncount(opening)
+        return self._answer(opened)
 
     @property
     def live_sessions(self) -> int:
         """Sessions open on the engine and admitted on their way to it (what admission counts)."""
         return self.core.sessions + self._opening
 
-    def _open_admitted(self, request: pb.OpenSessionRequest) -> pb.OpenSessionResponse:
+    def _open_admitted(self, request: pb.OpenSessionRequest, opening: _Opening) -> pb.OpenSessionResponse:
         """Engine thread: open an admitted session; it leaves the admitted count as it enters the core's."""
         try:
             return self.core.open(request)
         finally:
-            with self._opening_lock:
+            self._uncount(opening)
+
+    def _uncount(self, opening: _Opening) -> None:
+        """Take an admitted call off the opening count, once, from whichever thread comes first."""
+        with self._opening_lock:
+            if opening.counted:
+                opening.counted = False
                 self._opening -= 1
 
     def _answer(self, response: pb.OpenSessionResponse) -> pb.OpenSessionResponse:

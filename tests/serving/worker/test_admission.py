@@ -52,23 +52,53 @@ async def test_concurrent_askers_get_exactly_the_cap_and_the_reason_for_the_rest
         assert health.sessions == 3 and health.admission_cap == 3 and not health.draining
 
 
+async def _until(condition, timeout_s: float = 10.0) -> None:
+    """Wait for state that other threads change (bounded: a failure must not hang the suite)."""
+    async def poll():
+        while not condition():
+            await asyncio.sleep(0.001)
+    await asyncio.wait_for(poll(), timeout_s)
+
+
 async def test_a_session_the_engine_has_opened_is_not_counted_again_before_its_answer_returns(small_worker):
     """Opened on the engine thread, its answer not yet back on the event loop: it counts once, not twice (the
     double count refused sessions below the cap when several connected at once)."""
     service = small_worker.service
     gate = threading.Event()
     small_worker.executor.submit(gate.wait)                   # the engine thread is busy with a tick
-    async with grpc.aio.insecure_channel(small_worker.address) as channel:
-        stub = pb_grpc.WorkerStub(channel)
-        calls = [asyncio.ensure_future(stub.OpenSession(pb.OpenSessionRequest(sid=f"s{i}"))) for i in range(2)]
-        while service.live_sessions < 2:                      # both admitted, waiting for the engine thread
-            await asyncio.sleep(0.001)
+    try:
+        async with grpc.aio.insecure_channel(small_worker.address) as channel:
+            stub = pb_grpc.WorkerStub(channel)
+            calls = [asyncio.ensure_future(stub.OpenSession(pb.OpenSessionRequest(sid=f"s{i}"))) for i in range(2)]
+            await _until(lambda: service.live_sessions == 2)  # both admitted, waiting for the engine thread
+            gate.set()
+            small_worker.executor.submit(lambda: None).result()   # both opened; the loop has not resumed them
+            assert service.core.sessions == 2 and service.live_sessions == 2
+            assert service.admission.refusal(service.live_sessions) is None   # the cap (3) has room for one more
+            assert all(a.ok for a in await asyncio.gather(*calls))
+            assert (await stub.OpenSession(pb.OpenSessionRequest(sid="s2"))).ok
+    finally:
         gate.set()
-        small_worker.executor.submit(lambda: None).result()   # both opened; the loop has not resumed them
-        assert service.core.sessions == 2 and service.live_sessions == 2
-        assert service.admission.refusal(service.live_sessions) is None   # the cap (3) has room for one more
-        assert all(a.ok for a in await asyncio.gather(*calls))
-        assert (await stub.OpenSession(pb.OpenSessionRequest(sid="s2"))).ok
+
+
+async def test_an_open_given_up_behind_a_long_tick_leaves_no_count_and_no_session(small_worker):
+    service = small_worker.service
+    gate = threading.Event()
+    small_worker.executor.submit(gate.wait)                   # a tick longer than the caller's deadline
+    try:
+        async with grpc.aio.insecure_channel(small_worker.address) as channel:
+            stub = pb_grpc.WorkerStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.OpenSession(pb.OpenSessionRequest(sid="late"), timeout=0.2)
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            await _until(lambda: service.live_sessions == 0)    # the loop took it off the count
+            gate.set()
+            small_worker.executor.submit(lambda: None).result()   # whatever was queued for it has run
+            assert not service.core.is_open("late") and service.live_sessions == 0
+            answers = [await stub.OpenSession(pb.OpenSessionRequest(sid=f"s{i}")) for i in range(3)]
+            assert all(a.ok for a in answers)                 # the whole cap (3) is there for new sessions
+    finally:
+        gate.set()
 
 
 async def test_memory_refusals_come_from_the_engines_reservation(chat_checkpoint):
