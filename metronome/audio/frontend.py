@@ -12,7 +12,13 @@ someone start talking: barge-in) and the transcripts of finished utterances. Two
   ``transcribe_batch`` call; the cleaned transcripts are ready then.
 
 So a transcript joins the first tick that starts after Whisper finished with it (on average half a tick
-after), and the VAD of later ticks never waits behind Whisper. ``busy`` says whether a session's audio is
+after), and the VAD of later ticks never waits behind Whisper.
+
+A guess saves a tick when Whisper is idle: once a session's silence has run past the end pad (the VAD's
+``tentative``: the utterance's audio is then what it will be if the silence lasts), Whisper transcribes it
+before the silence has lasted long enough to end the utterance, which may come a tick later. If the utterance
+ends as guessed its transcript is reported without a second run; if the speech goes on the guess is dropped.
+Guesses run only while no finished utterance waits, one at a time. ``busy`` says whether a session's audio is
 still on its way (a commit that came first waits for its transcript).
 
 ``configure`` (the client's turn detection) is queued in order with the audio, so the VAD thread, the only
@@ -36,6 +42,7 @@ Heard(started=True, transcripts=['What is the capital of France?'], error=None, 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import re
@@ -46,7 +53,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from metronome.audio.vad import SAMPLE_RATE, SileroVad, VadConfig, VadEvents, VadStream
+from metronome.audio.vad import SAMPLE_RATE, SileroVad, Utterance, VadConfig, VadEvents, VadStream
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +103,8 @@ class FrontendStats:
     utterances: int = 0
     speech_s: float = 0.0
     largest_batch: int = 0
+    guesses: int = 0          # utterances transcribed on a guess
+    guesses_used: int = 0     # ... that ended as guessed (the others cost Whisper time for nothing)
 
 
 @dataclass(eq=False)
@@ -109,6 +118,20 @@ class _Stream:
     unheard: int = 0     # utterances queued or in Whisper now (likewise)
     manual: bool = False                                    # VAD thread: only a commit ends a turn
     held: list[np.ndarray] = field(default_factory=list)    # VAD thread: finished utterances awaiting the commit
+    guess: _Guess | None = None                             # the open utterance's guess (under the lock)
+
+
+@dataclass(eq=False)
+class _Guess:
+    """The open utterance transcribed before its silence ended it: the audio ``[start, end)`` of the stream."""
+
+    stream: _Stream
+    start: int
+    end: int
+    audio: np.ndarray
+    state: str = "queued"                  # "queued", "running", "done"
+    text: str | Exception | None = None    # Whisper's answer once done
+    wanted: bool = False                   # the utterance ended as guessed: the answer is due when done
 
 
 @dataclass
@@ -153,6 +176,8 @@ class SpeechFrontend:
         self._streams: dict[str, _Stream] = {}
         self._ready: dict[str, Heard] = {}
         self._asr_queue: deque[_Utterance] = deque()
+        self._guesses: deque[_Guess] = deque()   # at most one: guesses use Whisper's idle time only
+        self._asr_busy = False
         self._pending = 0                      # submitted ticks and queued utterances not yet done
         self._stopping = False
         self._vad_jobs: queue.SimpleQueue[list[tuple[_Stream, np.ndarray, bool]] | _Configure | None] = \
@@ -172,8 +197,10 @@ class SpeechFrontend:
     def close(self, sid: str) -> None:
         """Forget the session: its audio and utterances still queued are skipped, nothing of it is reported."""
         with self._lock:
-            self._streams.pop(sid, None)
+            stream = self._streams.pop(sid, None)
             self._ready.pop(sid, None)
+            if stream is not None:
+                self._drop_guess(stream)
 
     def submit(self, audio: list[tuple[str, np.ndarray, bool]]) -> None:
         """One tick's ``(sid, float32 16 kHz audio, commit)`` per session; unknown sessions are ignored."""
@@ -246,6 +273,8 @@ class SpeechFrontend:
                 elif isinstance(job, _Clear):
                     job.stream.vad.discard()
                     job.stream.held = []
+                    with self._lock:
+                        self._drop_guess(job.stream)
                 else:
                     self._run_vad(job)
             except Exception:  # noqa: BLE001 - a bug here must not stop the front end for every session
@@ -291,15 +320,74 @@ class SpeechFrontend:
             if isinstance(ev, Exception):
                 self._report(stream, error=f"voice activity detection failed: {type(ev).__name__}: {ev}")
                 continue
-            utterances, stopped_at = self._turns_ended(stream, ev, commit)
             # An utterance began in this audio: none was open before it, or one ended and another is open.
             started = (not before and (ev.speaking or bool(ev.utterances))) or \
                 (ev.speaking and any(not u.forced for u in ev.utterances))
+            unguessed = self._settle_guess(stream, ev.utterances)
+            utterances, stopped_at = self._turns_ended(stream, dataclasses.replace(ev, utterances=unguessed), commit)
             if started or ev.started_at is not None or stopped_at is not None:
                 self._report(stream, started=started, started_ms=samples_to_ms(ev.started_at),
                              stopped_ms=samples_to_ms(stopped_at))
             finished += [_Utterance(stream, audio) for audio in utterances]
         self._queue_asr(finished)
+        for stream, _, commit in job:
+            if not commit:
+                self._guess(stream)
+
+    # ------------------------------------------------------------------ guesses (VAD thread, and the lock)
+    def _settle_guess(self, stream: _Stream, ended: list[Utterance]) -> list[Utterance]:
+        """The utterances that ended in this audio, less the one the session's guess already covers (its
+        transcript is reported now, or when Whisper is done with it). A guess that no longer holds is dropped."""
+        with self._lock:
+            guess = stream.guess
+            if guess is None:
+                return ended
+            tentative = stream.vad.tentative()
+            rest = []
+            for u in ended:
+                if guess is not None and not stream.manual and not u.forced and (u.start, u.end) == (guess.start, guess.end):
+                    self._use_guess(guess)
+                    guess = None
+                else:
+                    rest.append(u)
+            if guess is not None and (tentative is None or (tentative.start, tentative.end) != (guess.start, guess.end)):
+                self._drop_guess(stream)   # the speech went on, or the utterance ended otherwise
+            return rest
+
+    def _use_guess(self, guess: _Guess) -> None:
+        """The utterance ended as guessed (under the lock)."""
+        stream = guess.stream
+        stream.guess = None
+        self.stats.guesses_used += 1
+        if guess.state == "queued":   # Whisper has not started it: it becomes an utterance like any other
+            self._guesses.remove(guess)
+            self._queue_asr([_Utterance(stream, guess.audio)])
+        elif guess.state == "running":   # reported when Whisper is done; the session is busy until then
+            guess.wanted = True
+            stream.unheard += 1
+            self._pending += 1
+        else:
+            self._deliver(stream, guess.audio, guess.text)
+
+    def _drop_guess(self, stream: _Stream) -> None:
+        """Under the lock: forget the session's guess (a running one finishes unused)."""
+        guess, stream.guess = stream.guess, None
+        if guess is not None and guess.state == "queued":
+            self._guesses.remove(guess)
+
+    def _guess(self, stream: _Stream) -> None:
+        """Start a guess on the session's silence under way, if Whisper has nothing else to do."""
+        if stream.manual:
+            return
+        tentative = stream.vad.tentative()
+        with self._lock:
+            if tentative is None or self._streams.get(stream.sid) is not stream or stream.guess is not None:
+                return
+            if self._asr_queue or self._asr_busy or self._guesses:
+                return
+            stream.guess = _Guess(stream, tentative.start, tentative.end, tentative.audio)
+            self._guesses.append(stream.guess)
+            self._lock.notify_all()
 
     @staticmethod
     def _turns_ended(stream: _Stream, ev: VadEvents, commit: bool) -> tuple[list[np.ndarray], int | None]:
@@ -349,23 +437,53 @@ class SpeechFrontend:
     def _asr_loop(self) -> None:
         while True:
             with self._lock:
-                self._lock.wait_for(lambda: self._asr_queue or self._stopping)
+                self._lock.wait_for(lambda: self._asr_queue or self._guesses or self._stopping)
                 if self._stopping:
                     return
-                batch = [self._asr_queue.popleft() for _ in range(min(self.max_batch, len(self._asr_queue)))]
-                for u in batch:
-                    u.stream.queued -= 1
+                self._asr_busy = True
+                if not self._asr_queue:   # finished utterances first; a guess only in idle time
+                    guess = self._guesses.popleft()
+                    guess.state = "running"
+                    batch = []
+                else:
+                    guess = None
+                    batch = [self._asr_queue.popleft() for _ in range(min(self.max_batch, len(self._asr_queue)))]
+                    for u in batch:
+                        u.stream.queued -= 1
                 live = [u for u in batch if self._streams.get(u.stream.sid) is u.stream]
             try:
-                if live:
+                if guess is not None:
+                    self._run_guess(guess)
+                elif live:
                     self._run_asr(live)
             except Exception:  # noqa: BLE001 - a bug here must not stop the front end for every session
                 log.exception("the speech front end's ASR step failed")
             finally:
                 with self._lock:
+                    self._asr_busy = False
                     for u in batch:
                         u.stream.unheard -= 1
-                self._done(len(batch))
+                if batch:
+                    self._done(len(batch))
+
+    def _run_guess(self, guess: _Guess) -> None:
+        t0 = time.perf_counter()
+        try:
+            text: str | Exception = self.asr.transcribe_batch([guess.audio])[0]
+        except Exception as exc:  # noqa: BLE001 - reported only if the utterance ends as guessed
+            log.exception("session %s: speech recognition of a guess failed", guess.stream.sid)
+            text = exc
+        wall = time.perf_counter() - t0
+        log.info("speech recognition on a guess: %.1f s of speech, in %.0f ms", guess.audio.size / SAMPLE_RATE,
+                 wall * 1e3)
+        with self._lock:
+            self.stats.guesses += 1
+            self.stats.asr_s += wall
+            guess.state, guess.text = "done", text
+            if guess.wanted:   # the utterance ended as guessed while Whisper had it
+                guess.stream.unheard -= 1
+                self._deliver(guess.stream, guess.audio, text)
+                self._done(1)
 
     def _run_asr(self, batch: list[_Utterance]) -> None:
         t0 = time.perf_counter()
@@ -391,10 +509,18 @@ class SpeechFrontend:
             s.speech_s += sum(u.audio.size for u in batch) / SAMPLE_RATE
             s.largest_batch = max(s.largest_batch, len(batch))
         for u, text in zip(batch, results):
+            self._deliver(u.stream, None, text)
+
+    def _deliver(self, stream: _Stream, guessed: np.ndarray | None, text: str | Exception | None) -> None:
+        """One utterance's transcript (or failure) for its session; ``guessed``: the audio of a guess used."""
+        with self._lock:
+            if guessed is not None:
+                self.stats.utterances += 1
+                self.stats.speech_s += guessed.size / SAMPLE_RATE
             if isinstance(text, Exception):
-                self._report(u.stream, error=f"speech recognition failed: {type(text).__name__}: {text}")
-            elif text := clean_transcript(text):
-                self._report(u.stream, transcript=text)
+                self._report_locked(stream, error=f"speech recognition failed: {type(text).__name__}: {text}")
+            elif text and (text := clean_transcript(text)):
+                self._report_locked(stream, transcript=text)
 
     # ------------------------------------------------------------------ results
     def _report(self, stream: _Stream, **what) -> None:

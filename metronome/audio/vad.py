@@ -241,6 +241,18 @@ class VadStream:
         speech_end = self._silence_start if self._silence_start is not None else self._pos
         return self._close(self._pos, speech_end, forced=False)
 
+    def tentative(self) -> Utterance | None:
+        """The utterance the open one becomes if the silence now under way lasts until it ends the utterance,
+        as ``feed`` would return it then; None while no silence is under way, before the scored audio reaches
+        the end pad after the silence began, or when the speech is too short to keep. Nothing changes."""
+        if not self._triggered or self._silence_start is None:
+            return None
+        end = self._silence_start + self._pad   # scored audio reaches it: within the open utterance's
+        if self._pos < end or self._silence_start - self._speech_start < self._min_speech:
+            return None
+        audio = np.concatenate(self._utt)[: end - self._utt_start]
+        return Utterance(audio.astype(np.float32, copy=False), self._utt_start, end)
+
     def discard(self) -> None:
         """Drop the open utterance, the pre-roll and the samples not yet scored (the client cleared its input
         buffer): the next utterance starts with audio that comes after this. Stream offsets count the dropped

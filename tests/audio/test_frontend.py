@@ -4,6 +4,7 @@ where its timing matters (a gate the test opens), so every wait is an event, nev
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from metronome.audio.cascade import CascadeAdapter
 from metronome.audio.frontend import SpeechFrontend
 from metronome.audio.sentences import CutPolicy
 from metronome.audio.tts import SpeechSynthesizer
-from metronome.audio.vad import SileroVad
+from metronome.audio.vad import SileroVad, VadConfig
 from tests.audio.speech import silence, synth, trim
 from tests.audio.test_tts import ScriptedVoice
 
@@ -192,5 +193,92 @@ def test_what_a_session_does_not_take_stays_bounded(vad, spoken):
         assert heard.started and heard.transcripts == [QUESTION]
         assert heard.error and "not taken" in heard.error
         assert front.take(["idle"]) == {}
+    finally:
+        front.shutdown()
+
+
+@pytest.fixture(scope="module")
+def question():
+    """The question and no silence after it: what a session has sent when its speaker just stopped."""
+    return np.concatenate([silence(0.3), trim(synth(QUESTION))])
+
+
+def front_end(vad, asr):
+    return SpeechFrontend(vad, asr, vad_config=VadConfig(min_silence_ms=300, speech_pad_ms=100))
+
+
+def settled(front, sid="a"):
+    assert front.wait_idle(30)
+    return front.take([sid]).get(sid)
+
+
+def test_a_guess_on_the_silence_is_the_transcript_when_the_silence_ends_the_utterance(vad, question):
+    asr = GatedAsr()
+    front = front_end(vad, asr)
+    try:
+        front.open("a")
+        front.submit([("a", np.concatenate([question, silence(0.3)]), False)])   # past the end pad, not the end
+        assert asr.entered.wait(30)                      # Whisper guesses while the silence goes on
+        heard = settled(front)
+        assert heard is None or not heard.transcripts    # nothing reported yet: the utterance is still open
+        front.submit([("a", silence(0.4), False)])       # the silence ends the utterance as guessed
+        assert settled(front).transcripts == [QUESTION]
+        assert asr.batches == [1] and front.stats.guesses == 1 and front.stats.guesses_used == 1
+        assert front.stats.utterances == 1
+    finally:
+        front.shutdown()
+
+
+def test_an_utterance_that_ends_while_whisper_has_its_guess_waits_for_that_run(vad, question):
+    asr = GatedAsr()
+    front = front_end(vad, asr)
+    try:
+        front.open("a")
+        asr.gate.clear()
+        front.submit([("a", np.concatenate([question, silence(0.3)]), False)])
+        assert asr.entered.wait(30)                      # the guess is in Whisper, held there
+        front.submit([("a", silence(0.4), False)])
+        assert not front.wait_idle(0.2) and front.busy("a")   # the ended utterance waits for the guess's run
+        asr.gate.set()
+        assert settled(front).transcripts == [QUESTION]
+        assert asr.batches == [1] and not front.busy("a")
+    finally:
+        front.shutdown()
+
+
+def test_speech_that_goes_on_drops_the_guess(vad, question):
+    asr = GatedAsr()
+    front = front_end(vad, asr)
+    try:
+        front.open("a")
+        front.submit([("a", np.concatenate([question, silence(0.3)]), False)])
+        assert asr.entered.wait(30)
+        assert front.wait_idle(30)
+        front.submit([("a", np.concatenate([trim(synth(QUESTION)), silence(0.6)]), False)])   # a pause, then more
+        heard = settled(front)
+        assert heard.transcripts == [QUESTION]           # one utterance, transcribed whole once it ended
+        assert asr.batches == [1, 1] and front.stats.guesses_used == 0
+    finally:
+        front.shutdown()
+
+
+def test_no_guess_while_whisper_has_finished_utterances_to_transcribe(vad, question, spoken):
+    asr = GatedAsr()
+    front = front_end(vad, asr)
+    try:
+        front.open("a")
+        front.open("b")
+        asr.gate.clear()
+        front.submit([("b", spoken, False)])             # b's question has ended: Whisper takes it
+        assert asr.entered.wait(30)
+        front.submit([("a", np.concatenate([question, silence(0.3)]), False)])
+        front.submit([("a", silence(0.4), False)])       # a's ends without a guess before it
+        deadline = time.monotonic() + 30
+        while front.stats.vad_calls < 3 and time.monotonic() < deadline:   # the VAD has had all of a's audio
+            time.sleep(0.001)
+        asr.gate.set()
+        assert front.wait_idle(30)
+        assert front.stats.guesses == 0 and sum(asr.batches) == 2
+        assert front.take(["a"])["a"].transcripts == [QUESTION]
     finally:
         front.shutdown()

@@ -168,3 +168,24 @@ def test_a_longer_silence_setting_keeps_a_pause_inside_the_utterance(vad, senten
     joined, _ = run(patient, audio, 320)
     assert len(default) == 2 and len(joined) == 1
     assert joined[0].start == default[0].start and joined[0].end > default[1].start
+
+
+def test_the_tentative_utterance_is_the_one_the_silence_ends_or_none_once_speech_goes_on(vad, sentences):
+    config = VadConfig(min_silence_ms=300, speech_pad_ms=100)
+    audio = np.concatenate([silence(0.3), sentences[0], silence(0.6)])
+    s = vad.open(config)
+    guesses, ended = [], []
+    for i in range(0, len(audio), 320):   # 20-ms chunks: every state the silence passes through
+        ended += s.feed(audio[i:i + 320]).utterances
+        if not ended and (t := s.tentative()) is not None:
+            guesses.append(t)
+    assert len(ended) == 1 and guesses, "the silence gave no tentative utterance before it ended the utterance"
+    last, final = guesses[-1], ended[0]
+    assert (last.start, last.end) == (final.start, final.end) and np.array_equal(last.audio, final.audio)
+    assert s.tentative() is None                               # ended: nothing open
+
+    s = vad.open(config)                                       # a pause past the pad, then more speech
+    s.feed(np.concatenate([silence(0.3), sentences[0], silence(0.3)]))
+    assert s.tentative() is not None
+    s.feed(sentences[1][:8000])
+    assert s.speaking and s.tentative() is None
