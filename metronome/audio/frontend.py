@@ -14,8 +14,9 @@ someone start talking: barge-in) and the transcripts of finished utterances. Two
 So a transcript joins the first tick that starts after Whisper finished with it (on average half a tick
 after), and the VAD of later ticks never waits behind Whisper.
 
-A guess saves a tick when Whisper is idle: once a session's silence has run past the end pad (the VAD's
-``tentative``: the utterance's audio is then what it will be if the silence lasts), Whisper transcribes it
+A guess saves a tick when Whisper is idle: once a session's silence has lasted half of what ends an utterance
+and run past the end pad (the VAD's ``tentative``: the utterance's audio is then what it will be if the silence
+lasts), Whisper transcribes it
 before the silence has lasted long enough to end the utterance, which may come a tick later. If the utterance
 ends as guessed its transcript is reported without a second run; if the speech goes on the guess is dropped.
 Guesses run only while no finished utterance waits, one at a time. ``busy`` says whether a session's audio is
@@ -325,6 +326,9 @@ class SpeechFrontend:
                 (ev.speaking and any(not u.forced for u in ev.utterances))
             unguessed = self._settle_guess(stream, ev.utterances)
             utterances, stopped_at = self._turns_ended(stream, dataclasses.replace(ev, utterances=unguessed), commit)
+            if commit:   # the commit ended the open utterance itself
+                with self._lock:
+                    self._drop_guess(stream)
             if started or ev.started_at is not None or stopped_at is not None:
                 self._report(stream, started=started, started_ms=samples_to_ms(ev.started_at),
                              stopped_ms=samples_to_ms(stopped_at))
@@ -366,6 +370,8 @@ class SpeechFrontend:
             guess.wanted = True
             stream.unheard += 1
             self._pending += 1
+        elif isinstance(guess.text, Exception):   # the guess failed: the utterance gets a run of its own
+            self._queue_asr([_Utterance(stream, guess.audio)])
         else:
             self._deliver(stream, guess.audio, guess.text)
 
@@ -379,7 +385,8 @@ class SpeechFrontend:
         """Start a guess on the session's silence under way, if Whisper has nothing else to do."""
         if stream.manual:
             return
-        tentative = stream.vad.tentative()
+        # Half the silence that ends an utterance, not just the end pad: fewer guesses on pauses within a sentence.
+        tentative = stream.vad.tentative(stream.vad.config.min_silence_ms // 2)
         with self._lock:
             if tentative is None or self._streams.get(stream.sid) is not stream or stream.guess is not None:
                 return
@@ -481,8 +488,11 @@ class SpeechFrontend:
             self.stats.asr_s += wall
             guess.state, guess.text = "done", text
             if guess.wanted:   # the utterance ended as guessed while Whisper had it
+                if isinstance(text, Exception):   # failed: the utterance gets a run of its own
+                    self._queue_asr([_Utterance(guess.stream, guess.audio)])
+                else:
+                    self._deliver(guess.stream, guess.audio, text)
                 guess.stream.unheard -= 1
-                self._deliver(guess.stream, guess.audio, text)
                 self._done(1)
 
     def _run_asr(self, batch: list[_Utterance]) -> None:

@@ -241,14 +241,16 @@ class VadStream:
         speech_end = self._silence_start if self._silence_start is not None else self._pos
         return self._close(self._pos, speech_end, forced=False)
 
-    def tentative(self) -> Utterance | None:
+    def tentative(self, silent_ms: int = 0) -> Utterance | None:
         """The utterance the open one becomes if the silence now under way lasts until it ends the utterance,
-        as ``feed`` would return it then; None while no silence is under way, before the scored audio reaches
-        the end pad after the silence began, or when the speech is too short to keep. Nothing changes."""
+        as ``feed`` would return it then; None while no silence is under way or it has lasted less than
+        ``silent_ms``, before the scored audio reaches the end pad after the silence began, or when the speech
+        is too short to keep. Nothing changes."""
         if not self._triggered or self._silence_start is None:
             return None
         end = self._silence_start + self._pad   # scored audio reaches it: within the open utterance's
-        if self._pos < end or self._silence_start - self._speech_start < self._min_speech:
+        if self._pos < max(end, self._silence_start + silent_ms * SAMPLE_RATE // 1000) or \
+                self._silence_start - self._speech_start < self._min_speech:
             return None
         audio = np.concatenate(self._utt)[: end - self._utt_start]
         return Utterance(audio.astype(np.float32, copy=False), self._utt_start, end)

@@ -276,9 +276,34 @@ def test_no_guess_while_whisper_has_finished_utterances_to_transcribe(vad, quest
         deadline = time.monotonic() + 30
         while front.stats.vad_calls < 3 and time.monotonic() < deadline:   # the VAD has had all of a's audio
             time.sleep(0.001)
+        assert front.stats.vad_calls == 3
         asr.gate.set()
         assert front.wait_idle(30)
         assert front.stats.guesses == 0 and sum(asr.batches) == 2
         assert front.take(["a"])["a"].transcripts == [QUESTION]
+    finally:
+        front.shutdown()
+
+
+def test_a_guess_that_failed_gives_the_utterance_a_run_of_its_own(vad, question):
+    class FailsFirst(GatedAsr):
+        def transcribe_batch(self, utterances, sample_rate=16000):
+            first = not self.batches
+            texts = super().transcribe_batch(utterances, sample_rate)
+            if first:
+                raise RuntimeError("the decoder choked")
+            return texts
+
+    asr = FailsFirst()
+    front = front_end(vad, asr)
+    try:
+        front.open("a")
+        front.submit([("a", np.concatenate([question, silence(0.3)]), False)])
+        assert asr.entered.wait(30)
+        assert front.wait_idle(30)
+        front.submit([("a", silence(0.4), False)])
+        heard = settled(front)
+        assert heard.transcripts == [QUESTION] and heard.error is None
+        assert asr.batches == [1, 1]
     finally:
         front.shutdown()
