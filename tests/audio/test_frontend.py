@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -212,54 +213,50 @@ def settled(front, sid="a"):
     return front.take([sid]).get(sid)
 
 
-def test_a_guess_on_the_silence_is_the_transcript_when_the_silence_ends_the_utterance(vad, question):
-    asr = GatedAsr()
+@contextmanager
+def guessing(vad, asr, question):
+    """A front end whose session "a" has just stopped speaking: past the end pad and half the ending silence, not
+    the end. Whisper has the guess (held there while ``asr.gate`` is shut)."""
     front = front_end(vad, asr)
     try:
         front.open("a")
-        front.submit([("a", np.concatenate([question, silence(0.3)]), False)])   # past the end pad, not the end
-        assert asr.entered.wait(30)                      # Whisper guesses while the silence goes on
+        front.submit([("a", np.concatenate([question, silence(0.3)]), False)])
+        assert asr.entered.wait(30)
+        yield front
+    finally:
+        front.shutdown()
+
+
+def test_a_guess_on_the_silence_is_the_transcript_when_the_silence_ends_the_utterance(vad, question):
+    asr = GatedAsr()
+    with guessing(vad, asr, question) as front:
         heard = settled(front)
         assert heard is None or not heard.transcripts    # nothing reported yet: the utterance is still open
         front.submit([("a", silence(0.4), False)])       # the silence ends the utterance as guessed
         assert settled(front).transcripts == [QUESTION]
         assert asr.batches == [1] and front.stats.guesses == 1 and front.stats.guesses_used == 1
         assert front.stats.utterances == 1
-    finally:
-        front.shutdown()
 
 
 def test_an_utterance_that_ends_while_whisper_has_its_guess_waits_for_that_run(vad, question):
     asr = GatedAsr()
-    front = front_end(vad, asr)
-    try:
-        front.open("a")
-        asr.gate.clear()
-        front.submit([("a", np.concatenate([question, silence(0.3)]), False)])
-        assert asr.entered.wait(30)                      # the guess is in Whisper, held there
+    asr.gate.clear()
+    with guessing(vad, asr, question) as front:
         front.submit([("a", silence(0.4), False)])
         assert not front.wait_idle(0.2) and front.busy("a")   # the ended utterance waits for the guess's run
         asr.gate.set()
         assert settled(front).transcripts == [QUESTION]
         assert asr.batches == [1] and not front.busy("a")
-    finally:
-        front.shutdown()
 
 
 def test_speech_that_goes_on_drops_the_guess(vad, question):
     asr = GatedAsr()
-    front = front_end(vad, asr)
-    try:
-        front.open("a")
-        front.submit([("a", np.concatenate([question, silence(0.3)]), False)])
-        assert asr.entered.wait(30)
+    with guessing(vad, asr, question) as front:
         assert front.wait_idle(30)
         front.submit([("a", np.concatenate([trim(synth(QUESTION)), silence(0.6)]), False)])   # a pause, then more
         heard = settled(front)
         assert heard.transcripts == [QUESTION]           # one utterance, transcribed whole once it ended
         assert asr.batches == [1, 1] and front.stats.guesses_used == 0
-    finally:
-        front.shutdown()
 
 
 def test_no_guess_while_whisper_has_finished_utterances_to_transcribe(vad, question, spoken):
@@ -295,15 +292,9 @@ def test_a_guess_that_failed_gives_the_utterance_a_run_of_its_own(vad, question)
             return texts
 
     asr = FailsFirst()
-    front = front_end(vad, asr)
-    try:
-        front.open("a")
-        front.submit([("a", np.concatenate([question, silence(0.3)]), False)])
-        assert asr.entered.wait(30)
+    with guessing(vad, asr, question) as front:
         assert front.wait_idle(30)
         front.submit([("a", silence(0.4), False)])
         heard = settled(front)
         assert heard.transcripts == [QUESTION] and heard.error is None
         assert asr.batches == [1, 1]
-    finally:
-        front.shutdown()
