@@ -21,6 +21,7 @@ from metronome.attention.fp8 import E4M3, E4M3_MAX, CalibratingAttention
 from metronome.attention.metadata import PagedAttentionMetadata
 from metronome.attention.reference import TorchPagedAttention
 from metronome.config import EngineConfig
+from metronome.engine.blocks import blocks_per_session
 from metronome.engine.policy import retention_for
 from metronome.engine.request import ForwardPlan, ForwardResult, ForwardSegment, RebasePlan
 from metronome.engine.scheduler import InvariantError
@@ -105,8 +106,8 @@ class ModelRunner:
             self.attention = TorchPagedAttention(self.spec.num_heads)
         # The CPU path's torch attention over compute-dtype pages: decode rounds attend over keys gathered once
         # per step (see decode_rounds); E4M3 pages go through the reference, which applies their scales.
-        policy = config.policy
-        max_live = policy.sinks + policy.window + 2 * policy.block_size if policy.bounded else None
+        # A decode round adds one token a session: the reservation formula at a chunk of 1, in keys.
+        max_live = blocks_per_session(config.policy, 1, self.spec.max_position_embeddings) * self.block_size
         self.decode_window = DecodeWindow(self.kv_caches, self.spec.num_heads, max_live_keys=max_live) \
             if (isinstance(self.attention, TorchPagedAttention) and self.device.type == "cpu"
                 and self.kv_dtype != E4M3) else None
