@@ -16,10 +16,9 @@ after), and the VAD of later ticks never waits behind Whisper.
 
 A guess saves a tick when Whisper is idle: once a session's silence has lasted half of what ends an utterance
 and run past the end pad (the VAD's ``tentative``: the utterance's audio is then what it will be if the silence
-lasts), Whisper transcribes it
-before the silence has lasted long enough to end the utterance, which may come a tick later. If the utterance
-ends as guessed its transcript is reported without a second run; if the speech goes on the guess is dropped.
-Guesses run only while no finished utterance waits, one at a time. ``busy`` says whether a session's audio is
+lasts), Whisper transcribes it before the silence has lasted long enough to end the utterance, which may come a
+tick later. If the utterance ends as guessed its transcript is reported without a second run; if the speech goes
+on the guess is dropped. Guesses run only while no finished utterance waits, one at a time. ``busy`` says whether a session's audio is
 still on its way (a commit that came first waits for its transcript).
 
 ``configure`` (the client's turn detection) is queued in order with the audio, so the VAD thread, the only
@@ -69,6 +68,10 @@ def samples_to_ms(samples: int | None) -> int | None:
 
 # Whisper marks non-speech with bracketed tags ("[BLANK_AUDIO]", "(music)"); they are not words said.
 _NON_SPEECH = re.compile(r"\[[^\]]*\]|\([^)]*\)|\*[^*]*\*")
+
+
+def _same_span(a: Utterance, b: Utterance) -> bool:
+    return (a.start, a.end) == (b.start, b.end)
 
 
 def clean_transcript(text: str) -> str:
@@ -124,12 +127,10 @@ class _Stream:
 
 @dataclass(eq=False)
 class _Guess:
-    """The open utterance transcribed before its silence ended it: the audio ``[start, end)`` of the stream."""
+    """The open utterance transcribed before its silence ended it (the VAD's ``tentative`` utterance)."""
 
     stream: _Stream
-    start: int
-    end: int
-    audio: np.ndarray
+    utterance: Utterance
     state: str = "queued"                  # "queued", "running", "done"
     text: str | Exception | None = None    # Whisper's answer once done
     wanted: bool = False                   # the utterance ended as guessed: the answer is due when done
@@ -349,12 +350,12 @@ class SpeechFrontend:
             tentative = stream.vad.tentative()
             rest = []
             for u in ended:
-                if guess is not None and not stream.manual and not u.forced and (u.start, u.end) == (guess.start, guess.end):
+                if guess is not None and not stream.manual and not u.forced and _same_span(u, guess.utterance):
                     self._use_guess(guess)
                     guess = None
                 else:
                     rest.append(u)
-            if guess is not None and (tentative is None or (tentative.start, tentative.end) != (guess.start, guess.end)):
+            if guess is not None and (tentative is None or not _same_span(tentative, guess.utterance)):
                 self._drop_guess(stream)   # the speech went on, or the utterance ended otherwise
             return rest
 
@@ -365,15 +366,23 @@ class SpeechFrontend:
         self.stats.guesses_used += 1
         if guess.state == "queued":   # Whisper has not started it: it becomes an utterance like any other
             self._guesses.remove(guess)
-            self._queue_asr([_Utterance(stream, guess.audio)])
+            self._queue_asr([_Utterance(stream, guess.utterance.audio)])
         elif guess.state == "running":   # reported when Whisper is done; the session is busy until then
             guess.wanted = True
             stream.unheard += 1
             self._pending += 1
-        elif isinstance(guess.text, Exception):   # the guess failed: the utterance gets a run of its own
-            self._queue_asr([_Utterance(stream, guess.audio)])
         else:
-            self._deliver(stream, guess.audio, guess.text)
+            self._finish_guess(guess)
+
+    def _finish_guess(self, guess: _Guess) -> None:
+        """Under the lock: a used guess's transcript for its session; a failed one gets a run of its own."""
+        audio = guess.utterance.audio
+        if isinstance(guess.text, Exception):
+            self._queue_asr([_Utterance(guess.stream, audio)])
+            return
+        self.stats.utterances += 1
+        self.stats.speech_s += audio.size / SAMPLE_RATE
+        self._deliver(guess.stream, guess.text)
 
     def _drop_guess(self, stream: _Stream) -> None:
         """Under the lock: forget the session's guess (a running one finishes unused)."""
@@ -392,7 +401,7 @@ class SpeechFrontend:
                 return
             if self._asr_queue or self._asr_busy or self._guesses:
                 return
-            stream.guess = _Guess(stream, tentative.start, tentative.end, tentative.audio)
+            stream.guess = _Guess(stream, tentative)
             self._guesses.append(stream.guess)
             self._lock.notify_all()
 
@@ -476,22 +485,19 @@ class SpeechFrontend:
     def _run_guess(self, guess: _Guess) -> None:
         t0 = time.perf_counter()
         try:
-            text: str | Exception = self.asr.transcribe_batch([guess.audio])[0]
+            text: str | Exception = self.asr.transcribe_batch([guess.utterance.audio])[0]
         except Exception as exc:  # noqa: BLE001 - reported only if the utterance ends as guessed
             log.exception("session %s: speech recognition of a guess failed", guess.stream.sid)
             text = exc
         wall = time.perf_counter() - t0
-        log.info("speech recognition on a guess: %.1f s of speech, in %.0f ms", guess.audio.size / SAMPLE_RATE,
-                 wall * 1e3)
+        log.info("speech recognition on a guess: %.1f s of speech, in %.0f ms",
+                 guess.utterance.audio.size / SAMPLE_RATE, wall * 1e3)
         with self._lock:
             self.stats.guesses += 1
             self.stats.asr_s += wall
             guess.state, guess.text = "done", text
             if guess.wanted:   # the utterance ended as guessed while Whisper had it
-                if isinstance(text, Exception):   # failed: the utterance gets a run of its own
-                    self._queue_asr([_Utterance(guess.stream, guess.audio)])
-                else:
-                    self._deliver(guess.stream, guess.audio, text)
+                self._finish_guess(guess)
                 guess.stream.unheard -= 1
                 self._done(1)
 
@@ -519,17 +525,14 @@ class SpeechFrontend:
             s.speech_s += sum(u.audio.size for u in batch) / SAMPLE_RATE
             s.largest_batch = max(s.largest_batch, len(batch))
         for u, text in zip(batch, results):
-            self._deliver(u.stream, None, text)
+            self._deliver(u.stream, text)
 
-    def _deliver(self, stream: _Stream, guessed: np.ndarray | None, text: str | Exception | None) -> None:
-        """One utterance's transcript (or failure) for its session; ``guessed``: the audio of a guess used."""
+    def _deliver(self, stream: _Stream, text: str | Exception) -> None:
+        """One utterance's transcript (or failure) for its session."""
         with self._lock:
-            if guessed is not None:
-                self.stats.utterances += 1
-                self.stats.speech_s += guessed.size / SAMPLE_RATE
             if isinstance(text, Exception):
                 self._report_locked(stream, error=f"speech recognition failed: {type(text).__name__}: {text}")
-            elif text and (text := clean_transcript(text)):
+            elif text := clean_transcript(text):
                 self._report_locked(stream, transcript=text)
 
     # ------------------------------------------------------------------ results
