@@ -8,6 +8,7 @@ Run from the repository root::
     python bench/engine_cpu.py --arms metronome-bfloat16 --out a.json   # one arm (e.g. each on its own cores)
     python bench/engine_cpu.py --merge a.json b.json # one table and the targets from several runs' JSON
     python bench/engine_cpu.py --profile 8,24        # one Metronome tick at N = 8 and 24 under torch.profiler
+    python bench/engine_cpu.py --attention 8,24      # one layer's decode-round attention, grouped vs enable_gqa
 
 A tick gives every session ``--chunk-tokens`` (26) new tokens, after the token it sampled last tick, and
 decodes ``--new-tokens`` (25) greedy tokens; each session starts from a ``--history`` (300) token prefix, so
@@ -345,6 +346,39 @@ def profile_tick(checkpoint: str, n: int, args) -> dict:
             "top_ops": [{"op": e.key, "self_ms": round(e.self_cpu_time_total / 1e3, 1), "calls": e.count} for e in top]}
 
 
+def attention_layer(n: int, args, repeats: int = 30) -> list[dict]:
+    """One decode round's attention in one layer at SmolLM2's shapes (9 query heads on 3 KV heads of 64) over
+    N sessions' S + W live keys, per dtype: the decode window's grouped query rows (each KV head read once)
+    against SDPA's ``enable_gqa`` on the same tensors, alternated, best of two passes of ``repeats`` calls."""
+    import torch.nn.functional as F
+
+    heads, kv_heads, dim = SMOLLM2["num_attention_heads"], SMOLLM2["num_key_value_heads"], SMOLLM2["head_dim"]
+    keys = args.sinks + args.window
+    gen = torch.Generator().manual_seed(n)
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        q = torch.randn(n, heads, dim, generator=gen).to(dtype)
+        # Rows with spare columns, as the decode window's buffers have: the attended width is a strided view.
+        k, v = (torch.randn(n, kv_heads, keys + 64, dim, generator=gen).to(dtype)[:, :, :keys] for _ in range(2))
+        mask = torch.rand(n, 1, 1, keys, generator=gen) > 0.05
+        forms = {"grouped": lambda: F.scaled_dot_product_attention(q.view(n, kv_heads, heads // kv_heads, dim), k, v,
+                                                                   attn_mask=mask),
+                 "enable_gqa": lambda: F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask,
+                                                                      enable_gqa=True)}
+        best = {name: float("inf") for name in forms}
+        for _ in range(2):
+            for name, run in forms.items():
+                run()
+                t0 = perf_counter()
+                for _ in range(repeats):
+                    run()
+                best[name] = min(best[name], (perf_counter() - t0) / repeats * 1e3)
+        rows.append({"sessions": n, "dtype": str(dtype).removeprefix("torch."), "keys": keys,
+                     "kv_mb": round(2 * k.numel() * k.element_size() / 1e6, 1),
+                     **{f"{name}_ms": round(ms, 3) for name, ms in best.items()}})
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------- main
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -369,6 +403,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cpu-linear", choices=["auto", "packed", "aten"], default="auto",
                    help="Metronome's linear layers: weights packed for oneDNN, or aten's F.linear (EngineConfig)")
     p.add_argument("--profile", default=None, metavar="N[,N]", help="profile one tick at each N instead")
+    p.add_argument("--attention", default=None, metavar="N[,N]",
+                   help="time one layer's decode-round attention at each N instead (grouped query rows vs enable_gqa)")
     p.add_argument("--per-round-gather", action="store_true",
                    help="--profile: decode rounds gather the keys every round (the reference) instead of once a step")
     p.add_argument("--merge", nargs="+", default=None, help="print one report from these result files")
@@ -379,6 +415,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             setattr(args, key, value)
     args.session_list = sorted({int(x) for x in str(args.sessions).split(",") if x.strip()})
     args.profile = [int(x) for x in args.profile.split(",")] if args.profile else None
+    args.attention = [int(x) for x in args.attention.split(",")] if args.attention else None
     args.arm_list = [a.strip() for a in args.arms.split(",") if a.strip()]
     if set(args.arm_list) - set(ARMS):
         p.error(f"--arms takes {', '.join(ARMS)}")
@@ -412,6 +449,15 @@ def main(argv=None) -> int:
               "process is busy, timings will be slow and noisy", file=sys.stderr)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.attention:
+        results["attention"] = [row for n in args.attention for row in attention_layer(n, args)]
+        out.write_text(json.dumps(results, indent=1))
+        print(table(["N", "dtype", "K/V read", "grouped rows", "enable_gqa"],
+                    [[r["sessions"], r["dtype"], f"{r['kv_mb']} MB", f"{r['grouped_ms']:.2f} ms",
+                      f"{r['enable_gqa_ms']:.2f} ms"] for r in results["attention"]]))
+        print(f"\nmachine: {results['machine']['cpu']}; torch {results['machine']['torch']} "
+              f"({torch.get_num_threads()} threads)\nraw results: {out}")
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         if args.random_weights:
             checkpoints = dict.fromkeys(("metronome", "transformers"), random_checkpoint(Path(tmp)))
