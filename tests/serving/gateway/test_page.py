@@ -62,15 +62,16 @@ def server():
 
 
 def spoken_question(folder) -> str:
-    """The packaged France question followed by 2 s of silence, as a WAV. Chromium loops its fake microphone's
+    """The packaged France question followed by 12 s of silence, as a WAV. Chromium loops its fake microphone's
     file; the sample alone has 0.2 s of silence between loops, less than the VAD's end of a turn, so its
-    repeats would run together into one 15-s utterance instead of a question and a pause."""
+    repeats would run together into one 15-s utterance instead of a question and a pause. The pause is long
+    enough for a slow machine to finish answering before the question comes round again and barges in."""
     import numpy as np
     import soundfile as sf
 
     speech, rate = sf.read(resources.files("metronome.audio") / "samples" / "01_france.wav", dtype="float32")
     path = os.path.join(folder, "question.wav")
-    sf.write(path, np.concatenate([speech, np.zeros(2 * rate, np.float32)]), rate, subtype="PCM_16")
+    sf.write(path, np.concatenate([speech, np.zeros(12 * rate, np.float32)]), rate, subtype="PCM_16")
     return path
 
 
@@ -104,8 +105,8 @@ def test_a_spoken_question_is_heard_answered_and_played(server, tmp_path):
         state, deadline = {}, time.monotonic() + 180
         while time.monotonic() < deadline:
             state = driver.execute_script("return window.metronomeState")
-            if state["said"] and state["playedSamples"] > 0 or state["errors"]:
-                break
+            if any("paris" in s.lower() for s in state["said"]) or state["errors"]:
+                break       # an answer cut short by the looped question barging in is not the end
             time.sleep(0.5)     # polling the page, not waiting for it: the loop ends on the state itself
         assert not state["errors"], state
         assert any("capital" in h.lower() and "france" in h.lower() for h in state["heard"]), state
