@@ -8,7 +8,7 @@ Run from the repository root::
     python bench/engine_cpu.py --arms metronome-bfloat16 --out a.json   # one arm (e.g. each on its own cores)
     python bench/engine_cpu.py --merge a.json b.json # one table and the targets from several runs' JSON
     python bench/engine_cpu.py --profile 8,24        # one Metronome tick at N = 8 and 24 under torch.profiler
-    python bench/engine_cpu.py --attention 8,24      # one layer's decode-round attention, grouped vs enable_gqa
+    python bench/engine_cpu.py --attention 8,24      # one layer's decode-round attention: C kernel vs SDPA
 
 A tick gives every session ``--chunk-tokens`` (26) new tokens, after the token it sampled last tick, and
 decodes ``--new-tokens`` (25) greedy tokens; each session starts from a ``--history`` (300) token prefix, so
@@ -99,7 +99,8 @@ class MetronomeArm:
         policy = KVPolicy(sinks=args.sinks, window=args.window, block_size=16, positions="rebased")
         blocks = blocks_per_session(policy, 256, SMOLLM2["max_position_embeddings"]) * max(args.session_list + (args.profile or [])) + 2
         self.engine = Engine(EngineConfig(model=checkpoint, policy=policy, device="cpu", dtype=dtype,
-                                          num_blocks=blocks, max_chunk_tokens=256, cpu_linear=args.cpu_linear))
+                                          num_blocks=blocks, max_chunk_tokens=256, cpu_linear=args.cpu_linear,
+                                          cpu_attention=args.cpu_attention))
         self.args = args
 
     def open(self, histories: list[list[int]]):
@@ -346,33 +347,47 @@ def profile_tick(checkpoint: str, n: int, args) -> dict:
             "top_ops": [{"op": e.key, "self_ms": round(e.self_cpu_time_total / 1e3, 1), "calls": e.count} for e in top]}
 
 
-def attention_layer(n: int, args, repeats: int = 30) -> list[dict]:
+def attention_layer(n: int, args, passes: int = 4) -> list[dict]:
     """One decode round's attention in one layer at SmolLM2's shapes (9 query heads on 3 KV heads of 64) over
-    N sessions' S + W live keys, per dtype: the decode window's grouped query rows (each KV head read once)
-    against SDPA's ``enable_gqa`` on the same tensors, alternated, best of two passes of ``repeats`` calls."""
+    N sessions' S + W live keys, per dtype: the C kernel (``attention/cpu_kernel.py``), SDPA over the decode
+    window's grouped query rows (each KV head read once) and SDPA's ``enable_gqa``. Each call reads the K/V of
+    one of 30 layers in turn, as a decode round does, so they come from memory, not from a warm cache; the
+    forms alternate, best of ``passes`` passes over the layers."""
     import torch.nn.functional as F
 
+    from metronome.attention.cpu_kernel import KernelBuildError, load_kernel
+
+    try:
+        kernel = load_kernel()
+    except KernelBuildError as e:
+        print(f"the C kernel is not timed: {e}", file=sys.stderr)
+        kernel = None
     heads, kv_heads, dim = SMOLLM2["num_attention_heads"], SMOLLM2["num_key_value_heads"], SMOLLM2["head_dim"]
-    keys = args.sinks + args.window
+    group, keys, layers = heads // kv_heads, args.sinks + args.window, SMOLLM2["num_hidden_layers"]
     gen = torch.Generator().manual_seed(n)
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         q = torch.randn(n, heads, dim, generator=gen).to(dtype)
         # Rows with spare columns, as the decode window's buffers have: the attended width is a strided view.
-        k, v = (torch.randn(n, kv_heads, keys + 64, dim, generator=gen).to(dtype)[:, :, :keys] for _ in range(2))
+        kv = [tuple(torch.randn(n, kv_heads, keys + 64, dim, generator=gen).to(dtype)[:, :, :keys] for _ in range(2))
+              for _ in range(layers)]
         mask = torch.rand(n, 1, 1, keys, generator=gen) > 0.05
-        forms = {"grouped": lambda: F.scaled_dot_product_attention(q.view(n, kv_heads, heads // kv_heads, dim), k, v,
-                                                                   attn_mask=mask),
-                 "enable_gqa": lambda: F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask,
-                                                                      enable_gqa=True)}
+        forms = {"grouped": lambda k, v: F.scaled_dot_product_attention(q.view(n, kv_heads, group, dim), k, v,
+                                                                        attn_mask=mask),
+                 "enable_gqa": lambda k, v: F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask,
+                                                                           enable_gqa=True)}
+        if kernel is not None and kernel.supports(dtype, dim):
+            flat = mask.view(n, keys)
+            forms = {"kernel": lambda k, v: kernel(q.view(n, kv_heads, group, dim), k, v, flat, dim ** -0.5),
+                     **forms}
         best = {name: float("inf") for name in forms}
-        for _ in range(2):
+        for _ in range(passes):
             for name, run in forms.items():
-                run()
                 t0 = perf_counter()
-                for _ in range(repeats):
-                    run()
-                best[name] = min(best[name], (perf_counter() - t0) / repeats * 1e3)
+                for k, v in kv:
+                    run(k, v)
+                best[name] = min(best[name], (perf_counter() - t0) / layers * 1e3)
+        k = kv[0][0]
         rows.append({"sessions": n, "dtype": str(dtype).removeprefix("torch."), "keys": keys,
                      "kv_mb": round(2 * k.numel() * k.element_size() / 1e6, 1),
                      **{f"{name}_ms": round(ms, 3) for name, ms in best.items()}})
@@ -402,9 +417,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--random-weights", action="store_true", help="SmolLM2's shapes with random weights")
     p.add_argument("--cpu-linear", choices=["auto", "packed", "aten"], default="auto",
                    help="Metronome's linear layers: weights packed for oneDNN, or aten's F.linear (EngineConfig)")
+    p.add_argument("--cpu-attention", choices=["auto", "kernel", "sdpa"], default="auto",
+                   help="Metronome's decode-round attention: the C kernel or SDPA (EngineConfig)")
     p.add_argument("--profile", default=None, metavar="N[,N]", help="profile one tick at each N instead")
     p.add_argument("--attention", default=None, metavar="N[,N]",
-                   help="time one layer's decode-round attention at each N instead (grouped query rows vs enable_gqa)")
+                   help="time one layer's decode-round attention at each N instead (the C kernel and SDPA's forms)")
     p.add_argument("--per-round-gather", action="store_true",
                    help="--profile: decode rounds gather the keys every round (the reference) instead of once a step")
     p.add_argument("--merge", nargs="+", default=None, help="print one report from these result files")
@@ -452,9 +469,10 @@ def main(argv=None) -> int:
     if args.attention:
         results["attention"] = [row for n in args.attention for row in attention_layer(n, args)]
         out.write_text(json.dumps(results, indent=1))
-        print(table(["N", "dtype", "K/V read", "grouped rows", "enable_gqa"],
-                    [[r["sessions"], r["dtype"], f"{r['kv_mb']} MB", f"{r['grouped_ms']:.2f} ms",
-                      f"{r['enable_gqa_ms']:.2f} ms"] for r in results["attention"]]))
+        ms = lambda r, form: f"{r[form + '_ms']:.2f} ms" if form + "_ms" in r else "-"  # noqa: E731
+        print(table(["N", "dtype", "K/V read", "C kernel", "SDPA grouped rows", "SDPA enable_gqa"],
+                    [[r["sessions"], r["dtype"], f"{r['kv_mb']} MB", ms(r, "kernel"), ms(r, "grouped"),
+                      ms(r, "enable_gqa")] for r in results["attention"]]))
         print(f"\nmachine: {results['machine']['cpu']}; torch {results['machine']['torch']} "
               f"({torch.get_num_threads()} threads)\nraw results: {out}")
         return 0

@@ -85,6 +85,10 @@ class EngineConfig:
     ``cpu_linear`` (CPU only): ``"packed"`` packs the decoder's linear weights once for oneDNN
     (``models/cpu_linear.py``); ``"aten"`` keeps ``F.linear``; ``"auto"`` packs bfloat16 weights where oneDNN
     can (a CPU with bf16 instructions) and leaves float32 to aten.
+
+    ``cpu_attention`` (CPU only): how decode rounds attend. ``"kernel"``: the C kernel built for this CPU
+    (``attention/cpu_kernel.py``; an error where it cannot be built); ``"sdpa"``: torch's SDPA; ``"auto"``:
+    the kernel where it builds, SDPA elsewhere (logged).
     """
 
     model: str = "smollm2-135m"
@@ -101,6 +105,7 @@ class EngineConfig:
     quantization: str | None = None  # None (the checkpoint's dtype) or "fp8"
     kv_cache_dtype: str = "auto"     # "auto" (the compute dtype) or "fp8"
     cpu_linear: str = "auto"         # "auto", "packed" or "aten"
+    cpu_attention: str = "auto"      # "auto", "kernel" or "sdpa"
 
     def __post_init__(self) -> None:
         if self.dtype == "auto":
@@ -127,6 +132,8 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
         if self.cpu_linear not in ("auto", "packed", "aten"):
             raise ConfigError(f"cpu_linear must be 'auto', 'packed' or 'aten', got {self.cpu_linear!r}")
+        if self.cpu_attention not in ("auto", "kernel", "sdpa"):
+            raise ConfigError(f"cpu_attention must be 'auto', 'kernel' or 'sdpa', got {self.cpu_attention!r}")
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ The reference gathers every decoding session's sink + window keys out of the pag
 layer of every round; on a CPU that copy costs more than the attention it feeds. A ``DecodeWindow``
 copies them once, in the step's first decode round, into per-layer dense buffers with room to grow.
 Each later round appends its one new key/value per session and attends with one SDPA call per layer
-over all sessions, with a token-granular mask (the window slides one token a round; keys behind it
+over all sessions (the C kernel of ``cpu_kernel.py`` where it is built, else SDPA), with a token-granular mask (the window slides one token a round; keys behind it
 stay in the buffer, masked). The paged cache stays the truth and is written every round too.
 
 A session is gathered again when it joins, when its keys moved in the cache (a rebase re-rotated them)
@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from metronome.attention.cpu_kernel import CpuDecodeKernel
 from metronome.attention.metadata import PagedAttentionMetadata, write_kv
 from metronome.attention.reference import live_keys
 
@@ -54,13 +55,16 @@ class DecodeWindow:
     name = "torch-decode-window"
 
     def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_heads: int,
-                 scale: float | None = None, max_live_keys: int | None = None) -> None:
+                 scale: float | None = None, max_live_keys: int | None = None,
+                 kernel: CpuDecodeKernel | None = None) -> None:
         """``max_live_keys``: the most keys a session can hold (a bounded policy's sinks + window, with the
-        partial blocks at its ends), which caps the columns' growth slack; None: unbounded."""
+        partial blocks at its ends), which caps the columns' growth slack; None: unbounded. ``kernel``: the
+        C kernel that attends where it supports the dtype and head dim (None: SDPA always)."""
         self.max_columns = None if max_live_keys is None else max_live_keys + SPARE_COLUMNS
         self.kv_caches = kv_caches
         self.num_heads = num_heads
         self.scale = scale
+        self.kernel = kernel
         self.layers = {k.data_ptr(): i for i, (k, _) in enumerate(kv_caches)}
         self.device = kv_caches[0][0].device
         self.kv_heads, self.head_dim = kv_caches[0][0].shape[2:]
@@ -207,6 +211,10 @@ class DecodeWindow:
         # The query heads that share a KV head (GQA's repeat_interleave order) stand as that head's query rows:
         # each KV head is read once, where SDPA's enable_gqa on the CPU expands K/V per query head first.
         grouped = query.view(n, kv_heads, heads // kv_heads, head_dim)
-        o = F.scaled_dot_product_attention(grouped, k.to(query.dtype), v.to(query.dtype), attn_mask=plan.mask,
-                                           scale=self.scale)
+        if self.kernel is not None and k_buf.dtype == query.dtype and self.kernel.supports(query.dtype, head_dim):
+            scale = self.scale if self.scale is not None else head_dim ** -0.5
+            o = self.kernel(grouped, k_buf, v_buf, plan.mask.view(n, plan.width), scale)
+        else:
+            o = F.scaled_dot_product_attention(grouped, k.to(query.dtype), v.to(query.dtype), attn_mask=plan.mask,
+                                               scale=self.scale)
         return o.reshape(n, heads, head_dim)

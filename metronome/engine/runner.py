@@ -16,6 +16,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+from metronome.attention.cpu_kernel import kernel_for
 from metronome.attention.decode_window import DecodeWindow
 from metronome.attention.fp8 import E4M3, E4M3_MAX, CalibratingAttention
 from metronome.attention.metadata import PagedAttentionMetadata
@@ -108,9 +109,12 @@ class ModelRunner:
         # per step (see decode_rounds); E4M3 pages go through the reference, which applies their scales.
         # A decode round adds one token a session: the reservation formula at a chunk of 1, in keys.
         max_live = blocks_per_session(config.policy, 1, self.spec.max_position_embeddings) * self.block_size
-        self.decode_window = DecodeWindow(self.kv_caches, self.spec.num_heads, max_live_keys=max_live) \
-            if (isinstance(self.attention, TorchPagedAttention) and self.device.type == "cpu"
-                and self.kv_dtype != E4M3) else None
+        self.decode_window = None
+        if isinstance(self.attention, TorchPagedAttention) and self.device.type == "cpu" and self.kv_dtype != E4M3:
+            kernel, line = kernel_for(config.cpu_attention)
+            log.info(line)
+            self.decode_window = DecodeWindow(self.kv_caches, self.spec.num_heads, max_live_keys=max_live,
+                                              kernel=kernel)
         self._in_rounds = False
         if self.device.type == "cuda":
             self._warm_up_kernels()

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import metronome.attention.decode_window as dw
+from metronome.attention.cpu_kernel import find_compiler, load_kernel
 from metronome.attention.decode_window import DecodeWindow
 from metronome.attention.metadata import PagedAttentionMetadata
 from tests.attention.test_reference import dense_oracle
@@ -24,13 +25,13 @@ HEADS, KV_HEADS, DIM = 4, 2, 16
 class PagedSim:
     """Sessions' keys/values in token order (the truth) and in a paged cache of ``layers`` layers."""
 
-    def __init__(self, sinks, window, block_size, layers=2, num_blocks=400, seed=0):
-        self.sinks, self.window, self.bs = sinks, window, block_size
+    def __init__(self, sinks, window, block_size, layers=2, num_blocks=400, seed=0, dtype=torch.float64):
+        self.sinks, self.window, self.bs, self.dtype = sinks, window, block_size, dtype
         self.sink_blocks = -(-sinks // block_size) if window is not None else 0
         self.gen = torch.Generator().manual_seed(seed)
         self.caches = []
         for _ in range(layers):
-            k = torch.full((num_blocks, block_size, KV_HEADS, DIM), float("nan"), dtype=torch.float64)
+            k = torch.full((num_blocks, block_size, KV_HEADS, DIM), float("nan"), dtype=dtype)
             v = torch.full_like(k, float("nan"))
             k[0], v[0] = 0, 0  # the null block
             self.caches.append((k, v))
@@ -62,8 +63,8 @@ class PagedSim:
         for t in range(start, start + n):
             if t // self.bs not in self.blocks[sid]:
                 self.blocks[sid][t // self.bs] = self.free.pop()
-        new = [(torch.randn(n, KV_HEADS, DIM, generator=self.gen, dtype=torch.float64),
-                torch.randn(n, KV_HEADS, DIM, generator=self.gen, dtype=torch.float64)) for _ in self.caches]
+        new = [(torch.randn(n, KV_HEADS, DIM, generator=self.gen, dtype=self.dtype),
+                torch.randn(n, KV_HEADS, DIM, generator=self.gen, dtype=self.dtype)) for _ in self.caches]
         if sid not in self.truth:
             self.truth[sid] = [[k, v] for k, v in new]
         else:
@@ -126,6 +127,7 @@ def run_rounds(sim: PagedSim, schedule, moves=(), window: DecodeWindow | None = 
     that round; ``window``: the previous step's, to reuse its buffers."""
     window = window or DecodeWindow(sim.caches, HEADS)
     window.begin()
+    tol = 1e-10 if sim.dtype == torch.float64 else 1e-5
     for r, sids in enumerate(schedule):
         for sid in [s for rr, s in moves if rr == r]:
             sim.rotate(sid)
@@ -135,7 +137,7 @@ def run_rounds(sim: PagedSim, schedule, moves=(), window: DecodeWindow | None = 
         new = {sid: sim.grow(sid, 1) for sid in sids}
         for layer, (k_cache, v_cache) in enumerate(sim.caches):
             plan = window.plan_round(meta, list(sids)) if layer == 0 else plan
-            query = torch.randn(len(sids), HEADS, DIM, generator=sim.gen, dtype=torch.float64)
+            query = torch.randn(len(sids), HEADS, DIM, generator=sim.gen, dtype=sim.dtype)
             key = torch.cat([new[s][layer][0] for s in sids])
             value = torch.cat([new[s][layer][1] for s in sids])
             out = window(query, key, value, k_cache, v_cache, plan)
@@ -143,11 +145,15 @@ def run_rounds(sim: PagedSim, schedule, moves=(), window: DecodeWindow | None = 
             for i, (sid, start) in enumerate(zip(sids, starts)):
                 keys, values = sim.truth[sid][layer]
                 expect = dense_oracle(query[i:i + 1], keys, values, start, sim.sinks, sim.window)
-                torch.testing.assert_close(out[i:i + 1], expect, atol=1e-10, rtol=1e-10,
+                torch.testing.assert_close(out[i:i + 1].double(), expect, atol=tol, rtol=tol,
                                            msg=lambda m: f"round {r} session {sid} layer {layer}: {m}")
         for sid in sids:
             sim.release_behind_window(sid)
     return window
+
+
+SCHEDULE = [[1, 2, 3]] * 4 + [[1, 3]] * 3 + [[3, 1]] * 2 + [[1, 3, 4]] * 4 + [[4]] * 3 + [[1, 2, 3, 4]] * 3
+MOVES = [(2, 1), (5, 3), (11, 4), (17, 2)]
 
 
 @pytest.mark.parametrize("sinks,window,block_size", [(4, 24, 4), (3, 21, 8), (0, 16, 4), (16, 32, 16), (4, None, 4)])
@@ -155,8 +161,20 @@ def test_rounds_match_the_oracle_as_sessions_leave_join_and_move(sinks, window, 
     sim = PagedSim(sinks, window, block_size)
     for sid, n in ((1, 70), (2, 5), (3, 41), (4, 12)):
         sim.prefill(sid, n)
-    schedule = [[1, 2, 3]] * 4 + [[1, 3]] * 3 + [[3, 1]] * 2 + [[1, 3, 4]] * 4 + [[4]] * 3 + [[1, 2, 3, 4]] * 3
-    run_rounds(sim, schedule, moves=[(2, 1), (5, 3), (11, 4), (17, 2)])
+    run_rounds(sim, SCHEDULE, moves=MOVES)
+
+
+@pytest.mark.skipif(find_compiler() is None, reason="no C compiler to build the CPU attention kernel with")
+@pytest.mark.parametrize("sinks,window,block_size", [(4, 24, 4), (0, 16, 4), (4, None, 4)])
+def test_rounds_through_the_c_kernel_match_the_oracle(sinks, window, block_size, tmp_path):
+    """The same rounds in float32 with the C kernel attending (the CPU engine's default where it builds)."""
+    sim = PagedSim(sinks, window, block_size, dtype=torch.float32)
+    for sid, n in ((1, 70), (2, 5), (3, 41), (4, 12)):
+        sim.prefill(sid, n)
+    kernel = load_kernel(tmp_path)
+    if not kernel.supports(torch.float32, DIM):
+        pytest.skip(f"head dim {DIM} is not a multiple of this CPU's vector width {kernel.vector_width}")
+    run_rounds(sim, SCHEDULE, moves=MOVES, window=DecodeWindow(sim.caches, HEADS, kernel=kernel))
 
 
 def test_full_rows_are_gathered_again_and_the_buffers_grow(monkeypatch):

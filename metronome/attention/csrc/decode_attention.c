@@ -1,0 +1,210 @@
+/* Decode attention on the CPU: one query token per session over that session's dense K/V rows.
+
+   The query heads that share a KV head are that head's rows (GQA), so each key and value is read from
+   memory once. Work is split over (session, KV head) units; each unit reads its keys, then its values, in
+   tiles that stay in L1, with the scores of all its keys in a per-thread buffer between the two passes.
+   bfloat16 inputs are widened to float32 a tile at a time; sums and the softmax are float32.
+
+   Built by metronome/attention/cpu_kernel.py with -O3 -march=native -fopenmp; plain C with GCC vector
+   extensions, so the compiler picks the vector width of the CPU it is built on. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#define VL 16
+#elif defined(__AVX__)
+#define VL 8
+#else
+#define VL 4
+#endif
+#define TILE 64             /* keys a tile: 16 KB of float32 rows at head_dim 64 */
+#define MASKED (-1e30f)     /* a masked key's score: exp() of it less the row's max is exactly 0 */
+
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef float vf_unaligned __attribute__((vector_size(VL * 4), aligned(4), may_alias));
+#define LOAD(p) (*(const vf_unaligned *)(p))
+#define STORE(p, x) (*(vf_unaligned *)(p) = (x))
+
+static inline float lane_sum(vf x) { float s = 0.f; for (int l = 0; l < VL; l++) s += x[l]; return s; }
+
+#if VL >= 8
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf8_unaligned __attribute__((vector_size(32), aligned(4), may_alias));
+static inline vf8 to8(vf x) {
+#if VL == 16
+    return __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    return x;
+#endif
+}
+/* pairwise sums within each 128-bit half: [x0+x1, x2+x3, y0+y1, y2+y3 | x4+x5, x6+x7, y4+y5, y6+y7] */
+static inline vf8 pairs(vf8 x, vf8 y) {
+    return __builtin_shufflevector(x, y, 0, 2, 8, 10, 4, 6, 12, 14) + __builtin_shufflevector(x, y, 1, 3, 9, 11, 5, 7, 13, 15);
+}
+/* out[u] = the sum of a[u]'s lanes for eight vectors, in a few shuffles instead of eight serial reductions */
+static inline void lane_sums8(const vf *a, float *out) {
+    vf8 lo = pairs(pairs(to8(a[0]), to8(a[1])), pairs(to8(a[2]), to8(a[3])));
+    vf8 hi = pairs(pairs(to8(a[4]), to8(a[5])), pairs(to8(a[6]), to8(a[7])));
+    *(vf8_unaligned *)out = __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 8, 9, 10, 11)
+                          + __builtin_shufflevector(lo, hi, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+#else
+static inline void lane_sums8(const vf *a, float *out) { for (int u = 0; u < 8; u++) out[u] = lane_sum(a[u]); }
+#endif
+
+static inline float bf16_to_f32(uint16_t x) { union { uint32_t u; float f; } b = { .u = (uint32_t)x << 16 }; return b.f; }
+static inline uint16_t f32_to_bf16(float f) {   /* round to nearest even, NaN kept a NaN */
+    union { float f; uint32_t u; } b = { .f = f };
+    if ((b.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((b.u >> 16) | 0x40);
+    return (uint16_t)((b.u + 0x7fffu + ((b.u >> 16) & 1u)) >> 16);
+}
+
+/* `count` rows of `dim` values from element `first` on, as float32: the rows themselves, or a copy in `scratch` */
+static inline const float *rows_f32(const void *base, int bf16, long first, int count, int dim, float *scratch) {
+    if (!bf16) return (const float *)base + first;
+    const uint16_t *p = (const uint16_t *)base + first;
+    long total = (long)count * dim;
+    #pragma omp simd
+    for (long e = 0; e < total; e++) scratch[e] = bf16_to_f32(p[e]);
+    return scratch;
+}
+
+/* exp(x) for x <= 0 as a polynomial the compiler vectorises (libm's expf is a call per element); 0 below -87 */
+static inline float exp_nonpositive(float x) {
+    float c = x > -87.f ? x : -87.f;
+    float n = __builtin_floorf(c * 1.44269504f + 0.5f);
+    float f = c - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+    float p = 1.f + f * (1.f + f * (0.5f + f * (0.16666667f + f * (0.041666668f + f * (0.008333334f + f * 0.0013888889f)))));
+    union { int32_t i; float f; } two_n = { .i = ((int32_t)n + 127) << 23 };
+    return x > -87.f ? p * two_n.f : 0.f;
+}
+
+/* One (session, KV head): `group` query rows at q_at, keys and values at kv_at, `width` keys under `mask`. */
+static void attend_unit(int group, int dim, int width, int bf16, const void *q, long q_at, const void *k,
+                        const void *v, long kv_at, const uint8_t *mask, void *out, float scale, float *work) {
+    float *scores = work, *qf = scores + (size_t)group * width, *acc = qf + (size_t)group * dim;
+    float *tile = acc + (size_t)group * dim;
+    for (int i = 0; i < group; i++) {
+        const float *row = rows_f32(q, bf16, q_at + (long)i * dim, 1, dim, qf + i * dim);
+        if (row != qf + i * dim) memcpy(qf + i * dim, row, sizeof(float) * dim);
+    }
+    /* scores, eight keys at a time: eight independent chains of multiply-adds */
+    for (int j0 = 0; j0 < width; j0 += TILE) {
+        int count = width - j0 < TILE ? width - j0 : TILE;
+        const float *kt = rows_f32(k, bf16, kv_at + (long)j0 * dim, count, dim, tile);
+        for (int i = 0; i < group; i++) {
+            const float *qi = qf + i * dim;
+            float *si = scores + (size_t)i * width + j0;
+            int j = 0;
+            for (; j + 8 <= count; j += 8) {
+                vf a[8] = {0};
+                for (int e = 0; e < dim; e += VL) {
+                    vf qv = LOAD(qi + e);
+                    for (int u = 0; u < 8; u++) a[u] += qv * LOAD(kt + (long)(j + u) * dim + e);
+                }
+                lane_sums8(a, si + j);
+            }
+            for (; j < count; j++) {
+                vf a = {0};
+                for (int e = 0; e < dim; e += VL) a += LOAD(qi + e) * LOAD(kt + (long)j * dim + e);
+                si[j] = lane_sum(a);
+            }
+        }
+    }
+    /* softmax of each row; masked keys get exactly 0 */
+    for (int i = 0; i < group; i++) {
+        float *si = scores + (size_t)i * width, top = MASKED, total = 0.f;
+        #pragma omp simd reduction(max:top)
+        for (int j = 0; j < width; j++) {
+            float x = mask[j] ? si[j] * scale : MASKED;
+            si[j] = x;
+            top = x > top ? x : top;
+        }
+        if (top <= MASKED) {                  /* nothing allowed: weights 0, the result 0 */
+            memset(si, 0, sizeof(float) * width);
+            continue;
+        }
+        #pragma omp simd reduction(+:total)
+        for (int j = 0; j < width; j++) { float p = exp_nonpositive(si[j] - top); si[j] = p; total += p; }
+        float inv = 1.f / total;
+        #pragma omp simd
+        for (int j = 0; j < width; j++) si[j] *= inv;
+    }
+    /* outputs: four vectors of a row at a time over a tile's keys, even and odd keys in separate sums */
+    memset(acc, 0, sizeof(float) * group * dim);
+    for (int j0 = 0; j0 < width; j0 += TILE) {
+        int count = width - j0 < TILE ? width - j0 : TILE;
+        const float *vt = rows_f32(v, bf16, kv_at + (long)j0 * dim, count, dim, tile);
+        for (int i = 0; i < group; i++) {
+            const float *pi = scores + (size_t)i * width + j0;
+            float *ai = acc + i * dim;
+            int e = 0;
+            for (; e + 4 * VL <= dim; e += 4 * VL) {
+                vf a0 = LOAD(ai + e), a1 = LOAD(ai + e + VL), a2 = LOAD(ai + e + 2 * VL), a3 = LOAD(ai + e + 3 * VL);
+                vf b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+                int j = 0;
+                for (; j + 2 <= count; j += 2) {
+                    const float *v0 = vt + (long)j * dim + e, *v1 = v0 + dim;
+                    float p0 = pi[j], p1 = pi[j + 1];
+                    a0 += p0 * LOAD(v0); a1 += p0 * LOAD(v0 + VL); a2 += p0 * LOAD(v0 + 2 * VL); a3 += p0 * LOAD(v0 + 3 * VL);
+                    b0 += p1 * LOAD(v1); b1 += p1 * LOAD(v1 + VL); b2 += p1 * LOAD(v1 + 2 * VL); b3 += p1 * LOAD(v1 + 3 * VL);
+                }
+                for (; j < count; j++) {
+                    const float *v0 = vt + (long)j * dim + e;
+                    float p0 = pi[j];
+                    a0 += p0 * LOAD(v0); a1 += p0 * LOAD(v0 + VL); a2 += p0 * LOAD(v0 + 2 * VL); a3 += p0 * LOAD(v0 + 3 * VL);
+                }
+                STORE(ai + e, a0 + b0); STORE(ai + e + VL, a1 + b1);
+                STORE(ai + e + 2 * VL, a2 + b2); STORE(ai + e + 3 * VL, a3 + b3);
+            }
+            for (; e < dim; e += VL) {
+                vf a0 = LOAD(ai + e);
+                for (int j = 0; j < count; j++) a0 += pi[j] * LOAD(vt + (long)j * dim + e);
+                STORE(ai + e, a0);
+            }
+        }
+    }
+    for (int i = 0; i < group; i++) {
+        long o = q_at + (long)i * dim;
+        const float *ai = acc + i * dim;
+        if (bf16) {
+            uint16_t *po = (uint16_t *)out + o;
+            for (int e = 0; e < dim; e++) po[e] = f32_to_bf16(ai[e]);
+        } else {
+            memcpy((float *)out + o, ai, sizeof(float) * dim);
+        }
+    }
+}
+
+/* out[r, h, i] = softmax over j < width where mask[r, j] of scale * q[r, h, i] . k[r, h, j], applied to v[r, h, j].
+   q and out: contiguous [n, kv_heads, group, dim]; key/value j of (r, h) at r * row_stride + h * head_stride
+   + j * dim (elements), its `dim` values contiguous; mask: [n, width] bytes, row r at r * mask_stride.
+   A row whose keys are all masked gets zeros. Returns 0, 1 when dim is not a multiple of the vector width,
+   2 when the scratch memory could not be allocated. */
+int metronome_decode_attention(int n, int kv_heads, int group, int dim, int width, int bf16,
+                               const void *q, const void *k, const void *v, long row_stride, long head_stride,
+                               const uint8_t *mask, long mask_stride, void *out, float scale, int threads) {
+    if (dim % VL) return 1;
+    int failed = 0;
+    #pragma omp parallel num_threads(threads)
+    {
+        float *work = malloc(sizeof(float) * ((size_t)group * width + 2 * (size_t)group * dim + (size_t)TILE * dim));
+        if (!work) {
+            #pragma omp atomic write
+            failed = 2;
+        }
+        #pragma omp for schedule(static)
+        for (long unit = 0; unit < (long)n * kv_heads; unit++) {
+            if (work)
+                attend_unit(group, dim, width, bf16, q, unit * group * dim, k, v,
+                            (unit / kv_heads) * row_stride + (unit % kv_heads) * head_stride,
+                            mask + (unit / kv_heads) * mask_stride, out, scale, work);
+        }
+        free(work);
+    }
+    return failed;
+}
+
+/* Floats in one vector of the CPU this was built for: head_dim must be a multiple of it. */
+int metronome_vector_width(void) { return VL; }

@@ -1,0 +1,120 @@
+"""The CPU decode-attention kernel (``attention/cpu_kernel.py``) against a float64 masked softmax, its build
+cache, and what ``cpu_attention`` does where no compiler works."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from metronome.attention import cpu_kernel
+from metronome.attention.cpu_kernel import KernelBuildError, find_compiler, kernel_for, load_kernel
+
+pytestmark = pytest.mark.skipif(find_compiler() is None, reason="no C compiler to build the kernel with")
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    return load_kernel(tmp_path_factory.mktemp("kernels"))
+
+
+def oracle(q, k, v, mask, scale):
+    """float64 softmax over the allowed columns; a row with none allowed gives zeros (the kernel's contract)."""
+    scores = torch.einsum("nhgd,nhjd->nhgj", q.double(), k.double()) * scale
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    weights = torch.nan_to_num(scores.softmax(-1), nan=0.0)
+    return torch.einsum("nhgj,nhjd->nhgd", weights, v.double())
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("n,kv_heads,group,dim,width", [
+    (1, 1, 1, 64, 1), (3, 3, 3, 64, 300), (5, 2, 4, 128, 65), (2, 4, 1, 64, 1040), (4, 1, 7, 32, 129)])
+def test_kernel_matches_a_float64_softmax(kernel, dtype, tol, n, kv_heads, group, dim, width):
+    if not kernel.supports(dtype, dim):
+        pytest.skip(f"head dim {dim} is not a multiple of this CPU's vector width {kernel.vector_width}")
+    gen = torch.Generator().manual_seed(n * 1000 + width)
+    q = torch.randn(n, kv_heads, group, dim, generator=gen).to(dtype)
+    # Buffers with spare rows and columns, as the decode window has: the kernel must follow their strides.
+    k, v = (torch.randn(n + 2, kv_heads, width + 40, dim, generator=gen).mul(2).to(dtype) for _ in range(2))
+    mask = torch.rand(n, width, generator=gen) > 0.3
+    mask[:, -1] = True                        # the round's own token is always attended
+    scale = dim ** -0.5
+    out = kernel(q, k, v, mask, scale)
+    assert out.dtype == dtype and out.shape == q.shape
+    expect = oracle(q, k[:n, :, :width], v[:n, :, :width], mask, scale)
+    torch.testing.assert_close(out.double(), expect, atol=tol, rtol=tol)
+
+
+def test_masked_columns_are_never_read_into_the_result(kernel):
+    """Huge values in masked columns (stale keys behind a window) change nothing."""
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 2, 3, 64, generator=gen)
+    k, v = torch.randn(2, 2, 50, 64, generator=gen), torch.randn(2, 2, 50, 64, generator=gen)
+    mask = torch.ones(2, 50, dtype=torch.bool)
+    mask[:, 10:20] = False
+    out = kernel(q, k, v, mask, 0.125)
+    k[:, :, 10:20], v[:, :, 10:20] = 1e4, -1e4
+    torch.testing.assert_close(kernel(q, k, v, mask, 0.125), out)
+
+
+def test_a_row_with_no_allowed_key_gives_zeros(kernel):
+    q, k, v = torch.randn(2, 1, 2, 64), torch.randn(2, 1, 9, 64), torch.randn(2, 1, 9, 64)
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[1] = False
+    out = kernel(q, k, v, mask, 0.125)
+    assert torch.isfinite(out).all() and (out[1] == 0).all() and out[0].abs().sum() > 0
+
+
+def test_a_built_kernel_is_loaded_from_the_cache(tmp_path, monkeypatch):
+    first = load_kernel(tmp_path)
+    monkeypatch.setattr(cpu_kernel, "_build", lambda *a: pytest.fail("built again despite the cache"))
+    assert load_kernel(tmp_path).path == first.path and first.path.exists()
+
+
+def test_without_a_working_compiler_auto_falls_back_and_kernel_says_why(tmp_path, monkeypatch):
+    monkeypatch.setenv(cpu_kernel.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv("CC", "false")        # runs, builds nothing
+    kernel, line = kernel_for("auto")
+    assert kernel is None and "SDPA" in line and "exited" in line
+    with pytest.raises(KernelBuildError, match="exited"):
+        kernel_for("kernel")
+    assert kernel_for("sdpa") == (None, "decode attention: SDPA (as asked)")
+    assert not list(tmp_path.glob("*.so"))
+
+
+@pytest.mark.parametrize("choice", ["kernel", "sdpa"])
+def test_a_cpu_engine_with_either_attention_matches_the_windowed_oracle(llama, choice, tmp_path):
+    """Two sessions through the engine (prefill, then greedy decode rounds) against transformers' windowed
+    oracle, decode rounds attending through the C kernel or SDPA: every prompt token's log-probability
+    matches (later prompts attend over keys the decode rounds wrote), and every decoded token is the
+    oracle's most likely one (within 1e-3, so a near-tie may go either way). The tiny model's query and key
+    weights are scaled up so that its attention is sharp: at random init it is nearly uniform, and a wrong
+    decode-round attention would change almost nothing."""
+    import copy
+    import random
+
+    from metronome import Engine, EngineConfig, KVPolicy, StepInput
+    from tests.engine.oracle import hf_windowed_logprobs
+
+    model = copy.deepcopy(llama[1])
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(6)
+            layer.self_attn.k_proj.weight.mul_(6)
+    model.save_pretrained(tmp_path)
+    engine = Engine(EngineConfig(model=str(tmp_path), dtype="float32", cpu_attention=choice, num_blocks=200,
+                                 max_chunk_tokens=24, max_batch_tokens=64,
+                                 policy=KVPolicy(sinks=3, window=13, block_size=4, positions="absolute")))
+    assert (engine.runner.decode_window.kernel is not None) == (choice == "kernel")
+    rng, sid, other = random.Random(5), engine.open_session(), engine.open_session()
+    tokens, logprobs, decoded = [], [], []
+    for _ in range(6):
+        chunk = [rng.randrange(128) for _ in range(rng.randint(1, 12))]
+        out, _ = engine.step([StepInput(sid, token_ids=chunk, max_new_tokens=4, prompt_logprobs=True),
+                              StepInput(other, token_ids=[rng.randrange(128)], max_new_tokens=3)])
+        logprobs += [(len(tokens) + i, lp) for i, lp in enumerate(out.prompt_logprobs) if lp is not None]
+        tokens += chunk
+        decoded += range(len(tokens), len(tokens) + len(out.token_ids))
+        tokens += out.token_ids
+    ref = hf_windowed_logprobs(model, tokens, 3, 13)
+    assert max(abs(lp - ref[pos - 1, tokens[pos]].item()) for pos, lp in logprobs) < 1e-3
+    assert len(decoded) == 24 and all(ref[p - 1].max() - ref[p - 1, tokens[p]] < 1e-3 for p in decoded)
