@@ -17,6 +17,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -46,15 +47,20 @@ def cache_dir() -> Path:
     explicit = os.environ.get(CACHE_ENV)
     if explicit:
         return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "metronome" / "kernels"
+    home = os.path.expanduser("~")
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "metronome" / "kernels"
+    if home.startswith("~"):   # no HOME and no passwd entry (an arbitrary container user)
+        return Path(tempfile.gettempdir()) / f"metronome-kernels-{os.getuid()}"
+    return Path(home) / ".cache" / "metronome" / "kernels"
 
 
-def find_compiler() -> str | None:
-    """``$CC`` when set, else the first of cc, gcc, clang on the PATH."""
-    if os.environ.get("CC"):
-        return os.environ["CC"]
-    return next((shutil.which(c) for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
+def find_compiler() -> list[str] | None:
+    """``$CC`` when set (a command line: ``ccache gcc`` works), else the first of cc, gcc, clang on the PATH."""
+    if os.environ.get("CC", "").strip():
+        return shlex.split(os.environ["CC"])
+    found = next((shutil.which(c) for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
+    return [found] if found else None
 
 
 @dataclass(frozen=True)
@@ -73,9 +79,21 @@ class CpuDecodeKernel:
         """Attention of ``query`` [n, kv_heads, group, dim] over ``k``/``v`` [>= n, kv_heads, >= width, dim]
         (rows of ``dim`` contiguous values, any row and head strides) for the ``width`` columns ``mask``
         [n, width] (bool, True = attend) allows; returns [n, kv_heads, group, dim] in ``query``'s dtype.
-        The caller checks ``supports``: the kernel reads raw memory."""
+        The kernel reads raw memory, so everything it assumes is checked here (``ValueError``)."""
         n, kv_heads, group, dim = query.shape
         width = mask.shape[1]
+        if not self.supports(query.dtype, dim) or not (k.dtype == v.dtype == query.dtype):
+            raise ValueError(f"the CPU kernel takes float32 or bfloat16 alike for query, keys and values and a head "
+                             f"dim that is a multiple of {self.vector_width}; got {query.dtype}, {k.dtype}, "
+                             f"{v.dtype}, head dim {dim}")
+        if not all(t.device.type == "cpu" for t in (query, k, v, mask)) or mask.dtype != torch.bool \
+                or mask.shape[0] != n or k.shape != v.shape or k.stride() != v.stride() \
+                or k.shape[0] < n or k.shape[1] != kv_heads or k.shape[2] < width or k.shape[3] != dim \
+                or k.stride(3) != 1 or k.stride(2) != dim:
+            raise ValueError(f"the CPU kernel takes CPU tensors: keys and values alike [>= {n}, {kv_heads}, "
+                             f">= {width}, {dim}] with contiguous rows, a bool mask [{n}, {width}]; got keys "
+                             f"{tuple(k.shape)} strides {k.stride()}, values {tuple(v.shape)} strides {v.stride()}, "
+                             f"mask {tuple(mask.shape)} {mask.dtype}")
         query, mask = query.contiguous(), mask.contiguous()
         out = torch.empty_like(query)
         failed = self.library.metronome_decode_attention(
@@ -95,7 +113,7 @@ def load_kernel(directory: Path | None = None) -> CpuDecodeKernel:
         raise KernelBuildError("no C compiler found (set CC, or install gcc)")
     source = (resources.files("metronome.attention") / "csrc" / SOURCE).read_bytes()
     try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+        version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelBuildError(f"the C compiler {compiler!r} does not run: {e}") from e
     cpu = read_capability()
@@ -107,8 +125,12 @@ def load_kernel(directory: Path | None = None) -> CpuDecodeKernel:
         _build(compiler, source, directory, path)
     try:
         library = ctypes.CDLL(str(path))
-    except OSError as e:
-        raise KernelBuildError(f"the built kernel {path} does not load: {e}") from e
+    except OSError:     # a damaged cache entry: build it once more
+        _build(compiler, source, directory, path)
+        try:
+            library = ctypes.CDLL(str(path))
+        except OSError as e:
+            raise KernelBuildError(f"the built kernel {path} does not load: {e}") from e
     library.metronome_decode_attention.restype = ctypes.c_int
     library.metronome_decode_attention.argtypes = (
         [ctypes.c_int] * 6 + [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2
@@ -117,24 +139,25 @@ def load_kernel(directory: Path | None = None) -> CpuDecodeKernel:
     return CpuDecodeKernel(library, path, library.metronome_vector_width())
 
 
-def _build(compiler: str, source: bytes, directory: Path, path: Path) -> None:
+def _build(compiler: list[str], source: bytes, directory: Path, path: Path) -> None:
     """Compile into a temporary file beside ``path``, then rename it: processes building at once don't clash."""
+    log.info("building the CPU attention kernel into %s", path)
     try:
         directory.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise KernelBuildError(f"cannot create the kernel cache {directory}: {e}") from e
-    log.info("building the CPU attention kernel into %s", path)
-    with tempfile.TemporaryDirectory(dir=directory) as work:
-        src, lib = Path(work) / SOURCE, Path(work) / path.name
-        src.write_bytes(source)
-        command = [compiler, *FLAGS, str(src), "-o", str(lib)]
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-        except (OSError, subprocess.SubprocessError) as e:
-            raise KernelBuildError(f"{' '.join(command)} failed: {e}") from e
-        if done.returncode != 0:
-            raise KernelBuildError(f"{' '.join(command)} exited {done.returncode}: {done.stderr.strip()[-2000:]}")
-        os.replace(lib, path)
+        with tempfile.TemporaryDirectory(dir=directory) as work:
+            src, lib = Path(work) / SOURCE, Path(work) / path.name
+            src.write_bytes(source)
+            command = [*compiler, *FLAGS, str(src), "-o", str(lib)]
+            try:
+                done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+            except subprocess.SubprocessError as e:
+                raise KernelBuildError(f"{' '.join(command)} failed: {e}") from e
+            if done.returncode != 0:
+                raise KernelBuildError(f"{' '.join(command)} exited {done.returncode}: "
+                                       f"{done.stderr.strip()[-2000:]}")
+            os.replace(lib, path)
+    except OSError as e:      # the cache is not writable, the disk is full, the compiler is not there
+        raise KernelBuildError(f"cannot build the kernel into {directory}: {e}") from e
 
 
 def kernel_for(choice: str) -> tuple[CpuDecodeKernel | None, str]:

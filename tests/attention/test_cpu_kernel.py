@@ -37,11 +37,40 @@ def test_kernel_matches_a_float64_softmax(kernel, dtype, tol, n, kv_heads, group
     k, v = (torch.randn(n + 2, kv_heads, width + 40, dim, generator=gen).mul(2).to(dtype) for _ in range(2))
     mask = torch.rand(n, width, generator=gen) > 0.3
     mask[:, -1] = True                        # the round's own token is always attended
-    scale = dim ** -0.5
+    scale = 0.3 if width % 2 else dim ** -0.5     # the engine's scale, and one that is not
     out = kernel(q, k, v, mask, scale)
     assert out.dtype == dtype and out.shape == q.shape
     expect = oracle(q, k[:n, :, :width], v[:n, :, :width], mask, scale)
     torch.testing.assert_close(out.double(), expect, atol=tol, rtol=tol)
+
+
+def test_bf16_results_are_rounded_to_nearest_even(kernel):
+    """Two equal keys weigh exactly 1/2 each: the result is the mean of two values, rounded once to bf16."""
+    a = torch.tensor([1.0, 1.0 + 2 ** -7, -3.0, 0.5], dtype=torch.float32).repeat(16)    # 64 values
+    b = (a + torch.tensor([2 ** -8, 2 ** -8 + 2 ** -10, 2 ** -6, 2 ** -9]).repeat(16))
+    k = torch.ones(1, 1, 2, 64, dtype=torch.bfloat16)
+    v = torch.stack([a, b]).to(torch.bfloat16).view(1, 1, 2, 64)
+    out = kernel(torch.ones(1, 1, 1, 64, dtype=torch.bfloat16), k, v, torch.ones(1, 2, dtype=torch.bool), 0.125)
+    expect = ((v[0, 0, 0].float() + v[0, 0, 1].float()) * 0.5).to(torch.bfloat16)   # torch's own rounding
+    assert torch.equal(out.view(64), expect)
+
+
+def test_a_nan_score_reaches_the_output_as_in_sdpa(kernel):
+    q, k, v = torch.randn(1, 1, 1, 64), torch.randn(1, 1, 5, 64), torch.randn(1, 1, 5, 64)
+    k[0, 0, 2, 3] = float("nan")
+    assert torch.isnan(kernel(q, k, v, torch.ones(1, 5, dtype=torch.bool), 0.125)).all()
+
+
+def test_what_the_kernel_cannot_read_is_refused(kernel):
+    q, k = torch.randn(2, 1, 3, 64), torch.randn(2, 1, 9, 64)
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    for bad_k, bad_v, bad_mask in ((k.to(torch.bfloat16), k.to(torch.bfloat16), mask),   # dtypes differ
+                                   (k.transpose(1, 2), k.transpose(1, 2), mask),       # not [n, heads, keys, dim]
+                                   (k, k[:, :, :, :32], mask),                         # values of another shape
+                                   (k, k, mask.to(torch.uint8)),                       # not a bool mask
+                                   (k[:1], k[:1], mask)):                              # fewer rows than queries
+        with pytest.raises(ValueError, match="CPU kernel"):
+            kernel(q, bad_k, bad_v, bad_mask, 0.125)
 
 
 def test_masked_columns_are_never_read_into_the_result(kernel):
@@ -70,6 +99,19 @@ def test_a_built_kernel_is_loaded_from_the_cache(tmp_path, monkeypatch):
     assert load_kernel(tmp_path).path == first.path and first.path.exists()
 
 
+def test_an_unwritable_cache_falls_back_to_sdpa(tmp_path, monkeypatch):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    monkeypatch.setenv(cpu_kernel.CACHE_ENV, str(blocked / "kernels"))
+    kernel, line = kernel_for("auto")
+    assert kernel is None and "SDPA" in line and "cannot" in line
+
+
+def test_cc_may_be_a_command_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", f"env {find_compiler()[0]}")
+    assert load_kernel(tmp_path).path.exists()
+
+
 def test_without_a_working_compiler_auto_falls_back_and_kernel_says_why(tmp_path, monkeypatch):
     monkeypatch.setenv(cpu_kernel.CACHE_ENV, str(tmp_path))
     monkeypatch.setenv("CC", "false")        # runs, builds nothing
@@ -82,7 +124,7 @@ def test_without_a_working_compiler_auto_falls_back_and_kernel_says_why(tmp_path
 
 
 @pytest.mark.parametrize("choice", ["kernel", "sdpa"])
-def test_a_cpu_engine_with_either_attention_matches_the_windowed_oracle(llama, choice, tmp_path):
+def test_a_cpu_engine_with_either_attention_matches_the_windowed_oracle(llama, choice, tmp_path, monkeypatch):
     """Two sessions through the engine (prefill, then greedy decode rounds) against transformers' windowed
     oracle, decode rounds attending through the C kernel or SDPA: every prompt token's log-probability
     matches (later prompts attend over keys the decode rounds wrote), and every decoded token is the
@@ -95,13 +137,18 @@ def test_a_cpu_engine_with_either_attention_matches_the_windowed_oracle(llama, c
     from metronome import Engine, EngineConfig, KVPolicy, StepInput
     from tests.engine.oracle import hf_windowed_logprobs
 
+    original_call = cpu_kernel.CpuDecodeKernel.__call__
     model = copy.deepcopy(llama[1])
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.mul_(6)
             layer.self_attn.k_proj.weight.mul_(6)
-    model.save_pretrained(tmp_path)
-    engine = Engine(EngineConfig(model=str(tmp_path), dtype="float32", cpu_attention=choice, num_blocks=200,
+    model.save_pretrained(tmp_path / "model")
+    monkeypatch.setenv(cpu_kernel.CACHE_ENV, str(tmp_path / "kernels"))
+    calls = []
+    monkeypatch.setattr(cpu_kernel.CpuDecodeKernel, "__call__",
+                        lambda self, *a: calls.append(1) or original_call(self, *a))
+    engine = Engine(EngineConfig(model=str(tmp_path / "model"), dtype="float32", cpu_attention=choice, num_blocks=200,
                                  max_chunk_tokens=24, max_batch_tokens=64,
                                  policy=KVPolicy(sinks=3, window=13, block_size=4, positions="absolute")))
     assert (engine.runner.decode_window.kernel is not None) == (choice == "kernel")
@@ -118,3 +165,4 @@ def test_a_cpu_engine_with_either_attention_matches_the_windowed_oracle(llama, c
     ref = hf_windowed_logprobs(model, tokens, 3, 13)
     assert max(abs(lp - ref[pos - 1, tokens[pos]].item()) for pos, lp in logprobs) < 1e-3
     assert len(decoded) == 24 and all(ref[p - 1].max() - ref[p - 1, tokens[p]] < 1e-3 for p in decoded)
+    assert bool(calls) == (choice == "kernel")     # the kernel attended every decode round it was asked to

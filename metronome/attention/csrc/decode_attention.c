@@ -70,14 +70,15 @@ static inline const float *rows_f32(const void *base, int bf16, long first, int 
     return scratch;
 }
 
-/* exp(x) for x <= 0 as a polynomial the compiler vectorises (libm's expf is a call per element); 0 below -87 */
+/* exp(x) for x <= 0 as a polynomial the compiler vectorises (libm's expf is a call per element); 0 below -87,
+   NaN for NaN (a NaN score spreads to the output, as in SDPA, rather than weighing 0) */
 static inline float exp_nonpositive(float x) {
     float c = x > -87.f ? x : -87.f;
     float n = __builtin_floorf(c * 1.44269504f + 0.5f);
     float f = c - n * 0.693145751953125f - n * 1.428606765330187e-06f;
     float p = 1.f + f * (1.f + f * (0.5f + f * (0.16666667f + f * (0.041666668f + f * (0.008333334f + f * 0.0013888889f)))));
     union { int32_t i; float f; } two_n = { .i = ((int32_t)n + 127) << 23 };
-    return x > -87.f ? p * two_n.f : 0.f;
+    return x > -87.f ? p * two_n.f : (x != x ? x : 0.f);
 }
 
 /* One (session, KV head): `group` query rows at q_at, keys and values at kv_at, `width` keys under `mask`. */
