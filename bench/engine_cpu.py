@@ -415,8 +415,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=1024)
     p.add_argument("--threads", type=int, default=None, help="torch threads [default: usable cores]")
     p.add_argument("--random-weights", action="store_true", help="SmolLM2's shapes with random weights")
-    p.add_argument("--cpu-linear", choices=["auto", "packed", "aten"], default="auto",
-                   help="Metronome's linear layers: weights packed for oneDNN, or aten's F.linear (EngineConfig)")
+    p.add_argument("--cpu-linear", choices=["auto", "packed", "kernel", "aten"], default="auto",
+                   help="Metronome's linear layers: bf16 weights packed for oneDNN, float32 through the C kernel, or aten's F.linear (EngineConfig)")
     p.add_argument("--cpu-attention", choices=["auto", "kernel", "sdpa"], default="auto",
                    help="Metronome's decode-round attention: the C kernel or SDPA (EngineConfig)")
     p.add_argument("--profile", default=None, metavar="N[,N]", help="profile one tick at each N instead")

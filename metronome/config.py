@@ -83,8 +83,9 @@ class EngineConfig:
     KV head, one byte per element (``"auto"``: the compute ``dtype``).
 
     ``cpu_linear`` (CPU only): ``"packed"`` packs the decoder's linear weights once for oneDNN
-    (``models/cpu_linear.py``); ``"aten"`` keeps ``F.linear``; ``"auto"`` packs bfloat16 weights where oneDNN
-    can (a CPU with bf16 instructions) and leaves float32 to aten.
+    (``models/cpu_linear.py``); ``"kernel"`` multiplies float32 weights by few rows (decode rounds, the logits)
+    in Metronome's C kernel; ``"aten"`` keeps ``F.linear``; ``"auto"`` packs bfloat16 weights where oneDNN
+    can (a CPU with bf16 instructions) and gives float32 to the C kernel where it builds (else aten).
 
     ``cpu_attention`` (CPU only): how decode rounds attend. ``"kernel"``: the C kernel built for this CPU
     (``attention/cpu_kernel.py``; an error where it cannot be built); ``"sdpa"``: torch's SDPA; ``"auto"``:
@@ -104,7 +105,7 @@ class EngineConfig:
     seed: int = 0
     quantization: str | None = None  # None (the checkpoint's dtype) or "fp8"
     kv_cache_dtype: str = "auto"     # "auto" (the compute dtype) or "fp8"
-    cpu_linear: str = "auto"         # "auto", "packed" or "aten"
+    cpu_linear: str = "auto"         # "auto", "packed", "kernel" or "aten"
     cpu_attention: str = "auto"      # "auto", "kernel" or "sdpa"
 
     def __post_init__(self) -> None:
@@ -130,8 +131,8 @@ class EngineConfig:
             raise ConfigError(f"quantization must be None or 'fp8', got {self.quantization!r}")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ConfigError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
-        if self.cpu_linear not in ("auto", "packed", "aten"):
-            raise ConfigError(f"cpu_linear must be 'auto', 'packed' or 'aten', got {self.cpu_linear!r}")
+        if self.cpu_linear not in ("auto", "packed", "kernel", "aten"):
+            raise ConfigError(f"cpu_linear must be 'auto', 'packed', 'kernel' or 'aten', got {self.cpu_linear!r}")
         if self.cpu_attention not in ("auto", "kernel", "sdpa"):
             raise ConfigError(f"cpu_attention must be 'auto', 'kernel' or 'sdpa', got {self.cpu_attention!r}")
 

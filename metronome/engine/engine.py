@@ -31,7 +31,8 @@ from metronome.engine.runner import DTYPES, ModelRunner, available_memory_bytes,
 from metronome.engine.scheduler import InvariantError, Scheduler
 from metronome.engine.session import Session, SessionStatus
 from metronome.errors import ConfigError, MetronomeError
-from metronome.models.cpu_linear import pack_linears_, packable
+from metronome.models.cpu_linear import KernelLinear, kernel_linears_, pack_linears_, packable
+from metronome.native import KernelBuildError, load_library
 from metronome.models.fp8 import quantize_decoder_
 from metronome.models.llama import LlamaFamilyForCausalLM
 from metronome.models.loader import load_model, load_tokenizer
@@ -130,8 +131,14 @@ class Engine:
         return f"cpu ({read_capability().describe()}, {torch.get_num_threads()} torch threads)"
 
     def _pack_cpu_linears(self, choice: str, dtype: torch.dtype) -> None:
-        """Pack the decoder layers' weights for oneDNN (``EngineConfig.cpu_linear``)."""
-        if choice == "aten" or (choice == "auto" and dtype != torch.bfloat16):
+        """The decoder's products on the CPU (``EngineConfig.cpu_linear``): bf16 weights packed for oneDNN,
+        float32 products of few rows through the C kernel, or aten's ``F.linear``."""
+        if choice == "aten":
+            return
+        if choice == "kernel" or (choice == "auto" and dtype == torch.float32):
+            self._kernel_cpu_linears(choice, dtype)
+            return
+        if choice == "auto" and dtype != torch.bfloat16:
             return
         if not packable(dtype):
             if choice == "packed":
@@ -140,6 +147,24 @@ class Engine:
             return
         count = pack_linears_(self.model.model.layers)
         log.info("packed %d linear weights (%s) for oneDNN", count, dtype)
+
+    def _kernel_cpu_linears(self, choice: str, dtype: torch.dtype) -> None:
+        if dtype != torch.float32:
+            raise ConfigError(f"cpu_linear='kernel' multiplies float32 weights, the engine's dtype is {dtype}")
+        try:
+            library = load_library()
+        except KernelBuildError as e:
+            if choice == "kernel":
+                raise
+            log.warning("the C linear kernel is not available, products use aten: %s", e)
+            return
+        count = kernel_linears_(self.model.model.layers, library)
+        if hasattr(self.model, "cpu_logits"):
+            spec = self.model.spec
+            weight = self.model.model.embed_tokens.weight if spec.tie_word_embeddings else self.model.lm_head.weight
+            self.model.cpu_logits = KernelLinear(weight, None, library)
+        log.info("%d linear layers and the logits multiply few rows through the C kernel (%s)", count,
+                 library.path.name)
 
     def _blocks_from_memory(self, block_bytes: int) -> int:
         budget = int(available_memory_bytes(self.device) * self.config.kv_memory_fraction)

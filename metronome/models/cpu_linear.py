@@ -1,4 +1,5 @@
-"""Decoder linear layers with their weights packed once for oneDNN, for matrix products on a CPU.
+"""Decoder linear layers for matrix products of a few rows on a CPU: bf16 weights packed once for oneDNN, and
+float32 products through Metronome's C kernel.
 
 On a CPU, aten's ``F.linear`` hands oneDNN (bf16) or the BLAS (float32) a plain row-major weight, and a bf16
 product reorders it into oneDNN's blocked layout on every call. A decode round is hundreds of products of a few
@@ -7,15 +8,25 @@ freezing does) leaves each call only the product.
 
 oneDNN packs float32 everywhere and bfloat16 only where the CPU has the instructions for it (AVX512-BF16, AMX,
 AVX-NE-CONVERT); ``packable`` asks oneDNN itself rather than reading flags.
+
+In float32 the BLAS (MKL) multiplies a few rows by a weight far below the core's rate: a decode round's
+products ran at 3-15 GFLOP/s a core on an AVX2 machine. ``KernelLinear`` sends products of up to
+``KERNEL_MAX_ROWS`` rows to ``csrc/skinny_linear.c`` (each weight read once, register-blocked), more rows
+(a prefill) to ``F.linear``.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from metronome.native import NativeLibrary
 
 # The rows a decode round's products usually have; oneDNN picks its blocking for it, any row count still runs.
 ROWS_HINT = 8
+# The most rows the C kernel multiplies; beyond it the BLAS's blocked product is as fast (docs/benchmarks/cpu.md).
+KERNEL_MAX_ROWS = 32
 
 
 def packable(dtype: torch.dtype) -> bool:
@@ -56,4 +67,45 @@ def pack_linears_(layers: nn.Module) -> int:
                if type(child) is nn.Linear]
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child))
+    return len(targets)
+
+
+class KernelLinear(nn.Module):
+    """A float32 product ``x W^T (+ b)`` through the C kernel for up to ``KERNEL_MAX_ROWS`` rows, ``F.linear``
+    for more. ``weight`` [out, in] is shared, not copied (a tied embedding stays one tensor)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, library: NativeLibrary) -> None:
+        super().__init__()
+        if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+            raise ValueError(f"the C product takes a float32 CPU weight [out, in], got {weight.dtype} "
+                             f"{tuple(weight.shape)} on {weight.device}")
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight.detach().contiguous(), persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().contiguous(), persistent=False)
+        self.library = library
+        self.kernel_rows = KERNEL_MAX_ROWS if self.in_features % library.vector_width == 0 else 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] > self.kernel_rows or x.dtype != torch.float32 or x.requires_grad:
+            return F.linear(x, self.weight, self.bias)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
+        self.library.cdll.metronome_skinny_linear(
+            rows.shape[0], self.out_features, self.in_features, rows.data_ptr(), rows.stride(0),
+            self.weight.data_ptr(), None if self.bias is None else self.bias.data_ptr(), out.data_ptr(),
+            out.stride(0), torch.get_num_threads())
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def kernel_linears_(layers: nn.Module, library: NativeLibrary) -> int:
+    """Replace every float32 ``nn.Linear`` under ``layers`` by a ``KernelLinear`` in place; returns how many."""
+    targets = [(parent, name, child) for parent in layers.modules() for name, child in parent.named_children()
+               if type(child) is nn.Linear and child.weight.dtype == torch.float32]
+    for parent, name, child in targets:
+        setattr(parent, name, KernelLinear(child.weight, child.bias, library))
     return len(targets)

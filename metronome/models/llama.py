@@ -162,6 +162,8 @@ class LlamaFamilyForCausalLM(nn.Module):
         if not spec.tie_word_embeddings:
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.rotary: Rotary | None = None
+        # The logits' product on the CPU when the engine sets one (``models/cpu_linear.KernelLinear``).
+        self.cpu_logits: nn.Module | None = None
 
     def fuse_projections(self) -> None:
         """Call once after the checkpoint is loaded (names mirror transformers' until then)."""
@@ -186,6 +188,8 @@ class LlamaFamilyForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
+        if hidden.device.type == "cpu" and self.cpu_logits is not None:
+            return self.cpu_logits(hidden)
         if hidden.device.type == "cpu":
             # vocab-major product: ~1.5x faster than F.linear for few rows on the CPU BLAS here.
             return (weight @ hidden.t()).t()

@@ -1,13 +1,15 @@
-"""The CPU decode-attention kernel (``attention/cpu_kernel.py``) against a float64 masked softmax, its build
-cache, and what ``cpu_attention`` does where no compiler works."""
+"""The CPU decode-attention kernel (``attention/cpu_kernel.py``) against a float64 masked softmax, in the
+engine, and what ``cpu_attention`` does where no compiler works."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from metronome import native
 from metronome.attention import cpu_kernel
-from metronome.attention.cpu_kernel import KernelBuildError, find_compiler, kernel_for, load_kernel
+from metronome.attention.cpu_kernel import kernel_for, load_kernel
+from metronome.native import KernelBuildError, find_compiler
 
 pytestmark = pytest.mark.skipif(find_compiler() is None, reason="no C compiler to build the kernel with")
 
@@ -93,27 +95,8 @@ def test_a_row_with_no_allowed_key_gives_zeros(kernel):
     assert torch.isfinite(out).all() and (out[1] == 0).all() and out[0].abs().sum() > 0
 
 
-def test_a_built_kernel_is_loaded_from_the_cache(tmp_path, monkeypatch):
-    first = load_kernel(tmp_path)
-    monkeypatch.setattr(cpu_kernel, "_build", lambda *a: pytest.fail("built again despite the cache"))
-    assert load_kernel(tmp_path).path == first.path and first.path.exists()
-
-
-def test_an_unwritable_cache_falls_back_to_sdpa(tmp_path, monkeypatch):
-    blocked = tmp_path / "file"
-    blocked.write_text("not a folder")
-    monkeypatch.setenv(cpu_kernel.CACHE_ENV, str(blocked / "kernels"))
-    kernel, line = kernel_for("auto")
-    assert kernel is None and "SDPA" in line and "cannot" in line
-
-
-def test_cc_may_be_a_command_line(tmp_path, monkeypatch):
-    monkeypatch.setenv("CC", f"env {find_compiler()[0]}")
-    assert load_kernel(tmp_path).path.exists()
-
-
 def test_without_a_working_compiler_auto_falls_back_and_kernel_says_why(tmp_path, monkeypatch):
-    monkeypatch.setenv(cpu_kernel.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
     monkeypatch.setenv("CC", "false")        # runs, builds nothing
     kernel, line = kernel_for("auto")
     assert kernel is None and "SDPA" in line and "exited" in line
@@ -144,7 +127,7 @@ def test_a_cpu_engine_with_either_attention_matches_the_windowed_oracle(llama, c
             layer.self_attn.q_proj.weight.mul_(6)
             layer.self_attn.k_proj.weight.mul_(6)
     model.save_pretrained(tmp_path / "model")
-    monkeypatch.setenv(cpu_kernel.CACHE_ENV, str(tmp_path / "kernels"))
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "kernels"))
     calls = []
     monkeypatch.setattr(cpu_kernel.CpuDecodeKernel, "__call__",
                         lambda self, *a: calls.append(1) or original_call(self, *a))

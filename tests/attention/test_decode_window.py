@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import metronome.attention.decode_window as dw
-from metronome.attention.cpu_kernel import find_compiler, load_kernel
+from metronome.attention.cpu_kernel import load_kernel
+from metronome.native import find_compiler
 from metronome.attention.decode_window import DecodeWindow
 from metronome.attention.metadata import PagedAttentionMetadata
 from tests.attention.test_reference import dense_oracle

@@ -1,5 +1,6 @@
-"""Linear weights packed for oneDNN (``models/cpu_linear.py``): the product against float64, and whole
-sessions through an engine with packed weights against transformers' windowed oracle."""
+"""The CPU's linear products (``models/cpu_linear.py``): weights packed for oneDNN and the C kernel for few
+float32 rows, each against float64, and whole sessions through an engine with each against transformers'
+windowed oracle."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from torch import nn
 
 from metronome import Engine, EngineConfig, KVPolicy, StepInput
 from metronome.errors import ConfigError
-from metronome.models.cpu_linear import PackedLinear, pack_linears_, packable
+from metronome.models.cpu_linear import KERNEL_MAX_ROWS, KernelLinear, PackedLinear, pack_linears_, packable
+from metronome.native import find_compiler, load_library
 from tests.engine.oracle import hf_windowed_logprobs
 from tests.engine.test_engine_fp8 import drive
 
@@ -66,9 +68,70 @@ def test_engine_with_packed_weights_matches_the_windowed_oracle(llama):
 SMALL = dict(num_blocks=64, max_chunk_tokens=24, max_batch_tokens=64, policy=KVPolicy(sinks=3, window=13, block_size=4))
 
 
-def test_auto_leaves_float32_to_aten(llama):
-    engine = Engine(EngineConfig(model=llama[0], dtype="float32", **SMALL))
-    assert type(engine.model.model.layers[0].mlp.down_proj) is nn.Linear
+def test_aten_leaves_float32_to_aten(llama):
+    engine = Engine(EngineConfig(model=llama[0], dtype="float32", cpu_linear="aten", **SMALL))
+    assert type(engine.model.model.layers[0].mlp.down_proj) is nn.Linear and engine.model.cpu_logits is None
+
+
+needs_compiler = pytest.mark.skipif(find_compiler() is None, reason="no C compiler to build the kernels with")
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory):
+    return load_library(tmp_path_factory.mktemp("kernels"))
+
+
+@needs_compiler
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows,in_features,out_features", [
+    (1, 64, 1), (2, 128, 7), (3, 576, 960), (8, 1536, 576), (KERNEL_MAX_ROWS, 64, 130),
+    (KERNEL_MAX_ROWS + 1, 64, 33), (5, 36, 20)])
+def test_kernel_product_matches_float64(library, rows, in_features, out_features, bias):
+    """Row and output counts off every block size; more rows than the kernel takes, and an input width that is
+    no multiple of the vector width, go to F.linear and must match too."""
+    gen = torch.Generator().manual_seed(rows * 100 + out_features)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    b = torch.randn(out_features, generator=gen) if bias else None
+    x = torch.randn(2, rows, in_features, generator=gen)[1]          # a view: rows with an offset
+    out = KernelLinear(weight, b, library)(x)
+    ref = torch.nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
+    assert out.shape == ref.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
+
+
+@needs_compiler
+def test_kernel_follows_strided_rows_and_shares_its_weight(library):
+    weight = torch.randn(40, 64)
+    layer = KernelLinear(weight, None, library)
+    assert layer.weight.data_ptr() == weight.data_ptr()       # a tied embedding stays one tensor
+    x = torch.randn(4, 128)[:, :64]                            # rows 128 apart
+    torch.testing.assert_close(layer(x).double(), x.double() @ weight.double().t(), rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="float32"):
+        KernelLinear(weight.to(torch.bfloat16), None, library)
+
+
+@needs_compiler
+def test_engine_with_the_kernel_products_matches_the_windowed_oracle(llama, tmp_path, monkeypatch):
+    """auto gives float32 to the C kernel (decoder layers and the logits); prompts and greedy decode rounds
+    against transformers' windowed oracle, the rounds' products going through the kernel."""
+    from metronome import native
+
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    path, model = llama
+    engine = Engine(EngineConfig(model=path, dtype="float32", num_blocks=200, max_chunk_tokens=24,
+                                 max_batch_tokens=64,
+                                 policy=KVPolicy(sinks=3, window=13, block_size=4, positions="absolute")))
+    layer = engine.model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, KernelLinear) and isinstance(layer.mlp.down_proj, KernelLinear)
+    assert isinstance(engine.model.cpu_logits, KernelLinear)
+    tokens, logprobs = drive(engine, random.Random(5), 6)
+    ref = hf_windowed_logprobs(model, tokens, 3, 13)
+    assert max(abs(lp - ref[pos - 1, tokens[pos]].item()) for pos, lp in logprobs) < 1e-3
+
+
+def test_kernel_setting_is_for_float32(llama):
+    with pytest.raises(ConfigError, match="float32"):
+        Engine(EngineConfig(model=llama[0], dtype="bfloat16", cpu_linear="kernel", **SMALL))
 
 
 def test_cpu_linear_setting_is_checked(llama):

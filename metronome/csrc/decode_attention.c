@@ -5,28 +5,15 @@
    tiles that stay in L1, with the scores of all its keys in a per-thread buffer between the two passes.
    bfloat16 inputs are widened to float32 a tile at a time; sums and the softmax are float32.
 
-   Built by metronome/attention/cpu_kernel.py with -O3 -march=native -fopenmp; plain C with GCC vector
-   extensions, so the compiler picks the vector width of the CPU it is built on. */
+   Built by metronome/native.py with -O3 -march=native -fopenmp. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__)
-#define VL 16
-#elif defined(__AVX__)
-#define VL 8
-#else
-#define VL 4
-#endif
+#include "vectors.h"
+
 #define TILE 64             /* keys a tile: 16 KB of float32 rows at head_dim 64 */
 #define MASKED (-1e30f)     /* a masked key's score: exp() of it less the row's max is exactly 0 */
-
-typedef float vf __attribute__((vector_size(VL * 4)));
-typedef float vf_unaligned __attribute__((vector_size(VL * 4), aligned(4), may_alias));
-#define LOAD(p) (*(const vf_unaligned *)(p))
-#define STORE(p, x) (*(vf_unaligned *)(p) = (x))
-
-static inline float lane_sum(vf x) { float s = 0.f; for (int l = 0; l < VL; l++) s += x[l]; return s; }
 
 #if VL >= 8
 typedef float vf8 __attribute__((vector_size(32)));
