@@ -47,6 +47,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: bfloat16 on a CPU that runs it natively (AMX, AVX512-BF16), else float32")
     p.add_argument("--quantization", default=None, choices=["fp8"], help="FP8 (E4M3) decoder weights")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="fp8: E4M3 KV pages")
+    p.add_argument("--cpu-linear", default="auto", choices=["auto", "packed", "kernel", "aten"],
+                   help="products on the CPU: bf16 weights packed for oneDNN, float32 through the C kernel, or "
+                        "aten (auto: packed for bf16, the kernel for float32 where a C compiler builds it)")
     p.add_argument("--cpu-attention", default="auto", choices=["auto", "kernel", "sdpa"],
                    help="decode rounds on the CPU: the C kernel built for this CPU, or torch's SDPA "
                         "(auto: the kernel where a C compiler builds it)")
@@ -177,7 +180,8 @@ def run_worker_cmd(args: argparse.Namespace) -> int:
     log.info("%s", startup_line(args.device, args.dtype, plan))
     engine = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, policy=_policy(args),
                           num_blocks=args.num_blocks, quantization=args.quantization,
-                          kv_cache_dtype=args.kv_cache_dtype, cpu_attention=args.cpu_attention)
+                          kv_cache_dtype=args.kv_cache_dtype, cpu_attention=args.cpu_attention,
+                          cpu_linear=args.cpu_linear)
     run_worker(WorkerConfig(engine, budget_ms=args.budget_ms, adapter=args.adapter, host=args.host, port=args.port,
                             auth_token=read_secret(args.worker_token_file, TOKEN_ENV), voice=args.voice,
                             aimd=AimdConfig(target_fraction=args.target, initial_cap=args.initial_cap),
@@ -215,7 +219,7 @@ def run_serve(args: argparse.Namespace) -> int:
                "--window", str(args.window), "--block-size", str(args.block_size),
                "--host", "127.0.0.1", "--port", str(port), "--threads", str(threads), "--adapter", args.adapter,
                "--voice", args.voice, "--kv-cache-dtype", args.kv_cache_dtype,
-               "--cpu-attention", args.cpu_attention, "--target", str(args.target),
+               "--cpu-attention", args.cpu_attention, "--cpu-linear", args.cpu_linear, "--target", str(args.target),
                "--initial-cap", str(args.initial_cap), "--drain-grace-s", str(args.drain_grace_s)]
         if args.quantization:
             cmd += ["--quantization", args.quantization]
