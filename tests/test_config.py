@@ -59,3 +59,13 @@ def test_the_capability_line_names_the_cpu_and_its_bf16(tmp_path):
     line = read_capability(str(info)).describe()
     assert "Intel(R) Xeon(R) Platinum" in line and "AMX-BF16" in line and "native bf16" in line
     assert "no native bf16" in read_capability(str(tmp_path / "missing")).describe()
+
+
+def test_the_cpu_kernels_are_refused_where_they_cannot_run():
+    with pytest.raises(ConfigError, match="device is cuda"):
+        EngineConfig(device="cuda", cpu_attention="kernel")
+    with pytest.raises(ConfigError, match="fp8"):
+        EngineConfig(quantization="fp8", cpu_linear="kernel")
+    with pytest.raises(ConfigError, match="cpu_attention"):
+        EngineConfig(cpu_attention="fast")
+    assert EngineConfig(device="cuda").cpu_linear == "auto"     # auto never asks for the kernels off the CPU

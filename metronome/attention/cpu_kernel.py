@@ -65,7 +65,8 @@ class CpuDecodeKernel:
             k.stride(0), k.stride(1), mask.data_ptr(), mask.stride(0), out.data_ptr(), scale,
             torch.get_num_threads())
         if failed:
-            raise MemoryError("the CPU attention kernel could not allocate its scratch memory")
+            raise MemoryError("the CPU attention kernel could not allocate its scratch memory") if failed == 2 \
+                else ValueError(f"head dim {dim} is not a multiple of the vector width {self.vector_width}")
         return out
 
 

@@ -8,8 +8,8 @@
    Built by metronome/native.py with -O3 -march=native -fopenmp. */
 #include "vectors.h"
 
-#define MB 3    /* input rows a block: 3 x 4 accumulators, plus 4 weight vectors and one input vector, */
-#define NB 4    /* fit the 16 vector registers of AVX2 */
+#define MB 3    /* input rows a block: 3 x 4 accumulators and 4 weight vectors in 16 of AVX2's registers, */
+#define NB 4    /* each input vector loaded as an FMA operand */
 
 /* y[m, n] = x[m, :] . w[n, :] + (bias ? bias[n] : 0) for m < M, n < N; x's rows at m * ldx, w [N, K]
    contiguous, y's rows at m * ldy. Returns 0, or 1 when K is not a multiple of the vector width. */

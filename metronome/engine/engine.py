@@ -31,7 +31,7 @@ from metronome.engine.runner import DTYPES, ModelRunner, available_memory_bytes,
 from metronome.engine.scheduler import InvariantError, Scheduler
 from metronome.engine.session import Session, SessionStatus
 from metronome.errors import ConfigError, MetronomeError
-from metronome.models.cpu_linear import KernelLinear, kernel_linears_, pack_linears_, packable
+from metronome.models.cpu_linear import kernel_linears_, pack_linears_, packable
 from metronome.native import KernelBuildError, load_library
 from metronome.models.fp8 import quantize_decoder_
 from metronome.models.llama import LlamaFamilyForCausalLM
@@ -159,12 +159,11 @@ class Engine:
             log.warning("the C linear kernel is not available, products use aten: %s", e)
             return
         count = kernel_linears_(self.model.model.layers, library)
-        if hasattr(self.model, "cpu_logits"):
-            spec = self.model.spec
-            weight = self.model.model.embed_tokens.weight if spec.tie_word_embeddings else self.model.lm_head.weight
-            self.model.cpu_logits = KernelLinear(weight, None, library)
-        log.info("%d linear layers and the logits multiply few rows through the C kernel (%s)", count,
-                 library.path.name)
+        logits = hasattr(self.model, "cpu_kernels")
+        if logits:
+            self.model.cpu_kernels = library
+        log.info("%d linear layers%s multiply few rows through the C kernel (%s)", count,
+                 " and the logits" if logits else "", library.path.name)
 
     def _blocks_from_memory(self, block_bytes: int) -> int:
         budget = int(available_memory_bytes(self.device) * self.config.kv_memory_fraction)

@@ -12,7 +12,7 @@ AVX-NE-CONVERT); ``packable`` asks oneDNN itself rather than reading flags.
 In float32 the BLAS (MKL) multiplies a few rows by a weight far below the core's rate: a decode round's
 products ran at 3-15 GFLOP/s a core on an AVX2 machine. ``KernelLinear`` sends products of up to
 ``KERNEL_MAX_ROWS`` rows to ``csrc/skinny_linear.c`` (each weight read once, register-blocked), more rows
-(a prefill) to ``F.linear``.
+(a prefill) to ``F.linear``; ``skinny_linear`` is the same product for the logits.
 """
 
 from __future__ import annotations
@@ -70,33 +70,45 @@ def pack_linears_(layers: nn.Module) -> int:
     return len(targets)
 
 
-class KernelLinear(nn.Module):
-    """A float32 product ``x W^T (+ b)`` through the C kernel for up to ``KERNEL_MAX_ROWS`` rows, ``F.linear``
-    for more. ``weight`` [out, in] is shared, not copied (a tied embedding stays one tensor)."""
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  library: NativeLibrary) -> torch.Tensor | None:
+    """``x W^T (+ b)`` through the C kernel, or None where it does not apply (the caller takes another path):
+    more than ``KERNEL_MAX_ROWS`` rows, anything but float32 CPU tensors with contiguous weight rows, an input
+    width that is no multiple of the vector width, or autograd. Everything the C reads is checked here."""
+    out_features, in_features = weight.shape
+    rows = x.reshape(-1, in_features)
+    if (rows.shape[0] > KERNEL_MAX_ROWS or in_features % library.vector_width
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                             or (bias is not None and bias.requires_grad)))
+            or x.dtype != torch.float32 or weight.dtype != torch.float32 or not weight.is_contiguous()
+            or x.device.type != "cpu" or weight.device.type != "cpu"
+            or (bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu"
+                                      or not bias.is_contiguous() or bias.numel() != out_features))):
+        return None
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], out_features, dtype=torch.float32, device=rows.device)
+    failed = library.cdll.metronome_skinny_linear(
+        rows.shape[0], out_features, in_features, rows.data_ptr(), rows.stride(0), weight.data_ptr(),
+        None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), torch.get_num_threads())
+    if failed:
+        raise ValueError(f"the C product refused input width {in_features} (vector width {library.vector_width})")
+    return out.reshape(*x.shape[:-1], out_features)
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, library: NativeLibrary) -> None:
+
+class KernelLinear(nn.Module):
+    """``nn.Linear`` whose products of few float32 rows go through the C kernel (``skinny_linear``), the rest
+    through ``F.linear``. Keeps the layer's own parameters."""
+
+    def __init__(self, linear: nn.Linear, library: NativeLibrary) -> None:
         super().__init__()
-        if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
-            raise ValueError(f"the C product takes a float32 CPU weight [out, in], got {weight.dtype} "
-                             f"{tuple(weight.shape)} on {weight.device}")
-        self.out_features, self.in_features = weight.shape
-        self.register_buffer("weight", weight.detach().contiguous(), persistent=False)
-        self.register_buffer("bias", None if bias is None else bias.detach().contiguous(), persistent=False)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
         self.library = library
-        self.kernel_rows = KERNEL_MAX_ROWS if self.in_features % library.vector_width == 0 else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] > self.kernel_rows or x.dtype != torch.float32 or x.requires_grad:
-            return F.linear(x, self.weight, self.bias)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
-        self.library.cdll.metronome_skinny_linear(
-            rows.shape[0], self.out_features, self.in_features, rows.data_ptr(), rows.stride(0),
-            self.weight.data_ptr(), None if self.bias is None else self.bias.data_ptr(), out.data_ptr(),
-            out.stride(0), torch.get_num_threads())
-        return out.reshape(*x.shape[:-1], self.out_features)
+        out = skinny_linear(x, self.weight, self.bias, self.library)
+        return F.linear(x, self.weight, self.bias) if out is None else out
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -107,5 +119,5 @@ def kernel_linears_(layers: nn.Module, library: NativeLibrary) -> int:
     targets = [(parent, name, child) for parent in layers.modules() for name, child in parent.named_children()
                if type(child) is nn.Linear and child.weight.dtype == torch.float32]
     for parent, name, child in targets:
-        setattr(parent, name, KernelLinear(child.weight, child.bias, library))
+        setattr(parent, name, KernelLinear(child, library))
     return len(targets)

@@ -14,9 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from metronome.models.cpu_linear import skinny_linear
 from metronome.models.fp8 import Fp8Linear
 from metronome.models.rope import Rotary
 from metronome.models.spec import DecoderSpec
+from metronome.native import NativeLibrary
 
 
 class AttentionBackend(Protocol):
@@ -162,8 +164,8 @@ class LlamaFamilyForCausalLM(nn.Module):
         if not spec.tie_word_embeddings:
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.rotary: Rotary | None = None
-        # The logits' product on the CPU when the engine sets one (``models/cpu_linear.KernelLinear``).
-        self.cpu_logits: nn.Module | None = None
+        # Metronome's C kernels when the engine gives the logits' few-row products to them (``cpu_linear``).
+        self.cpu_kernels: NativeLibrary | None = None
 
     def fuse_projections(self) -> None:
         """Call once after the checkpoint is loaded (names mirror transformers' until then)."""
@@ -188,8 +190,10 @@ class LlamaFamilyForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
-        if hidden.device.type == "cpu" and self.cpu_logits is not None:
-            return self.cpu_logits(hidden)
+        if hidden.device.type == "cpu" and self.cpu_kernels is not None:
+            logits = skinny_linear(hidden, weight, None, self.cpu_kernels)
+            if logits is not None:
+                return logits
         if hidden.device.type == "cpu":
             # vocab-major product: ~1.5x faster than F.linear for few rows on the CPU BLAS here.
             return (weight @ hidden.t()).t()

@@ -70,63 +70,105 @@ SMALL = dict(num_blocks=64, max_chunk_tokens=24, max_batch_tokens=64, policy=KVP
 
 def test_aten_leaves_float32_to_aten(llama):
     engine = Engine(EngineConfig(model=llama[0], dtype="float32", cpu_linear="aten", **SMALL))
-    assert type(engine.model.model.layers[0].mlp.down_proj) is nn.Linear and engine.model.cpu_logits is None
+    assert type(engine.model.model.layers[0].mlp.down_proj) is nn.Linear and engine.model.cpu_kernels is None
 
 
 needs_compiler = pytest.mark.skipif(find_compiler() is None, reason="no C compiler to build the kernels with")
 
 
-@pytest.fixture(scope="module")
+class CountingLibrary:
+    """A native library whose few-row product counts its calls (so a test knows the kernel ran)."""
+
+    def __init__(self, library):
+        self.library, self.calls = library, 0
+        self.path, self.vector_width = library.path, library.vector_width
+        self.cdll = self
+
+    def metronome_skinny_linear(self, *args):
+        self.calls += 1
+        return self.library.cdll.metronome_skinny_linear(*args)
+
+
+@pytest.fixture
 def library(tmp_path_factory):
-    return load_library(tmp_path_factory.mktemp("kernels"))
+    return CountingLibrary(load_library(tmp_path_factory.mktemp("kernels")))
 
 
 @needs_compiler
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows,in_features,out_features", [
-    (1, 64, 1), (2, 128, 7), (3, 576, 960), (8, 1536, 576), (KERNEL_MAX_ROWS, 64, 130),
-    (KERNEL_MAX_ROWS + 1, 64, 33), (5, 36, 20)])
-def test_kernel_product_matches_float64(library, rows, in_features, out_features, bias):
+@pytest.mark.parametrize("rows,in_features,out_features,in_kernel", [
+    (1, 64, 1, True), (2, 128, 7, True), (3, 576, 960, True), (8, 1536, 576, True), (KERNEL_MAX_ROWS, 64, 130, True),
+    (KERNEL_MAX_ROWS + 1, 64, 33, False), (5, 36, 20, False)])
+def test_kernel_product_matches_float64(library, rows, in_features, out_features, in_kernel, bias):
     """Row and output counts off every block size; more rows than the kernel takes, and an input width that is
-    no multiple of the vector width, go to F.linear and must match too."""
+    no multiple of the vector width (36 is none of 8 and 16), go to F.linear and must match too."""
     gen = torch.Generator().manual_seed(rows * 100 + out_features)
-    weight = torch.randn(out_features, in_features, generator=gen)
-    b = torch.randn(out_features, generator=gen) if bias else None
+    linear = nn.Linear(in_features, out_features, bias=bias)
     x = torch.randn(2, rows, in_features, generator=gen)[1]          # a view: rows with an offset
-    out = KernelLinear(weight, b, library)(x)
-    ref = torch.nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
+    with torch.no_grad():
+        out = KernelLinear(linear, library)(x)
+        ref = torch.nn.functional.linear(x.double(), linear.weight.double(),
+                                         None if linear.bias is None else linear.bias.double())
     assert out.shape == ref.shape and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
+    assert library.calls == int(in_kernel)
 
 
 @needs_compiler
-def test_kernel_follows_strided_rows_and_shares_its_weight(library):
-    weight = torch.randn(40, 64)
-    layer = KernelLinear(weight, None, library)
-    assert layer.weight.data_ptr() == weight.data_ptr()       # a tied embedding stays one tensor
+def test_what_the_kernel_cannot_take_goes_to_aten(library):
+    """Strided rows are followed; bf16, autograd and a weight converted after wrapping never reach the C."""
+    linear = nn.Linear(64, 40)
+    layer = KernelLinear(linear, library)
+    assert layer.weight is linear.weight                       # the layer's own parameters, not copies
     x = torch.randn(4, 128)[:, :64]                            # rows 128 apart
-    torch.testing.assert_close(layer(x).double(), x.double() @ weight.double().t(), rtol=1e-5, atol=1e-4)
-    with pytest.raises(ValueError, match="float32"):
-        KernelLinear(weight.to(torch.bfloat16), None, library)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x).double(), torch.nn.functional.linear(
+            x.double(), linear.weight.double(), linear.bias.double()), rtol=1e-5, atol=1e-4)
+    assert library.calls == 1
+    layer(x)                                                   # autograd on: aten
+    with torch.no_grad():
+        layer.to(torch.bfloat16)(x.to(torch.bfloat16))         # bf16 input and weight: aten
+        with pytest.raises(RuntimeError):                      # float32 input, bf16 weight: aten's own error
+            layer(x)
+    assert library.calls == 1
 
 
 @needs_compiler
-def test_engine_with_the_kernel_products_matches_the_windowed_oracle(llama, tmp_path, monkeypatch):
-    """auto gives float32 to the C kernel (decoder layers and the logits); prompts and greedy decode rounds
-    against transformers' windowed oracle, the rounds' products going through the kernel."""
+@pytest.mark.parametrize("family", ["llama", "llama-tied"])
+def test_engine_with_the_kernel_products_matches_the_windowed_oracle(checkpoints, family, tmp_path, monkeypatch):
+    """auto gives float32 to the C kernel (decoder layers and the logits, tied to the embedding or not);
+    prompts and greedy decode rounds against transformers' windowed oracle, the products going through it."""
     from metronome import native
+    from metronome.models import cpu_linear
 
     monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
-    path, model = llama
+    calls = []
+    real = cpu_linear.skinny_linear
+    monkeypatch.setattr(cpu_linear, "skinny_linear", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr("metronome.models.llama.skinny_linear", lambda *a: calls.append(2) or real(*a))
+    path, model = checkpoints[family]
     engine = Engine(EngineConfig(model=path, dtype="float32", num_blocks=200, max_chunk_tokens=24,
                                  max_batch_tokens=64,
                                  policy=KVPolicy(sinks=3, window=13, block_size=4, positions="absolute")))
     layer = engine.model.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, KernelLinear) and isinstance(layer.mlp.down_proj, KernelLinear)
-    assert isinstance(engine.model.cpu_logits, KernelLinear)
+    assert engine.model.cpu_kernels is not None
     tokens, logprobs = drive(engine, random.Random(5), 6)
     ref = hf_windowed_logprobs(model, tokens, 3, 13)
     assert max(abs(lp - ref[pos - 1, tokens[pos]].item()) for pos, lp in logprobs) < 1e-3
+    assert 1 in calls and 2 in calls          # the layers' products and the logits took the kernel
+
+
+def test_without_a_compiler_auto_leaves_float32_to_aten_and_kernel_says_why(llama, tmp_path, monkeypatch):
+    from metronome import native
+    from metronome.native import KernelBuildError
+
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    engine = Engine(EngineConfig(model=llama[0], dtype="float32", **SMALL))
+    assert type(engine.model.model.layers[0].mlp.down_proj) is nn.Linear and engine.model.cpu_kernels is None
+    with pytest.raises(KernelBuildError):
+        Engine(EngineConfig(model=llama[0], dtype="float32", cpu_linear="kernel", **SMALL))
 
 
 def test_kernel_setting_is_for_float32(llama):
