@@ -106,6 +106,18 @@ def load_library(directory: Path | None = None) -> NativeLibrary:
     return NativeLibrary(cdll, path, cdll.metronome_vector_width())
 
 
+def optional_library(choice: str, instead: str) -> NativeLibrary | None:
+    """The library for a setting's ``choice``: ``"kernel"`` raises ``KernelBuildError`` where it cannot be had,
+    ``"auto"`` logs why and returns None (the caller does ``instead``)."""
+    try:
+        return load_library()
+    except KernelBuildError as e:
+        if choice == "kernel":
+            raise
+        log.warning("Metronome's C kernels are not available, %s: %s", instead, e)
+        return None
+
+
 def _build(compiler: list[str], sources: dict[str, bytes], directory: Path, path: Path) -> None:
     """Compile into a temporary file beside ``path``, then rename it: processes building at once don't clash."""
     log.info("building Metronome's CPU kernels into %s", path)

@@ -8,15 +8,12 @@ tiles. Where no compiler builds it, ``cpu_attention="auto"`` falls back to SDPA 
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from metronome.native import KernelBuildError, NativeLibrary, load_library
-
-log = logging.getLogger(__name__)
+from metronome.native import NativeLibrary, load_library, optional_library
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -71,7 +68,7 @@ class CpuDecodeKernel:
 
 
 def load_kernel(directory: Path | None = None) -> CpuDecodeKernel:
-    """The kernel for this CPU (``native.load_library``); raises ``KernelBuildError``."""
+    """The kernel for this CPU (``native.load_library``); raises ``native.KernelBuildError``."""
     return CpuDecodeKernel(load_library(directory))
 
 
@@ -80,11 +77,8 @@ def kernel_for(choice: str) -> tuple[CpuDecodeKernel | None, str]:
     ``"kernel"`` raises ``KernelBuildError`` where it cannot be had; ``"auto"`` falls back to SDPA."""
     if choice == "sdpa":
         return None, "decode attention: SDPA (as asked)"
-    try:
-        kernel = load_kernel()
-    except KernelBuildError as e:
-        if choice == "kernel":
-            raise
-        log.warning("the CPU attention kernel is not available, decode rounds use SDPA: %s", e)
-        return None, f"decode attention: SDPA (the C kernel is not available: {e})"
-    return kernel, f"decode attention: C kernel ({kernel.vector_width * 32}-bit vectors, {kernel.path.name})"
+    library = optional_library(choice, "decode rounds attend with SDPA")
+    if library is None:
+        return None, "decode attention: SDPA (the C kernel is not available; the warning above says why)"
+    return CpuDecodeKernel(library), f"decode attention: C kernel ({library.vector_width * 32}-bit vectors, " \
+                                     f"{library.path.name})"

@@ -32,7 +32,7 @@ from metronome.engine.scheduler import InvariantError, Scheduler
 from metronome.engine.session import Session, SessionStatus
 from metronome.errors import ConfigError, MetronomeError
 from metronome.models.cpu_linear import kernel_linears_, pack_linears_, packable
-from metronome.native import KernelBuildError, load_library
+from metronome.native import optional_library
 from metronome.models.fp8 import quantize_decoder_
 from metronome.models.llama import LlamaFamilyForCausalLM
 from metronome.models.loader import load_model, load_tokenizer
@@ -151,12 +151,8 @@ class Engine:
     def _kernel_cpu_linears(self, choice: str, dtype: torch.dtype) -> None:
         if dtype != torch.float32:
             raise ConfigError(f"cpu_linear='kernel' multiplies float32 weights, the engine's dtype is {dtype}")
-        try:
-            library = load_library()
-        except KernelBuildError as e:
-            if choice == "kernel":
-                raise
-            log.warning("the C linear kernel is not available, products use aten: %s", e)
+        library = optional_library(choice, "products use aten")
+        if library is None:
             return
         count = kernel_linears_(self.model.model.layers, library)
         logits = hasattr(self.model, "cpu_kernels")
