@@ -9,6 +9,7 @@ git clone -q "$src" "$dir/metronome"
 cd "$dir/metronome"
 echo "fresh clone of $(git rev-parse --short HEAD) in $dir/metronome"
 export METRONOME_CACHE="$dir/cache"      # the packaged model is converted afresh too
+export METRONOME_KERNEL_CACHE="$dir/kernels"   # and the C kernels built afresh
 make test
 make run
 echo "fresh-check passed: make test and make run on a clean clone"
