@@ -355,7 +355,8 @@ def attention_layer(n: int, args, passes: int = 4) -> list[dict]:
     forms alternate, best of ``passes`` passes over the layers."""
     import torch.nn.functional as F
 
-    from metronome.attention.cpu_kernel import KernelBuildError, load_kernel
+    from metronome.attention.cpu_kernel import load_kernel
+    from metronome.native import KernelBuildError
 
     try:
         kernel = load_kernel()
@@ -416,7 +417,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch threads [default: usable cores]")
     p.add_argument("--random-weights", action="store_true", help="SmolLM2's shapes with random weights")
     p.add_argument("--cpu-linear", choices=["auto", "packed", "kernel", "aten"], default="auto",
-                   help="Metronome's linear layers: bf16 weights packed for oneDNN, float32 through the C kernel, or aten's F.linear (EngineConfig)")
+                   help="Metronome's linear layers: bf16 weights packed for oneDNN, float32 through the C kernel, "
+                        "or aten's F.linear (EngineConfig)")
     p.add_argument("--cpu-attention", choices=["auto", "kernel", "sdpa"], default="auto",
                    help="Metronome's decode-round attention: the C kernel or SDPA (EngineConfig)")
     p.add_argument("--profile", default=None, metavar="N[,N]", help="profile one tick at each N instead")
