@@ -72,13 +72,17 @@ def load_kernel(directory: Path | None = None) -> CpuDecodeKernel:
     return CpuDecodeKernel(load_library(directory))
 
 
-def kernel_for(choice: str) -> tuple[CpuDecodeKernel | None, str]:
-    """What ``EngineConfig.cpu_attention`` gives: the kernel or None, and a line saying which and why.
-    ``"kernel"`` raises ``KernelBuildError`` where it cannot be had; ``"auto"`` falls back to SDPA."""
+def kernel_for(choice: str, dtype: torch.dtype, head_dim: int) -> tuple[CpuDecodeKernel | None, str]:
+    """What ``EngineConfig.cpu_attention`` gives a model of ``dtype`` and ``head_dim``: the kernel or None, and
+    a line saying which and why. ``"kernel"`` raises ``KernelBuildError`` where it cannot be built; ``"auto"``
+    falls back to SDPA, and so does either where the kernel does not take the model's dtype or head dim."""
     if choice == "sdpa":
         return None, "decode attention: SDPA (as asked)"
     library = optional_library(choice, "decode rounds attend with SDPA")
     if library is None:
         return None, "decode attention: SDPA (the C kernel is not available; the warning above says why)"
-    return CpuDecodeKernel(library), f"decode attention: C kernel ({library.vector_width * 32}-bit vectors, " \
-                                     f"{library.path.name})"
+    kernel = CpuDecodeKernel(library)
+    if not kernel.supports(dtype, head_dim):
+        return None, (f"decode attention: SDPA (the C kernel takes float32 or bfloat16 with a head dim that is a "
+                      f"multiple of {kernel.vector_width}; this model has {dtype} and {head_dim})")
+    return kernel, f"decode attention: C kernel ({library.vector_width * 32}-bit vectors, {library.path.name})"

@@ -3,9 +3,9 @@
 The reference gathers every decoding session's sink + window keys out of the paged cache in every
 layer of every round; on a CPU that copy costs more than the attention it feeds. A ``DecodeWindow``
 copies them once, in the step's first decode round, into per-layer dense buffers with room to grow.
-Each later round appends its one new key/value per session and attends with one SDPA call per layer
-over all sessions (the C kernel of ``cpu_kernel.py`` where it is built, else SDPA), with a token-granular mask (the window slides one token a round; keys behind it
-stay in the buffer, masked). The paged cache stays the truth and is written every round too.
+Each later round appends its one new key/value per session and attends with one call per layer over all
+sessions (the C kernel of ``cpu_kernel.py`` where it is built, else SDPA), with a token-granular mask (the
+window slides one token a round; keys behind it stay in the buffer, masked). The paged cache stays the truth and is written every round too.
 
 A session is gathered again when it joins, when its keys moved in the cache (a rebase re-rotated them)
 or when its buffer row is full (the fresh gather drops the keys behind the window); sessions that
@@ -59,7 +59,7 @@ class DecodeWindow:
                  kernel: CpuDecodeKernel | None = None) -> None:
         """``max_live_keys``: the most keys a session can hold (a bounded policy's sinks + window, with the
         partial blocks at its ends), which caps the columns' growth slack; None: unbounded. ``kernel``: the
-        C kernel that attends where it supports the dtype and head dim (None: SDPA always)."""
+        C kernel that attends, for the caches' dtype and head dim (``cpu_kernel.kernel_for``; None: SDPA)."""
         self.max_columns = None if max_live_keys is None else max_live_keys + SPARE_COLUMNS
         self.kv_caches = kv_caches
         self.num_heads = num_heads
@@ -211,7 +211,7 @@ class DecodeWindow:
         # The query heads that share a KV head (GQA's repeat_interleave order) stand as that head's query rows:
         # each KV head is read once, where SDPA's enable_gqa on the CPU expands K/V per query head first.
         grouped = query.view(n, kv_heads, heads // kv_heads, head_dim)
-        if self.kernel is not None and k_buf.dtype == query.dtype and self.kernel.supports(query.dtype, head_dim):
+        if self.kernel is not None:
             scale = self.scale if self.scale is not None else head_dim ** -0.5
             o = self.kernel(grouped, k_buf, v_buf, plan.mask.view(n, plan.width), scale)
         else:

@@ -111,7 +111,7 @@ class ModelRunner:
         max_live = blocks_per_session(config.policy, 1, self.spec.max_position_embeddings) * self.block_size
         self.decode_window = None
         if isinstance(self.attention, TorchPagedAttention) and self.device.type == "cpu" and self.kv_dtype != E4M3:
-            kernel, line = kernel_for(config.cpu_attention)
+            kernel, line = kernel_for(config.cpu_attention, self.kv_dtype, self.spec.head_dim)
             log.info(line)
             self.decode_window = DecodeWindow(self.kv_caches, self.spec.num_heads, max_live_keys=max_live,
                                               kernel=kernel)
