@@ -18,8 +18,9 @@ A guess saves a tick when Whisper is idle: once a session's silence has lasted h
 and run past the end pad (the VAD's ``tentative``: the utterance's audio is then what it will be if the silence
 lasts), Whisper transcribes it before the silence has lasted long enough to end the utterance, which may come a
 tick later. If the utterance ends as guessed its transcript is reported without a second run; if the speech goes
-on the guess is dropped. Guesses run only while no finished utterance waits, one at a time. ``busy`` says whether a session's audio is
-still on its way (a commit that came first waits for its transcript).
+on the guess is dropped. Guesses run only while no finished utterance waits, one at a time.
+
+``busy`` says whether a session's audio is still on its way (a commit that came first waits for its transcript).
 
 ``configure`` (the client's turn detection) is queued in order with the audio, so the VAD thread, the only
 owner of the VAD streams, applies it before the session's next audio. In manual mode (no server VAD) the

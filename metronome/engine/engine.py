@@ -32,10 +32,10 @@ from metronome.engine.scheduler import InvariantError, Scheduler
 from metronome.engine.session import Session, SessionStatus
 from metronome.errors import ConfigError, MetronomeError
 from metronome.models.cpu_linear import kernel_linears_, pack_linears_, packable
-from metronome.native import optional_library
 from metronome.models.fp8 import quantize_decoder_
 from metronome.models.llama import LlamaFamilyForCausalLM
 from metronome.models.loader import load_model, load_tokenizer
+from metronome.native import optional_library
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ freezing does) leaves each call only the product.
 oneDNN packs float32 everywhere and bfloat16 only where the CPU has the instructions for it (AVX512-BF16, AMX,
 AVX-NE-CONVERT); ``packable`` asks oneDNN itself rather than reading flags.
 
-In float32 the BLAS (MKL) multiplies a few rows by a weight far below the core's rate: a decode round's
-products ran at 3-15 GFLOP/s a core on an AVX2 machine. ``KernelLinear`` sends products of up to
+In float32 the BLAS (MKL) multiplies a few rows by a weight far below the core's rate: on an AVX2 machine a
+tick's products ran at about 16 GFLOP/s against the core's 80 (docs/benchmarks/cpu.md). ``KernelLinear`` sends products of up to
 ``KERNEL_MAX_ROWS`` rows to ``csrc/skinny_linear.c`` (each weight read once, register-blocked), more rows
 (a prefill) to ``F.linear``; ``skinny_linear`` is the same product for the logits.
 """
@@ -25,7 +25,7 @@ from metronome.native import NativeLibrary
 
 # The rows a decode round's products usually have; oneDNN picks its blocking for it, any row count still runs.
 ROWS_HINT = 8
-# The most rows the C kernel multiplies; beyond it the BLAS's blocked product is as fast (docs/benchmarks/cpu.md).
+# The most rows the C kernel multiplies: a decode round's or a small prefill's; larger prefills go to the BLAS.
 KERNEL_MAX_ROWS = 32
 
 
