@@ -137,6 +137,8 @@ class EngineConfig:
             raise ConfigError(f"cpu_attention must be 'auto', 'kernel' or 'sdpa', got {self.cpu_attention!r}")
         if not self.device.startswith("cpu") and "kernel" in (self.cpu_linear, self.cpu_attention):
             raise ConfigError(f"cpu_linear/cpu_attention='kernel' are the CPU's C kernels; the device is {self.device}")
+        if self.cpu_linear == "kernel" and self.dtype != "float32":
+            raise ConfigError(f"cpu_linear='kernel' multiplies float32 weights, the engine's dtype is {self.dtype}")
         if self.quantization is not None and self.cpu_linear == "kernel":
             raise ConfigError("cpu_linear='kernel' multiplies float32 weights; quantization='fp8' keeps E4M3 ones")
 

@@ -3,7 +3,8 @@ typed for torch tensors.
 
 SDPA's CPU kernel is built for long queries; a decode round has one query token per session, and there it
 runs at a fraction of memory speed. The C kernel reads each session's keys and values once, in L1-sized
-tiles. Where no compiler builds it, ``cpu_attention="auto"`` falls back to SDPA and says why.
+tiles. Where no compiler builds it, ``cpu_attention="auto"`` falls back to SDPA and says why (the engine loads
+the library once, for this and the products).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from metronome.native import NativeLibrary, load_library, optional_library
+from metronome.native import NativeLibrary, load_library
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -72,15 +73,15 @@ def load_kernel(directory: Path | None = None) -> CpuDecodeKernel:
     return CpuDecodeKernel(load_library(directory))
 
 
-def kernel_for(choice: str, dtype: torch.dtype, head_dim: int) -> tuple[CpuDecodeKernel | None, str]:
-    """What ``EngineConfig.cpu_attention`` gives a model of ``dtype`` and ``head_dim``: the kernel or None, and
-    a line saying which and why. ``"kernel"`` raises ``KernelBuildError`` where it cannot be built; ``"auto"``
-    falls back to SDPA, and so does either where the kernel does not take the model's dtype or head dim."""
+def kernel_for(choice: str, library: NativeLibrary | None, dtype: torch.dtype,
+               head_dim: int) -> tuple[CpuDecodeKernel | None, str]:
+    """What ``EngineConfig.cpu_attention`` gives a model of ``dtype`` and ``head_dim``, with the engine's C
+    kernels (``library``; None where they could not be built): the kernel or None, and a line saying which and
+    why. SDPA where asked, where there is no library, or where the kernel does not take the dtype or head dim."""
     if choice == "sdpa":
         return None, "decode attention: SDPA (as asked)"
-    library = optional_library(choice, "decode rounds attend with SDPA")
     if library is None:
-        return None, "decode attention: SDPA (the C kernel is not available; the warning above says why)"
+        return None, "decode attention: SDPA (the C kernels are not available; the warning above says why)"
     kernel = CpuDecodeKernel(library)
     if not kernel.supports(dtype, head_dim):
         return None, (f"decode attention: SDPA (the C kernel takes float32 or bfloat16 with a head dim that is a "

@@ -35,7 +35,7 @@ from metronome.models.cpu_linear import kernel_linears_, pack_linears_, packable
 from metronome.models.fp8 import quantize_decoder_
 from metronome.models.llama import LlamaFamilyForCausalLM
 from metronome.models.loader import load_model, load_tokenizer
-from metronome.native import optional_library
+from metronome.native import NativeLibrary, optional_library
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +96,9 @@ class Engine:
             quantize_decoder_(self.model)
             if self.device.type == "cuda":  # the bf16 weights' memory goes back, so the KV pool can use it
                 torch.cuda.empty_cache()
+        cpu_kernels = self._cpu_kernels(config, dtype)
         if self.device.type == "cpu" and config.quantization is None:
-            self._pack_cpu_linears(config.cpu_linear, dtype)
+            self._pack_cpu_linears(config.cpu_linear, dtype, cpu_kernels)
         self.spec = self.model.spec
         self.max_model_len = self.spec.max_position_embeddings
         policy = config.policy
@@ -113,7 +114,7 @@ class Engine:
             raise ConfigError(
                 f"the KV pool ({num_blocks - 1} blocks) cannot hold one session "
                 f"({self.scheduler.session_blocks} blocks); raise num_blocks or shrink the window")
-        self.runner = ModelRunner(config, self.model, num_blocks)
+        self.runner = ModelRunner(config, self.model, num_blocks, cpu_kernels)
         if config.cuda_graphs and self.device.type == "cuda" and config.attention == "triton":
             max_batch = min(1024, max(1, self.scheduler.capacity if policy.bounded else 256))
             self.runner.capture_decode_graphs(max_batch, self.scheduler.session_blocks)
@@ -130,13 +131,24 @@ class Engine:
             return str(self.device)
         return f"cpu ({read_capability().describe()}, {torch.get_num_threads()} torch threads)"
 
-    def _pack_cpu_linears(self, choice: str, dtype: torch.dtype) -> None:
+    def _cpu_kernels(self, config: EngineConfig, dtype: torch.dtype) -> NativeLibrary | None:
+        """Metronome's C kernels, loaded once where the products or the decode rounds ask for them; None where
+        neither does or (``auto``) they cannot be built. A ``"kernel"`` setting raises ``KernelBuildError``."""
+        products = config.cpu_linear == "kernel" or (config.cpu_linear == "auto" and dtype == torch.float32
+                                                     and config.quantization is None)
+        wanted = [c for c, asks in ((config.cpu_linear, products), (config.cpu_attention,
+                                                                    config.cpu_attention != "sdpa")) if asks]
+        if self.device.type != "cpu" or not wanted:
+            return None
+        return optional_library("kernel" if "kernel" in wanted else "auto", "products and decode rounds use torch's")
+
+    def _pack_cpu_linears(self, choice: str, dtype: torch.dtype, cpu_kernels: NativeLibrary | None) -> None:
         """The decoder's products on the CPU (``EngineConfig.cpu_linear``): bf16 weights packed for oneDNN,
-        float32 products of few rows through the C kernel, or aten's ``F.linear``."""
+        float32 products of few rows through the C kernels (``cpu_kernels``), or aten's ``F.linear``."""
         if choice == "aten":
             return
         if choice == "kernel" or (choice == "auto" and dtype == torch.float32):
-            self._kernel_cpu_linears(choice, dtype)
+            self._kernel_cpu_linears(cpu_kernels)
             return
         if choice == "auto" and dtype != torch.bfloat16:
             return
@@ -148,11 +160,8 @@ class Engine:
         count = pack_linears_(self.model.model.layers)
         log.info("packed %d linear weights (%s) for oneDNN", count, dtype)
 
-    def _kernel_cpu_linears(self, choice: str, dtype: torch.dtype) -> None:
-        if dtype != torch.float32:
-            raise ConfigError(f"cpu_linear='kernel' multiplies float32 weights, the engine's dtype is {dtype}")
-        library = optional_library(choice, "products use aten")
-        if library is None:
+    def _kernel_cpu_linears(self, library: NativeLibrary | None) -> None:
+        if library is None:    # auto, and the kernels could not be built (logged): aten
             return
         count = kernel_linears_(self.model.model.layers, library)
         logits = hasattr(self.model, "cpu_kernels")

@@ -28,6 +28,7 @@ from metronome.engine.request import ForwardPlan, ForwardResult, ForwardSegment,
 from metronome.engine.scheduler import InvariantError
 from metronome.engine.session import window_slots  # noqa: F401  (its former home; benchmarks import it here)
 from metronome.models.llama import LlamaFamilyForCausalLM
+from metronome.native import NativeLibrary
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,9 @@ def _pack(arrays: list[np.ndarray], align: int = 16) -> tuple[np.ndarray, list[t
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: LlamaFamilyForCausalLM, num_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, model: LlamaFamilyForCausalLM, num_blocks: int,
+                 cpu_kernels: NativeLibrary | None = None) -> None:
+        """``cpu_kernels``: Metronome's C kernels where the engine loaded them (decode rounds on the CPU)."""
         self.config = config
         self.model = model
         self.spec = model.spec
@@ -111,7 +114,7 @@ class ModelRunner:
         max_live = blocks_per_session(config.policy, 1, self.spec.max_position_embeddings) * self.block_size
         self.decode_window = None
         if isinstance(self.attention, TorchPagedAttention) and self.device.type == "cpu" and self.kv_dtype != E4M3:
-            kernel, line = kernel_for(config.cpu_attention, self.kv_dtype, self.spec.head_dim)
+            kernel, line = kernel_for(config.cpu_attention, cpu_kernels, self.kv_dtype, self.spec.head_dim)
             log.info(line)
             self.decode_window = DecodeWindow(self.kv_caches, self.spec.num_heads, max_live_keys=max_live,
                                               kernel=kernel)

@@ -159,7 +159,9 @@ def test_engine_with_the_kernel_products_matches_the_windowed_oracle(checkpoints
     assert 1 in calls and 2 in calls          # the layers' products and the logits took the kernel
 
 
-def test_without_a_compiler_auto_leaves_float32_to_aten_and_kernel_says_why(llama, tmp_path, monkeypatch):
+def test_without_a_compiler_auto_uses_torch_and_kernel_says_why(llama, tmp_path, monkeypatch, caplog):
+    """No C kernels: auto leaves float32 products to aten and decode rounds to SDPA, with a warning saying why;
+    either setting asking for "kernel" is an error."""
     from metronome import native
     from metronome.native import KernelBuildError
 
@@ -167,8 +169,10 @@ def test_without_a_compiler_auto_leaves_float32_to_aten_and_kernel_says_why(llam
     monkeypatch.setenv("CC", "false")
     engine = Engine(EngineConfig(model=llama[0], dtype="float32", **SMALL))
     assert type(engine.model.model.layers[0].mlp.down_proj) is nn.Linear and engine.model.cpu_kernels is None
-    with pytest.raises(KernelBuildError):
-        Engine(EngineConfig(model=llama[0], dtype="float32", cpu_linear="kernel", **SMALL))
+    assert engine.runner.decode_window.kernel is None and "exited" in caplog.text
+    for setting in (dict(cpu_linear="kernel"), dict(cpu_attention="kernel")):
+        with pytest.raises(KernelBuildError):
+            Engine(EngineConfig(model=llama[0], dtype="float32", **setting, **SMALL))
 
 
 def test_kernel_setting_is_for_float32(llama):
