@@ -100,7 +100,7 @@ class MetronomeArm:
         blocks = blocks_per_session(policy, 256, SMOLLM2["max_position_embeddings"]) * max(args.session_list + (args.profile or [])) + 2
         self.engine = Engine(EngineConfig(model=checkpoint, policy=policy, device="cpu", dtype=dtype,
                                           num_blocks=blocks, max_chunk_tokens=256, cpu_linear=args.cpu_linear,
-                                          cpu_attention=args.cpu_attention))
+                                          cpu_attention=args.cpu_attention, cpu_elementwise=args.cpu_elementwise))
         self.args = args
 
     def open(self, histories: list[list[int]]):
@@ -421,6 +421,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "or aten's F.linear (EngineConfig)")
     p.add_argument("--cpu-attention", choices=["auto", "kernel", "sdpa"], default="auto",
                    help="Metronome's decode-round attention: the C kernel or SDPA (EngineConfig)")
+    p.add_argument("--cpu-elementwise", choices=["auto", "kernel", "torch"], default="auto",
+                   help="Metronome's norms, rotary embedding and activation: one C call each or torch's "
+                        "operators (EngineConfig)")
     p.add_argument("--profile", default=None, metavar="N[,N]", help="profile one tick at each N instead")
     p.add_argument("--attention", default=None, metavar="N[,N]",
                    help="time one layer's decode-round attention at each N instead (the C kernel and SDPA's forms)")

@@ -214,7 +214,8 @@ def run_n(n: int, args, clips, logdir: Path) -> dict:
            "--voice", args.voice, "--port", str(port), "--worker-port", str(worker_port),
            "--budget-ms", str(args.budget_ms), "--tokens-per-tick", str(args.tokens_per_tick),
            "--initial-cap", str(n + 2), "--target", "1.0", "--idle-timeout-s", "0",
-           "--cpu-attention", args.cpu_attention, "--cpu-linear", args.cpu_linear]
+           "--cpu-attention", args.cpu_attention, "--cpu-linear", args.cpu_linear,
+           "--cpu-elementwise", args.cpu_elementwise]
     log_path = logdir / f"voice_cpu_serve_{n}.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
@@ -280,6 +281,8 @@ def main(argv=None) -> dict:
                    help="the worker's decode-round attention (metronome serve --cpu-attention)")
     p.add_argument("--cpu-linear", default="auto", choices=["auto", "packed", "kernel", "aten"],
                    help="the worker's products (metronome serve --cpu-linear)")
+    p.add_argument("--cpu-elementwise", default="auto", choices=["auto", "kernel", "torch"],
+                   help="the worker's norms, rotary embedding and activation (metronome serve --cpu-elementwise)")
     p.add_argument("--log-level", default="info", help="the server's (its log goes beside --out)")
     p.add_argument("--out", default="results/voice_cpu.json", help="raw JSON")
     args = p.parse_args(argv)

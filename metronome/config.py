@@ -90,6 +90,10 @@ class EngineConfig:
     ``cpu_attention`` (CPU only): how decode rounds attend. ``"kernel"``: the C kernel built for this CPU
     (``attention/cpu_kernel.py``; an error where it cannot be built); ``"sdpa"``: torch's SDPA; ``"auto"``:
     the kernel where it builds, SDPA elsewhere (logged).
+
+    ``cpu_elementwise`` (CPU only): a layer's RMSNorms, rotary embedding and SiLU-times-up. ``"kernel"``: one C
+    call each (``models/cpu_layer_ops.py``; an error where the kernels cannot be built); ``"torch"``: torch's
+    operators; ``"auto"``: the kernels where they build, torch elsewhere (logged).
     """
 
     model: str = "smollm2-135m"
@@ -107,6 +111,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"     # "auto" (the compute dtype) or "fp8"
     cpu_linear: str = "auto"         # "auto", "packed", "kernel" or "aten"
     cpu_attention: str = "auto"      # "auto", "kernel" or "sdpa"
+    cpu_elementwise: str = "auto"    # "auto", "kernel" or "torch"
 
     def __post_init__(self) -> None:
         if self.dtype == "auto":
@@ -135,8 +140,12 @@ class EngineConfig:
             raise ConfigError(f"cpu_linear must be 'auto', 'packed', 'kernel' or 'aten', got {self.cpu_linear!r}")
         if self.cpu_attention not in ("auto", "kernel", "sdpa"):
             raise ConfigError(f"cpu_attention must be 'auto', 'kernel' or 'sdpa', got {self.cpu_attention!r}")
-        if not self.device.startswith("cpu") and "kernel" in (self.cpu_linear, self.cpu_attention):
-            raise ConfigError(f"cpu_linear/cpu_attention='kernel' are the CPU's C kernels; the device is {self.device}")
+        if self.cpu_elementwise not in ("auto", "kernel", "torch"):
+            raise ConfigError(f"cpu_elementwise must be 'auto', 'kernel' or 'torch', got {self.cpu_elementwise!r}")
+        if not self.device.startswith("cpu") and "kernel" in (self.cpu_linear, self.cpu_attention,
+                                                              self.cpu_elementwise):
+            raise ConfigError(f"cpu_linear/cpu_attention/cpu_elementwise='kernel' are the CPU's C kernels; the device "
+                              f"is {self.device}")
         if self.cpu_linear == "kernel" and self.dtype != "float32":
             raise ConfigError(f"cpu_linear='kernel' multiplies float32 weights, the engine's dtype is {self.dtype}")
         if self.quantization is not None and self.cpu_linear == "kernel":

@@ -5,7 +5,7 @@ on (``-march=native``: AVX2, AVX-512 or whatever the machine has), in about a se
 the sources, the compiler and the CPU; every later start loads it at once. ``-fopenmp`` threads the kernels;
 the OpenMP runtime is the one torch already loaded (the same ``libgomp.so.1``), so they share its pool and
 wait policy. The typed wrappers live beside their callers (``attention/cpu_kernel.py``,
-``models/cpu_linear.py``); this module only builds and loads.
+``models/cpu_linear.py``, ``models/cpu_layer_ops.py``); this module only builds and loads.
 
 Torch-free: it never imports torch.
 """
@@ -29,8 +29,8 @@ from metronome.errors import MetronomeError
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("decode_attention.c", "skinny_linear.c")   # compiled into one library
-HEADERS = ("vectors.h",)
+SOURCES = ("decode_attention.c", "skinny_linear.c", "layer_ops.c")   # compiled into one library
+HEADERS = ("scalars.h", "vectors.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC")
 CACHE_ENV = "METRONOME_KERNEL_CACHE"   # where built kernels are kept (default: the user's cache folder)
 BUILD_TIMEOUT_S = 120
@@ -103,6 +103,15 @@ def load_library(directory: Path | None = None) -> NativeLibrary:
     cdll.metronome_skinny_linear.restype = ctypes.c_int
     cdll.metronome_skinny_linear.argtypes = (
         [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 3 + [ctypes.c_long, ctypes.c_int])
+    for name in ("metronome_rms_norm", "metronome_rope", "metronome_silu_mul"):
+        getattr(cdll, name).restype = ctypes.c_int
+    cdll.metronome_rms_norm.argtypes = (
+        [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p,
+                              ctypes.c_long, ctypes.c_int])
+    cdll.metronome_rope.argtypes = (
+        [ctypes.c_int] * 4 + [ctypes.c_void_p] + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int])
+    cdll.metronome_silu_mul.argtypes = (
+        [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_int])
     return NativeLibrary(cdll, path, cdll.metronome_vector_width())
 
 

@@ -53,6 +53,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-attention", default="auto", choices=["auto", "kernel", "sdpa"],
                    help="decode rounds on the CPU: the C kernel built for this CPU, or torch's SDPA "
                         "(auto: the kernel where a C compiler builds it)")
+    p.add_argument("--cpu-elementwise", default="auto", choices=["auto", "kernel", "torch"],
+                   help="norms, rotary embedding and activation on the CPU: one call each of the C kernels built "
+                        "for this CPU, or torch's operators (auto: the kernels where a C compiler builds them)")
     p.add_argument("--sinks", type=int, default=16, help="pinned attention-sink tokens (S)")
     p.add_argument("--window", type=int, default=1024, help="KV window in tokens (W); 0 = unbounded baseline")
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
@@ -181,7 +184,7 @@ def run_worker_cmd(args: argparse.Namespace) -> int:
     engine = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, policy=_policy(args),
                           num_blocks=args.num_blocks, quantization=args.quantization,
                           kv_cache_dtype=args.kv_cache_dtype, cpu_attention=args.cpu_attention,
-                          cpu_linear=args.cpu_linear)
+                          cpu_linear=args.cpu_linear, cpu_elementwise=args.cpu_elementwise)
     run_worker(WorkerConfig(engine, budget_ms=args.budget_ms, adapter=args.adapter, host=args.host, port=args.port,
                             auth_token=read_secret(args.worker_token_file, TOKEN_ENV), voice=args.voice,
                             aimd=AimdConfig(target_fraction=args.target, initial_cap=args.initial_cap),
@@ -219,7 +222,8 @@ def run_serve(args: argparse.Namespace) -> int:
                "--window", str(args.window), "--block-size", str(args.block_size),
                "--host", "127.0.0.1", "--port", str(port), "--threads", str(threads), "--adapter", args.adapter,
                "--voice", args.voice, "--kv-cache-dtype", args.kv_cache_dtype,
-               "--cpu-attention", args.cpu_attention, "--cpu-linear", args.cpu_linear, "--target", str(args.target),
+               "--cpu-attention", args.cpu_attention, "--cpu-linear", args.cpu_linear,
+               "--cpu-elementwise", args.cpu_elementwise, "--target", str(args.target),
                "--initial-cap", str(args.initial_cap), "--drain-grace-s", str(args.drain_grace_s)]
         if args.quantization:
             cmd += ["--quantization", args.quantization]

@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "scalars.h"
 #include "vectors.h"
 
 #define TILE 64             /* keys a tile: 16 KB of float32 rows at head_dim 64 */
@@ -40,13 +41,6 @@ static inline void lane_sums8(const vf *a, float *out) {
 static inline void lane_sums8(const vf *a, float *out) { for (int u = 0; u < 8; u++) out[u] = lane_sum(a[u]); }
 #endif
 
-static inline float bf16_to_f32(uint16_t x) { union { uint32_t u; float f; } b = { .u = (uint32_t)x << 16 }; return b.f; }
-static inline uint16_t f32_to_bf16(float f) {   /* round to nearest even, NaN kept a NaN */
-    union { float f; uint32_t u; } b = { .f = f };
-    if ((b.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((b.u >> 16) | 0x40);
-    return (uint16_t)((b.u + 0x7fffu + ((b.u >> 16) & 1u)) >> 16);
-}
-
 /* `count` rows of `dim` values from element `first` on, as float32: the rows themselves, or a copy in `scratch` */
 static inline const float *rows_f32(const void *base, int bf16, long first, int count, int dim, float *scratch) {
     if (!bf16) return (const float *)base + first;
@@ -55,17 +49,6 @@ static inline const float *rows_f32(const void *base, int bf16, long first, int 
     #pragma omp simd
     for (long e = 0; e < total; e++) scratch[e] = bf16_to_f32(p[e]);
     return scratch;
-}
-
-/* exp(x) for x <= 0 as a polynomial the compiler vectorises (libm's expf is a call per element); 0 below -87,
-   NaN for NaN (a NaN score spreads to the output, as in SDPA, rather than weighing 0) */
-static inline float exp_nonpositive(float x) {
-    float c = x > -87.f ? x : -87.f;
-    float n = __builtin_floorf(c * 1.44269504f + 0.5f);
-    float f = c - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-    float p = 1.f + f * (1.f + f * (0.5f + f * (0.16666667f + f * (0.041666668f + f * (0.008333334f + f * 0.0013888889f)))));
-    union { int32_t i; float f; } two_n = { .i = ((int32_t)n + 127) << 23 };
-    return x > -87.f ? p * two_n.f : (x != x ? x : 0.f);
 }
 
 /* One (session, KV head): `group` query rows at q_at, keys and values at kv_at, `width` keys under `mask`. */

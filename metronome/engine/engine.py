@@ -31,6 +31,7 @@ from metronome.engine.runner import DTYPES, ModelRunner, available_memory_bytes,
 from metronome.engine.scheduler import InvariantError, Scheduler
 from metronome.engine.session import Session, SessionStatus
 from metronome.errors import ConfigError, MetronomeError
+from metronome.models.cpu_layer_ops import CpuLayerOps, use_layer_ops_
 from metronome.models.cpu_linear import kernel_linears_, pack_linears_, packable
 from metronome.models.fp8 import quantize_decoder_
 from metronome.models.llama import LlamaFamilyForCausalLM
@@ -99,6 +100,9 @@ class Engine:
         cpu_kernels = self._cpu_kernels(config, dtype)
         if self.device.type == "cpu" and config.quantization is None:
             self._pack_cpu_linears(config.cpu_linear, dtype, cpu_kernels)
+        if cpu_kernels is not None and config.cpu_elementwise != "torch":
+            count = use_layer_ops_(self.model, CpuLayerOps(cpu_kernels))
+            log.info("%d norms, rotary embeddings and activations run as one C call each", count)
         self.spec = self.model.spec
         self.max_model_len = self.spec.max_position_embeddings
         policy = config.policy
@@ -132,15 +136,17 @@ class Engine:
         return f"cpu ({read_capability().describe()}, {torch.get_num_threads()} torch threads)"
 
     def _cpu_kernels(self, config: EngineConfig, dtype: torch.dtype) -> NativeLibrary | None:
-        """Metronome's C kernels, loaded once where the products or the decode rounds ask for them; None where
-        neither does or (``auto``) they cannot be built. A ``"kernel"`` setting raises ``KernelBuildError``."""
+        """Metronome's C kernels, loaded once where the products, the decode rounds or the elementwise steps ask
+        for them; None where none does or (``auto``) they cannot be built. A ``"kernel"`` setting raises ``KernelBuildError``."""
         products = config.cpu_linear == "kernel" or (config.cpu_linear == "auto" and dtype == torch.float32
                                                      and config.quantization is None)
-        wanted = [c for c, asks in ((config.cpu_linear, products), (config.cpu_attention,
-                                                                    config.cpu_attention != "sdpa")) if asks]
+        wanted = [c for c, asks in ((config.cpu_linear, products),
+                                    (config.cpu_attention, config.cpu_attention != "sdpa"),
+                                    (config.cpu_elementwise, config.cpu_elementwise != "torch")) if asks]
         if self.device.type != "cpu" or not wanted:
             return None
-        return optional_library("kernel" if "kernel" in wanted else "auto", "products and decode rounds use torch's")
+        return optional_library("kernel" if "kernel" in wanted else "auto",
+                                "products, decode rounds and elementwise steps use torch's")
 
     def _pack_cpu_linears(self, choice: str, dtype: torch.dtype, cpu_kernels: NativeLibrary | None) -> None:
         """The decoder's products on the CPU (``EngineConfig.cpu_linear``): bf16 weights packed for oneDNN,

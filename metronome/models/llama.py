@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from metronome.models.cpu_layer_ops import CpuLayerOps
 from metronome.models.cpu_linear import skinny_linear
 from metronome.models.fp8 import Fp8Linear
 from metronome.models.rope import Rotary
@@ -63,10 +64,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.cpu_ops: CpuLayerOps | None = None   # the C kernels, where the engine hands them out (CPU)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:  # one fused kernel instead of eight (they dominate a captured decode round's small ops)
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        if self.cpu_ops is not None and (out := self.cpu_ops.rms_norm(x, self.weight, self.eps)) is not None:
+            return out
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -85,6 +89,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, spec.rms_norm_eps)
             self.k_norm = RMSNorm(d, spec.rms_norm_eps)
         self.qk_norm = spec.qk_norm
+        self.cpu_ops: CpuLayerOps | None = None
 
     def fuse(self) -> None:
         """Replace q/k/v by one projection after loading: one large matmul beats three small ones."""
@@ -105,7 +110,7 @@ class Attention(nn.Module):
             from metronome.models.rope_triton import rope_qk_
 
             rope_qk_(q, k, rope.positions, rope.rotary.inv_freq, rope.rotary.attention_scaling)
-        else:
+        elif self.cpu_ops is None or not self.cpu_ops.rope_qk_(q, k, rope.cos, rope.sin):
             q, k = Rotary.apply(q, rope.cos, rope.sin), Rotary.apply(k, rope.cos, rope.sin)
         # An FP8 cache's layer carries its per-head scales as a third element (attention/fp8.py).
         o = attention(q, k, v, kv[0], kv[1], plan, kv[2] if len(kv) > 2 else None)
@@ -118,6 +123,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
         self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        self.cpu_ops: CpuLayerOps | None = None
 
     def fuse(self) -> None:
         self.gate_up_proj = _fused_linear([self.gate_proj, self.up_proj])
@@ -129,6 +135,8 @@ class MLP(nn.Module):
             from metronome.models.silu_mul_triton import silu_mul
 
             return self.down_proj(silu_mul(gate_up))
+        if self.cpu_ops is not None and (act := self.cpu_ops.silu_mul(gate_up)) is not None:
+            return self.down_proj(act)
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 
