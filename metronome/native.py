@@ -29,7 +29,7 @@ from metronome.errors import MetronomeError
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("decode_attention.c", "skinny_linear.c", "layer_ops.c")   # compiled into one library
+SOURCES = ("decode_attention.c", "scatter_rows.c", "skinny_linear.c", "layer_ops.c")   # compiled into one library
 HEADERS = ("scalars.h", "vectors.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC")
 CACHE_ENV = "METRONOME_KERNEL_CACHE"   # where built kernels are kept (default: the user's cache folder)
@@ -100,6 +100,9 @@ def load_library(directory: Path | None = None) -> NativeLibrary:
     cdll.metronome_decode_attention.argtypes = (
         [ctypes.c_int] * 6 + [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2
         + [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_float, ctypes.c_int])
+    cdll.metronome_scatter_rows.restype = ctypes.c_int
+    cdll.metronome_scatter_rows.argtypes = ([ctypes.c_int] * 2 + [ctypes.c_long, ctypes.c_void_p] + [ctypes.c_long] * 2
+                                            + [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p])
     cdll.metronome_skinny_linear.restype = ctypes.c_int
     cdll.metronome_skinny_linear.argtypes = (
         [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 3 + [ctypes.c_long, ctypes.c_int])

@@ -68,6 +68,26 @@ class CpuDecodeKernel:
         return out
 
 
+    def scatter_rows_(self, rows: torch.Tensor, dest: torch.Tensor, index: torch.Tensor) -> bool:
+        """``dest[index[t * heads + h]] = rows[t, h]`` for ``rows`` [T, heads, width] (each row's values
+        contiguous, any token and head strides) into ``dest`` [R, width] (contiguous): a decode round's new keys or
+        values into the cache or the window's buffers, as ``index_copy_`` over the flattened rows. False (nothing
+        written) where it does not apply: other dtypes or layouts, an index that is not [T * heads] int64.
+        ``IndexError`` for an index outside ``dest``, as ``index_copy_``."""
+        tokens, heads, width = rows.shape
+        if not (rows.dtype == dest.dtype and rows.device.type == dest.device.type == index.device.type == "cpu"
+                and dest.dim() == 2 and dest.shape[1] == width and dest.is_contiguous() and rows.stride(2) == 1
+                and index.dtype == torch.int64 and index.is_contiguous() and index.shape == (tokens * heads,)
+                and not (torch.is_grad_enabled() and dest.requires_grad)):
+            return False
+        size = rows.element_size()
+        if self.library.cdll.metronome_scatter_rows(tokens, heads, width * size, rows.data_ptr(), rows.stride(0) * size,
+                                                    rows.stride(1) * size, dest.data_ptr(), dest.shape[0],
+                                                    index.data_ptr()):
+            raise IndexError(f"a row index is outside the {dest.shape[0]} rows written to")
+        return True
+
+
 def load_kernel(directory: Path | None = None) -> CpuDecodeKernel:
     """The kernel for this CPU (``native.load_library``); raises ``native.KernelBuildError``."""
     return CpuDecodeKernel(load_library(directory))

@@ -194,13 +194,15 @@ class DecodeWindow:
         Pages in the compute dtype only (``kv_scale`` None): the runner sends E4M3 pages to the reference."""
         if kv_scale is not None:
             raise ValueError("the decode window holds compute-dtype keys; E4M3 pages go through the reference")
-        write_kv(key, value, k_cache, v_cache, plan.meta.slot_mapping)
+        kernel, kv_heads, head_dim = self.kernel, self.kv_heads, self.head_dim
+        write_kv(key, value, k_cache, v_cache, plan.meta.slot_mapping, kernel=kernel)
         k_buf, v_buf = self.buffers[self.layers[k_cache.data_ptr()]]
-        kv_heads, head_dim = self.kv_heads, self.head_dim
         if plan.append_q is not None:
             key, value = key.index_select(0, plan.append_q), value.index_select(0, plan.append_q)
-        k_buf.view(-1, head_dim).index_copy_(0, plan.append_at, key.reshape(-1, head_dim).to(k_buf.dtype))
-        v_buf.view(-1, head_dim).index_copy_(0, plan.append_at, value.reshape(-1, head_dim).to(v_buf.dtype))
+        for buf, x in ((k_buf, key), (v_buf, value)):     # the C row scatter where built, as write_kv
+            rows = buf.view(-1, head_dim)
+            if kernel is None or not kernel.scatter_rows_(x, rows, plan.append_at):
+                rows.index_copy_(0, plan.append_at, x.reshape(-1, head_dim).to(buf.dtype))
         if plan.gather_rows is not None:
             rows, slots = plan.gather_slots.shape
             for buf, cache in ((k_buf, k_cache), (v_buf, v_cache)):

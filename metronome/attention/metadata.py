@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch-free at import: the engine's block arithmetic imports this module
     import torch
 
+    from metronome.attention.cpu_kernel import CpuDecodeKernel
+
 
 @dataclass(frozen=True)
 class PagedAttentionMetadata:
@@ -74,12 +76,19 @@ def token_slots(meta: PagedAttentionMetadata, rows: torch.Tensor, tokens: torch.
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, kv_scale: torch.Tensor | None = None) -> None:
+             slot_mapping: torch.Tensor, kv_scale: torch.Tensor | None = None,
+             kernel: CpuDecodeKernel | None = None) -> None:
     """Store the new tokens' keys/values ([T, kv_heads, head_dim]) at their slots.
 
-    ``kv_scale`` [2, kv_heads]: the caches are E4M3 and hold ``x / scale`` (``attention/fp8.py``).
+    ``kv_scale`` [2, kv_heads]: the caches are E4M3 and hold ``x / scale`` (``attention/fp8.py``). ``kernel``: the
+    CPU's C kernels, whose row scatter writes compute-dtype rows (index_copy_ costs far more than a few rows' copy).
     """
     kv_heads, head_dim = key.shape[-2:]
+    if kernel is not None and kv_scale is None:
+        tokens = key.shape[0]
+        if all(kernel.scatter_rows_(x.reshape(tokens, 1, -1), cache.view(-1, kv_heads * head_dim), slot_mapping)
+               for x, cache in ((key, k_cache), (value, v_cache))):
+            return
     if kv_scale is not None:
         import torch
 

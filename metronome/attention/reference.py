@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from metronome.attention.cpu_kernel import CpuDecodeKernel
 from metronome.attention.metadata import PagedAttentionMetadata, first_window_token, token_slots, write_kv
 
 # Upper bound on score elements (G * heads * Qmax * Kmax) one SDPA call may materialise.
@@ -155,6 +156,7 @@ class TorchPagedAttention:
     def __init__(self, num_heads: int, scale: float | None = None) -> None:
         self.num_heads = num_heads
         self.scale = scale
+        self.kernel: CpuDecodeKernel | None = None   # the CPU's C kernels, for the K/V writes (``write_kv``)
 
     def prepare(self, meta: PagedAttentionMetadata) -> ReferencePlan:
         return plan_reference(meta, self.num_heads)
@@ -162,5 +164,5 @@ class TorchPagedAttention:
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, plan: ReferencePlan,
                  kv_scale: torch.Tensor | None = None) -> torch.Tensor:
-        write_kv(key, value, k_cache, v_cache, plan.meta.slot_mapping, kv_scale)
+        write_kv(key, value, k_cache, v_cache, plan.meta.slot_mapping, kv_scale, self.kernel)
         return paged_attention_reference(query, k_cache, v_cache, plan, self.scale, kv_scale)

@@ -116,6 +116,7 @@ class ModelRunner:
         if isinstance(self.attention, TorchPagedAttention) and self.device.type == "cpu" and self.kv_dtype != E4M3:
             kernel, line = kernel_for(config.cpu_attention, cpu_kernels, self.kv_dtype, self.spec.head_dim)
             log.info(line)
+            self.attention.kernel = kernel     # prefills write their K/V through its row scatter too
             self.decode_window = DecodeWindow(self.kv_caches, self.spec.num_heads, max_live_keys=max_live,
                                               kernel=kernel)
         self._in_rounds = False

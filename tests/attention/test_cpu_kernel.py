@@ -131,9 +131,12 @@ def test_a_cpu_engine_with_either_attention_matches_the_windowed_oracle(llama, c
             layer.self_attn.k_proj.weight.mul_(6)
     model.save_pretrained(tmp_path / "model")
     monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "kernels"))
-    calls = []
+    calls, scattered = [], []
+    original_scatter = cpu_kernel.CpuDecodeKernel.scatter_rows_
     monkeypatch.setattr(cpu_kernel.CpuDecodeKernel, "__call__",
                         lambda self, *a: calls.append(1) or original_call(self, *a))
+    monkeypatch.setattr(cpu_kernel.CpuDecodeKernel, "scatter_rows_",
+                        lambda self, *a: original_scatter(self, *a) and not scattered.append(1))
     engine = Engine(EngineConfig(model=str(tmp_path / "model"), dtype="float32", cpu_attention=choice, num_blocks=200,
                                  max_chunk_tokens=24, max_batch_tokens=64,
                                  policy=KVPolicy(sinks=3, window=13, block_size=4, positions="absolute")))
@@ -152,3 +155,29 @@ def test_a_cpu_engine_with_either_attention_matches_the_windowed_oracle(llama, c
     assert max(abs(lp - ref[pos - 1, tokens[pos]].item()) for pos, lp in logprobs) < 1e-3
     assert len(decoded) == 24 and all(ref[p - 1].max() - ref[p - 1, tokens[p]] < 1e-3 for p in decoded)
     assert bool(calls) == (choice == "kernel")     # the kernel attended every decode round it was asked to
+    assert bool(scattered) == (choice == "kernel")  # and wrote the rounds' keys and values
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,heads,width", [(1, 1, 192), (7, 3, 64), (24, 1, 192)])
+def test_scattered_rows_match_index_copy(kernel, dtype, tokens, heads, width):
+    """A round's keys as the fused projection's strided views, into a cache or buffer: as torch's index_copy_."""
+    gen = torch.Generator().manual_seed(tokens * 10 + heads)
+    qkv = torch.randn(tokens, 3 * heads * width, generator=gen).to(dtype)
+    rows = qkv[:, heads * width:2 * heads * width].view(tokens, heads, width)       # token stride 3 * heads * width
+    index = torch.randperm(50, generator=gen)[:tokens * heads]
+    dest, ref = torch.zeros(50, width, dtype=dtype), torch.zeros(50, width, dtype=dtype)
+    assert kernel.scatter_rows_(rows, dest, index)
+    ref.index_copy_(0, index, rows.reshape(-1, width))
+    assert torch.equal(dest, ref)
+
+
+def test_scatter_refuses_what_it_does_not_take_and_checks_the_index(kernel):
+    rows, dest = torch.randn(2, 1, 8), torch.zeros(4, 8)
+    assert not kernel.scatter_rows_(rows, dest.double(), torch.tensor([0, 1]))            # dtypes differ
+    assert not kernel.scatter_rows_(rows, dest, torch.tensor([0, 1], dtype=torch.int32))  # index dtype
+    assert not kernel.scatter_rows_(rows, dest, torch.tensor([0]))                         # one index a row
+    assert not kernel.scatter_rows_(rows, torch.zeros(8, 4).t(), torch.tensor([0, 1]))    # strided destination
+    with pytest.raises(IndexError):
+        kernel.scatter_rows_(rows, dest, torch.tensor([1, 4]))
+    assert torch.equal(dest, torch.zeros(4, 8))                                           # nothing written
