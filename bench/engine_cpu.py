@@ -324,10 +324,13 @@ def profile_tick(checkpoint: str, n: int, args) -> dict:
     gen = torch.Generator().manual_seed(n)
     ids = lambda k: torch.randint(0, SMOLLM2["vocab_size"], (n, k), generator=gen).tolist()  # noqa: E731
     state = arm.open(ids(args.history))
-    arm.tick(state, ids(args.chunk_tokens))
+    for _ in range(2):   # warm-up: the decode window's buffers grow (zeroed anew) in the first two ticks
+        arm.tick(state, ids(args.chunk_tokens))
+    native = time_native_calls(arm.engine)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
+        native.clear()
         tick = arm.tick(state, ids(args.chunk_tokens))
-    kinds = {"matmul": ("aten::mm", "aten::addmm", "aten::bmm"),
+    kinds = {"matmul": ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise"),
              "attention (SDPA)": ("aten::_scaled_dot_product_flash_attention_for_cpu",),
              "gather / KV copies": ("aten::index_select", "aten::index_copy_", "aten::index", "aten::index_put_",
                                     "aten::copy_", "aten::cat"),
@@ -337,6 +340,8 @@ def profile_tick(checkpoint: str, n: int, args) -> dict:
     for e in prof.key_averages():
         kind = next((k for k, names in kinds.items() if e.key in names), "elementwise and other ops")
         split[kind] += e.self_cpu_time_total / 1e3
+    for kind, ms in native.items():   # the C kernels run outside torch's profiler: timed around each call
+        split[kind] = ms
     ops = sum(split.values())
     split["outside torch ops (Python, scheduling)"] = max(0.0, tick.ms - ops)
     top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
@@ -345,6 +350,35 @@ def profile_tick(checkpoint: str, n: int, args) -> dict:
             "prefill_ms": round(tick.prefill_ms, 1), "decode_ms": round(tick.decode_ms, 1),
             "split_ms": {k: round(v, 1) for k, v in split.items()},
             "top_ops": [{"op": e.key, "self_ms": round(e.self_cpu_time_total / 1e3, 1), "calls": e.count} for e in top]}
+
+
+NATIVE_KINDS = {"metronome_decode_attention": "C kernels: attention",
+                "metronome_skinny_linear": "C kernels: products",
+                "metronome_rms_norm": "C kernels: norms, RoPE, SiLU", "metronome_rope": "C kernels: norms, RoPE, SiLU",
+                "metronome_silu_mul": "C kernels: norms, RoPE, SiLU"}
+
+
+def time_native_calls(engine) -> dict[str, float]:
+    """Wrap the engine's C kernels (the one ctypes library its modules and decode window call) so that each call
+    adds its wall time, in ms, to the returned dict under its kind."""
+    import time
+
+    window = engine.runner.decode_window
+    libraries = [m.library for m in engine.model.modules() if hasattr(m, "library")]
+    libraries += [m.cpu_ops.library for m in engine.model.modules() if getattr(m, "cpu_ops", None) is not None]
+    libraries += [window.kernel.library] if window is not None and window.kernel is not None else []
+    libraries += [engine.model.cpu_kernels] if getattr(engine.model, "cpu_kernels", None) is not None else []
+    spent: dict[str, float] = {}
+    for cdll in {id(lib.cdll): lib.cdll for lib in libraries}.values():
+        for name, kind in NATIVE_KINDS.items():
+            def timed(*args, _call=getattr(cdll, name), _kind=kind):
+                start = time.perf_counter()
+                try:
+                    return _call(*args)
+                finally:
+                    spent[_kind] = spent.get(_kind, 0.0) + (time.perf_counter() - start) * 1e3
+            setattr(cdll, name, timed)
+    return spent
 
 
 def attention_layer(n: int, args, passes: int = 4) -> list[dict]:
