@@ -3,7 +3,8 @@
    The query heads that share a KV head are that head's rows (GQA), so each key and value is read from
    memory once. Work is split over (session, KV head) units; each unit reads its keys, then its values, in
    tiles that stay in L1, with the scores of all its keys in a per-thread buffer between the two passes.
-   bfloat16 inputs are widened to float32 a tile at a time; sums and the softmax are float32.
+   bfloat16 inputs are widened to float32 a tile at a time (the scores come straight from bfloat16 with
+   AVX512-BF16's pair products where the CPU has them); sums and the softmax are float32.
 
    Built by metronome/native.py with -O3 -march=native -fopenmp. */
 #include <stdint.h>
@@ -12,6 +13,10 @@
 
 #include "scalars.h"
 #include "vectors.h"
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #define TILE 64             /* keys a tile: 16 KB of float32 rows at head_dim 64 */
 #define MASKED (-1e30f)     /* a masked key's score: exp() of it less the row's max is exactly 0 */
@@ -51,6 +56,40 @@ static inline const float *rows_f32(const void *base, int bf16, long first, int 
     return scratch;
 }
 
+#if defined(__AVX512BF16__)
+/* scores[i, j] = q[i] . k[j] straight from bfloat16 rows with AVX512-BF16's pair products (vdpbf16ps: each bf16
+   product is exact in float32), eight keys at a time, in tiles of keys that stay in L1 across the group's rows;
+   dim a multiple of 32. */
+static void scores_bf16(int group, int dim, int width, const uint16_t *q, const uint16_t *k, float *scores) {
+    for (int j0 = 0; j0 < width; j0 += TILE) {
+        int end = width - j0 < TILE ? width : j0 + TILE;
+        for (int i = 0; i < group; i++) {
+            const uint16_t *qi = q + (long)i * dim;
+            float *si = scores + (size_t)i * width;
+            int j = j0;
+            for (; j + 8 <= end; j += 8) {
+                vf a[8];
+                for (int u = 0; u < 8; u++) a[u] = (vf){0};
+                for (int e = 0; e < dim; e += 32) {
+                    __m512bh qv = (__m512bh)_mm512_loadu_si512(qi + e);
+                    for (int u = 0; u < 8; u++)
+                        a[u] = (vf)_mm512_dpbf16_ps((__m512)a[u], qv,
+                                                    (__m512bh)_mm512_loadu_si512(k + (long)(j + u) * dim + e));
+                }
+                lane_sums8(a, si + j);
+            }
+            for (; j < end; j++) {
+                __m512 a = _mm512_setzero_ps();
+                for (int e = 0; e < dim; e += 32)
+                    a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(qi + e),
+                                         (__m512bh)_mm512_loadu_si512(k + (long)j * dim + e));
+                si[j] = _mm512_reduce_add_ps(a);
+            }
+        }
+    }
+}
+#endif
+
 /* One (session, KV head): `group` query rows at q_at, keys and values at kv_at, `width` keys under `mask`. */
 static void attend_unit(int group, int dim, int width, int bf16, const void *q, long q_at, const void *k,
                         const void *v, long kv_at, const uint8_t *mask, void *out, float scale, float *work) {
@@ -61,6 +100,11 @@ static void attend_unit(int group, int dim, int width, int bf16, const void *q, 
         if (row != qf + i * dim) memcpy(qf + i * dim, row, sizeof(float) * dim);
     }
     /* scores, eight keys at a time: eight independent chains of multiply-adds */
+#if defined(__AVX512BF16__)
+    if (bf16 && dim % 32 == 0)
+        scores_bf16(group, dim, width, (const uint16_t *)q + q_at, (const uint16_t *)k + kv_at, scores);
+    else
+#endif
     for (int j0 = 0; j0 < width; j0 += TILE) {
         int count = width - j0 < TILE ? width - j0 : TILE;
         const float *kt = rows_f32(k, bf16, kv_at + (long)j0 * dim, count, dim, tile);
