@@ -341,7 +341,7 @@ def profile_tick(checkpoint: str, n: int, args) -> dict:
         kind = next((k for k, names in kinds.items() if e.key in names), "elementwise and other ops")
         split[kind] += e.self_cpu_time_total / 1e3
     for kind, ms in native.items():   # the C kernels run outside torch's profiler: timed around each call
-        split[kind] = ms
+        split[kind] = split.get(kind, 0.0) + ms
     ops = sum(split.values())
     split["outside torch ops (Python, scheduling)"] = max(0.0, tick.ms - ops)
     top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
@@ -353,7 +353,7 @@ def profile_tick(checkpoint: str, n: int, args) -> dict:
 
 
 NATIVE_KINDS = {"metronome_decode_attention": "C kernels: attention",
-                "metronome_skinny_linear": "C kernels: products",
+                "metronome_skinny_linear": "C kernels: products", "metronome_scatter_rows": "gather / KV copies",
                 "metronome_rms_norm": "C kernels: norms, RoPE, SiLU", "metronome_rope": "C kernels: norms, RoPE, SiLU",
                 "metronome_silu_mul": "C kernels: norms, RoPE, SiLU"}
 

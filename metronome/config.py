@@ -146,6 +146,8 @@ class EngineConfig:
                                                               self.cpu_elementwise):
             raise ConfigError(f"cpu_linear/cpu_attention/cpu_elementwise='kernel' are the CPU's C kernels; the device "
                               f"is {self.device}")
+        if self.cpu_elementwise == "kernel" and self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"cpu_elementwise='kernel' runs float32 or bfloat16, the engine's dtype is {self.dtype}")
         if self.cpu_linear == "kernel" and self.dtype != "float32":
             raise ConfigError(f"cpu_linear='kernel' multiplies float32 weights, the engine's dtype is {self.dtype}")
         if self.quantization is not None and self.cpu_linear == "kernel":

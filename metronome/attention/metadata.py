@@ -84,8 +84,8 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     CPU's C kernels, whose row scatter writes compute-dtype rows (index_copy_ costs far more than a few rows' copy).
     """
     kv_heads, head_dim = key.shape[-2:]
-    if kernel is not None and kv_scale is None:
-        tokens = key.shape[0]
+    tokens = key.shape[0]
+    if kernel is not None and kv_scale is None and tokens:
         if all(kernel.scatter_rows_(x.reshape(tokens, 1, -1), cache.view(-1, kv_heads * head_dim), slot_mapping)
                for x, cache in ((key, k_cache), (value, v_cache))):
             return

@@ -48,7 +48,8 @@ class CpuLayerOps:
 
     def rope_qk_(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
         """Rotate ``q`` [T, heads, dim] and ``k`` [T, kv_heads, dim] in place by the float32 tables ``cos``/``sin``
-        [T, dim], as ``Rotary.apply``; both or neither (False: neither was touched)."""
+        [T, dim], as ``Rotary.apply``; both or neither (False: neither was touched). ``q`` and ``k`` must not share
+        elements (the fused projection's split gives disjoint views); each is rotated once."""
         tokens, dim = cos.shape
         if not (_plain(q, k) and q.dim() == k.dim() == 3 and q.shape[0] == k.shape[0] == tokens
                 and q.shape[2] == k.shape[2] == dim and dim % 2 == 0

@@ -9,8 +9,8 @@ freezing does) leaves each call only the product.
 oneDNN packs float32 everywhere and bfloat16 only where the CPU has the instructions for it (AVX512-BF16, AMX,
 AVX-NE-CONVERT); ``packable`` asks oneDNN itself rather than reading flags.
 
-In float32 the BLAS (MKL) multiplies a few rows by a weight far below the core's rate: on an AVX2 machine a
-tick's products ran at about 16 GFLOP/s against the core's 80 (docs/benchmarks/cpu.md). ``KernelLinear`` sends products of up to
+In float32 the BLAS (MKL) multiplies a few rows by a weight far below the core's rate (docs/benchmarks/cpu.md:
+on an AVX2 machine the C kernel's ticks are a third to a half shorter). ``KernelLinear`` sends products of up to
 ``KERNEL_MAX_ROWS`` rows to ``csrc/skinny_linear.c`` (each weight read once, register-blocked), more rows
 (a prefill) to ``F.linear``; ``skinny_linear`` is the same product for the logits.
 """

@@ -181,3 +181,12 @@ def test_scatter_refuses_what_it_does_not_take_and_checks_the_index(kernel):
     with pytest.raises(IndexError):
         kernel.scatter_rows_(rows, dest, torch.tensor([1, 4]))
     assert torch.equal(dest, torch.zeros(4, 8))                                           # nothing written
+
+
+def test_write_kv_with_the_kernel_takes_an_empty_round(kernel):
+    from metronome.attention.metadata import write_kv
+
+    k_cache, v_cache = torch.zeros(2, 4, 3, 8), torch.zeros(2, 4, 3, 8)
+    empty = torch.zeros(0, 3, 8)
+    write_kv(empty, empty, k_cache, v_cache, torch.zeros(0, dtype=torch.long), kernel=kernel)
+    assert not k_cache.any() and not v_cache.any()
