@@ -90,21 +90,14 @@ static void scores_bf16(int group, int dim, int width, const uint16_t *q, const 
 }
 #endif
 
-/* One (session, KV head): `group` query rows at q_at, keys and values at kv_at, `width` keys under `mask`. */
-static void attend_unit(int group, int dim, int width, int bf16, const void *q, long q_at, const void *k,
-                        const void *v, long kv_at, const uint8_t *mask, void *out, float scale, float *work) {
-    float *scores = work, *qf = scores + (size_t)group * width, *acc = qf + (size_t)group * dim;
-    float *tile = acc + (size_t)group * dim;
+/* scores[i, j] = q[i] . k[j] for the group's rows (at q_at) over `width` keys (at kv_at), eight keys at a time:
+   eight independent chains of multiply-adds. bf16 rows are widened into qf and, a tile of keys at a time, tile. */
+static void scores_f32(int group, int dim, int width, int bf16, const void *q, long q_at, const void *k, long kv_at,
+                       float *qf, float *tile, float *scores) {
     for (int i = 0; i < group; i++) {
         const float *row = rows_f32(q, bf16, q_at + (long)i * dim, 1, dim, qf + i * dim);
         if (row != qf + i * dim) memcpy(qf + i * dim, row, sizeof(float) * dim);
     }
-    /* scores, eight keys at a time: eight independent chains of multiply-adds */
-#if defined(__AVX512BF16__)
-    if (bf16 && dim % 32 == 0)
-        scores_bf16(group, dim, width, (const uint16_t *)q + q_at, (const uint16_t *)k + kv_at, scores);
-    else
-#endif
     for (int j0 = 0; j0 < width; j0 += TILE) {
         int count = width - j0 < TILE ? width - j0 : TILE;
         const float *kt = rows_f32(k, bf16, kv_at + (long)j0 * dim, count, dim, tile);
@@ -127,6 +120,19 @@ static void attend_unit(int group, int dim, int width, int bf16, const void *q, 
             }
         }
     }
+}
+
+/* One (session, KV head): `group` query rows at q_at, keys and values at kv_at, `width` keys under `mask`. */
+static void attend_unit(int group, int dim, int width, int bf16, const void *q, long q_at, const void *k,
+                        const void *v, long kv_at, const uint8_t *mask, void *out, float scale, float *work) {
+    float *scores = work, *qf = scores + (size_t)group * width, *acc = qf + (size_t)group * dim;
+    float *tile = acc + (size_t)group * dim;
+#if defined(__AVX512BF16__)
+    if (bf16 && dim % 32 == 0)
+        scores_bf16(group, dim, width, (const uint16_t *)q + q_at, (const uint16_t *)k + kv_at, scores);
+    else
+#endif
+        scores_f32(group, dim, width, bf16, q, q_at, k, kv_at, qf, tile, scores);
     /* softmax of each row; masked keys get exactly 0 */
     for (int i = 0; i < group; i++) {
         float *si = scores + (size_t)i * width, top = MASKED, total = 0.f;
