@@ -16,6 +16,7 @@ import torch
 
 from metronome.native import NativeLibrary, load_library
 
+# The C kernels' dtype codes (csrc/*.c: 0 float32, 1 bfloat16).
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -66,7 +67,6 @@ class CpuDecodeKernel:
             raise MemoryError("the CPU attention kernel could not allocate its scratch memory") if failed == 2 \
                 else ValueError(f"head dim {dim} is not a multiple of the vector width {self.vector_width}")
         return out
-
 
     def scatter_rows_(self, rows: torch.Tensor, dest: torch.Tensor, index: torch.Tensor) -> bool:
         """``dest[index[t * heads + h]] = rows[t, h]`` for ``rows`` [T, heads, width] (each row's values

@@ -1,4 +1,4 @@
-/* Scalar helpers the kernels share: bfloat16 conversions and an exp the compiler vectorises. */
+/* Scalar functions the kernels share: bfloat16 conversions and an exp the compiler vectorises. */
 #ifndef METRONOME_SCALARS_H
 #define METRONOME_SCALARS_H
 

@@ -17,9 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from metronome.attention.cpu_kernel import DTYPES
 from metronome.native import NativeLibrary
-
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def _plain(*tensors: torch.Tensor) -> bool:
