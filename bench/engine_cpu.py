@@ -363,21 +363,18 @@ def time_native_calls(engine) -> dict[str, float]:
     adds its wall time, in ms, to the returned dict under its kind."""
     import time
 
-    window = engine.runner.decode_window
-    libraries = [m.library for m in engine.model.modules() if hasattr(m, "library")]
-    libraries += [m.cpu_ops.library for m in engine.model.modules() if getattr(m, "cpu_ops", None) is not None]
-    libraries += [window.kernel.library] if window is not None and window.kernel is not None else []
-    libraries += [engine.model.cpu_kernels] if getattr(engine.model, "cpu_kernels", None) is not None else []
     spent: dict[str, float] = {}
-    for cdll in {id(lib.cdll): lib.cdll for lib in libraries}.values():
-        for name, kind in NATIVE_KINDS.items():
-            def timed(*args, _call=getattr(cdll, name), _kind=kind):
-                start = time.perf_counter()
-                try:
-                    return _call(*args)
-                finally:
-                    spent[_kind] = spent.get(_kind, 0.0) + (time.perf_counter() - start) * 1e3
-            setattr(cdll, name, timed)
+    if engine.cpu_kernels is None:
+        return spent
+    cdll = engine.cpu_kernels.cdll
+    for name, kind in NATIVE_KINDS.items():
+        def timed(*args, _call=getattr(cdll, name), _kind=kind):
+            start = time.perf_counter()
+            try:
+                return _call(*args)
+            finally:
+                spent[_kind] = spent.get(_kind, 0.0) + (time.perf_counter() - start) * 1e3
+        setattr(cdll, name, timed)
     return spent
 
 

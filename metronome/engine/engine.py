@@ -97,7 +97,8 @@ class Engine:
             quantize_decoder_(self.model)
             if self.device.type == "cuda":  # the bf16 weights' memory goes back, so the KV pool can use it
                 torch.cuda.empty_cache()
-        cpu_kernels = self._cpu_kernels(config, dtype)
+        # Metronome's C kernels (one library) where the CPU path uses them; None elsewhere.
+        self.cpu_kernels = cpu_kernels = self._cpu_kernels(config, dtype)
         if self.device.type == "cpu" and config.quantization is None:
             self._pack_cpu_linears(config.cpu_linear, dtype, cpu_kernels)
         if cpu_kernels is not None and config.cpu_elementwise != "torch":

@@ -173,7 +173,7 @@ def test_engine_with_the_kernels_matches_the_windowed_oracle(checkpoints, family
     engine = Engine(EngineConfig(model=path, dtype=dtype, cpu_elementwise="kernel", num_blocks=200,
                                  max_chunk_tokens=24, max_batch_tokens=64,
                                  policy=KVPolicy(sinks=3, window=13, block_size=4, positions="absolute")))
-    cdll = next(m.cpu_ops.library.cdll for m in engine.model.modules() if getattr(m, "cpu_ops", None) is not None)
+    cdll = engine.cpu_kernels.cdll
     calls = dict.fromkeys(OPS, 0)
     for name in OPS:
         def counted_call(*args, _call=getattr(cdll, name), _name=name):
