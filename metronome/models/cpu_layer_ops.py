@@ -1,8 +1,8 @@
 """A decoder layer's elementwise steps through Metronome's C kernels on the CPU (``csrc/layer_ops.c``).
 
 In a decode round RMSNorm, the rotary embedding and SiLU-times-up each work on a few rows, and torch runs them
-as eight, nine (for q and for k each) and three operators whose dispatch costs more than their arithmetic
-(docs/benchmarks/cpu.md). Each is one call here. Results agree with torch's operators up to float32 rounding:
+as eight, nine (for q and for k each) and three operators, each dispatched for those few rows. Each is one call
+here (docs/benchmarks/cpu.md has the ticks with and without). Results agree with torch's operators up to float32 rounding:
 in bfloat16 the kernels round wherever torch would store a bfloat16 tensor between two operators.
 
 Each method returns None (or False) where its kernel does not apply, and the caller keeps torch's path:
