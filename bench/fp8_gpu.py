@@ -7,12 +7,14 @@ Parts:
 
 * ``perplexity``: SmolLM2-135M-Instruct (the packaged checkpoint, real weights) on ``--tokens`` tokens of English
   prose in chunks of 256 through a sink + window session (S = 16, W = 1024): bf16, FP8 weights, FP8 KV, both.
-* ``linear``: ``Fp8Linear`` (``torch._scaled_mm``, activations quantised per token) against bf16 ``F.linear`` at
-  Qwen2.5-7B's four layer shapes, for decode-sized and prefill-sized row counts: µs per call, and the weight
-  bytes streamed per µs (decode rounds are weight-bound: FP8 halves the bytes).
+* ``linear``: ``Fp8Linear`` against bf16 ``F.linear`` at Qwen2.5-7B's four layer shapes, for decode-sized and
+  prefill-sized row counts: µs per call replayed in a CUDA graph (as the engine's decode rounds run), cycling
+  through enough copies of the weight that it comes from memory and not from L2; the eager per-call time beside
+  it (launch cost inside); and the weight bytes streamed per µs (decode rounds are weight-bound: FP8 halves them).
 * ``moe``: the grouped GEMM over Qwen3-Omni-30B-A3B's experts (E = 128, k = 8, H = 2048, I = 768), bf16 against
-  E4M3 experts, at decode batches of N tokens: µs per layer, and the floor of streaming the experts that round
-  touches once (at the measured copy bandwidth).
+  E4M3 experts with bf16 activations (W8A16) and with E4M3 activations (W8A8, the default), at decode batches of N tokens: the two kernels' time and the whole layer's (routing and the
+  weighted sum too) in a CUDA graph, the layer eager, and the floor of streaming the experts that round touches
+  once, at the measured copy and read-only bandwidths.
 * ``engine``: a Qwen2.5-7B-shaped decoder (random weights): one tick of N sessions (26 tokens prefilled, 25
   decoded, windows full) in bf16, with FP8 weights, with FP8 weights and FP8 KV; and each pool's capacity
   (sessions that fit at ``kv_memory_fraction`` 0.85 beside the weights).
@@ -36,7 +38,8 @@ VARIANTS = {"bf16": (None, "auto"), "fp8-weights": ("fp8", "auto"), "fp8-kv": (N
 
 
 def timed_us(fn, reps: int = 50) -> float:
-    """Median of ``reps`` CUDA-event timings of ``fn`` (after a warm-up), in µs."""
+    """Median of ``reps`` CUDA-event timings of one eager call of ``fn`` (after a warm-up), in µs: the host's
+    launch cost is inside."""
     for _ in range(3):
         fn()
     times = []
@@ -50,11 +53,50 @@ def timed_us(fn, reps: int = 50) -> float:
     return statistics.median(times)
 
 
-def copy_bandwidth() -> float:
+def graphed_us(fns, inner: int = 5, reps: int = 9) -> float:
+    """µs per call of ``fns`` (a list of calls) captured ``inner`` times in one CUDA graph, median of ``reps``
+    replays: the GPU's time with no launch cost, as in the engine's captured decode rounds."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):   # compile and allocate outside the capture
+        for fn in fns:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            for fn in fns:
+                fn()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (inner * len(fns)))
+    del graph
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> dict:
+    """Device-to-device copy (bytes read + written per second) and read-only streaming (a sum over the same
+    bytes), eager, 512 MiB."""
     a = torch.empty(1 << 28, dtype=torch.bfloat16, device="cuda")
     b = torch.empty_like(a)
-    us = timed_us(lambda: b.copy_(a), reps=10)
-    return 2 * a.numel() * 2 / (us * 1e-6)
+    copy_us = timed_us(lambda: b.copy_(a), reps=10)
+    words = a.view(torch.float32)
+    read_us = timed_us(lambda: words.sum(), reps=10)
+    return {"copy_bytes_per_s": 2 * a.numel() * 2 / (copy_us * 1e-6), "read_bytes_per_s": a.numel() * 2 / (read_us * 1e-6)}
+
+
+def l2_defeating_copies(weight_bytes: int) -> int:
+    """How many copies of a weight make a cycle through them four times the GPU's L2 (a decode round reads each
+    layer's weight once, from memory, not from the cache a benchmark loop would leave it in)."""
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
+    return max(2, math.ceil(4 * l2 / weight_bytes))
 
 
 def release() -> None:
@@ -97,31 +139,37 @@ def bench_linear(args) -> dict:
     rows = [int(x) for x in args.rows.split(",")]
     out = []
     for name, (k, n) in shapes.items():
-        linear = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
-        fp8 = Fp8Linear.from_linear(linear)
-        assert fp8.tensor_cores, "needs FP8 tensor cores (compute capability >= 8.9)"
+        copies = l2_defeating_copies(2 * k * n)
+        linears = [torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        fp8s = [Fp8Linear.from_linear(linear) for linear in linears]
+        assert fp8s[0].tensor_cores, "needs FP8 tensor cores (compute capability >= 8.9)"
         for m in rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            bf16_us = timed_us(lambda: F.linear(x, linear.weight))
-            fp8_us = timed_us(lambda: fp8(x))
-            out.append({"layer": name, "K": k, "N": n, "rows": m, "bf16_us": bf16_us, "fp8_us": fp8_us,
-                        "speedup": bf16_us / fp8_us, "bf16_weight_GBps": 2 * k * n / bf16_us / 1e3,
-                        "fp8_weight_GBps": k * n / fp8_us / 1e3})
+            bf16_us = graphed_us([lambda w=linear.weight: F.linear(x, w) for linear in linears])
+            fp8_us = graphed_us([lambda f=f: f(x) for f in fp8s])
+            out.append({"layer": name, "K": k, "N": n, "rows": m, "weight_copies": copies,
+                        "bf16_us": bf16_us, "fp8_us": fp8_us, "speedup": bf16_us / fp8_us,
+                        "bf16_eager_us": timed_us(lambda: F.linear(x, linears[0].weight)),
+                        "fp8_eager_us": timed_us(lambda: fp8s[0](x)),
+                        "bf16_weight_GBps": 2 * k * n / bf16_us / 1e3, "fp8_weight_GBps": k * n / fp8_us / 1e3})
             print(json.dumps(out[-1]), flush=True)
-        del linear, fp8
+        del linears, fp8s
         release()
     return {"shape": "qwen2.5-7b", "layers": out}
 
 
-def bench_moe(args, copy_bps: float) -> dict:
-    from metronome.models.fp8 import ExpertScales, quantize
-    from metronome.models.moe_triton import grouped_moe
+def bench_moe(args, bandwidth: dict) -> dict:
+    from metronome.models.fp8 import ExpertScales, quantize, quantize_rows
+    from metronome.models.moe_triton import choose_launch, grouped_moe, launch_down, launch_gate_up, route
 
     e, k, h, inter = 128, 8, 2048, 768  # Qwen3-Omni-30B-A3B's thinker layer
     gate_up = torch.randn(e, 2 * inter, h, device="cuda", dtype=torch.bfloat16) * 0.02
     down = torch.randn(e, h, inter, device="cuda", dtype=torch.bfloat16) * 0.02
     (gu, gu_s), (dn, dn_s) = quantize(gate_up), quantize(down)
     scales = ExpertScales(gu_s, dn_s, h, inter)
+    # name: expert weights, their scales, E4M3 activations (W8A8) or not
+    variants = {"bf16": (gate_up, down, None, False), "fp8_w8a16": (gu, dn, scales, False),
+                "fp8_w8a8": (gu, dn, scales, True)}
     out = []
     for n in [int(x) for x in args.moe_tokens.split(",")]:
         gen = torch.Generator(device="cuda").manual_seed(n)
@@ -129,14 +177,39 @@ def bench_moe(args, copy_bps: float) -> dict:
         w, ids = torch.softmax(torch.randn(n, e, device="cuda", generator=gen), -1).topk(k, -1)
         w = (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)
         touched = int(torch.unique(ids).numel())
-        bf16_us = timed_us(lambda: grouped_moe(x, gate_up, down, ids, w))
-        fp8_us = timed_us(lambda: grouped_moe(x, gu, dn, ids, w, scales=scales))
-        per_expert = 3 * h * inter  # weights of one expert (gate, up, down)
-        floors = {name: touched * per_expert * size / copy_bps * 1e6 for name, size in (("bf16", 2), ("fp8", 1))}
-        out.append({"tokens": n, "experts_touched": touched, "bf16_us": bf16_us, "fp8_us": fp8_us,
-                    "bf16_floor_us": floors["bf16"], "fp8_floor_us": floors["fp8"],
-                    "bf16_x_floor": bf16_us / floors["bf16"], "fp8_x_floor": fp8_us / floors["fp8"]})
-        print(json.dumps(out[-1]), flush=True)
+        row = {"tokens": n, "experts_touched": touched}
+        for name, (w_gu, w_dn, sc, fp8_act) in variants.items():
+            launch = choose_launch(n * k, e, w_gu.element_size())
+            routing = route(ids, e, launch.block_m)
+            act = torch.empty(n * k, inter, device="cuda", dtype=torch.bfloat16)
+            partial = torch.empty(n * k, h, device="cuda", dtype=torch.float32)
+            flat_w = w.reshape(-1).contiguous()
+            gu_scale, dn_scale = ((sc.gate_up, sc.gate_up_group), (sc.down, sc.down_group)) if sc else ((None, 0),) * 2
+            floor = {b: touched * 3 * h * inter * w_gu.element_size() / bandwidth[f"{b}_bytes_per_s"] * 1e6
+                     for b in ("copy", "read")}
+            if fp8_act:   # the activations' two quantising launches count with the kernels
+                xq, x_scale = quantize_rows(x)
+                actq, act_scale = quantize_rows(act)
+                calls = [lambda: quantize_rows(x),
+                         lambda: launch_gate_up(xq, w_gu, act, routing, k, launch.gate_up, False, *gu_scale,
+                                                x_scale=x_scale),
+                         lambda: quantize_rows(act),
+                         lambda: launch_down(actq, w_dn, partial, flat_w, routing, launch.down, False, *dn_scale,
+                                             act_scale=act_scale)]
+            else:
+                calls = [lambda: launch_gate_up(x, w_gu, act, routing, k, launch.gate_up, False, *gu_scale),
+                         lambda: launch_down(act, w_dn, partial, flat_w, routing, launch.down, False, *dn_scale)]
+            kernels = graphed_us(calls) * len(calls)
+
+            def layer():
+                return grouped_moe(x, w_gu, w_dn, ids, w, scales=sc, fp8_activations=fp8_act if sc else None)
+
+            row[name] = {"kernels_us": kernels, "layer_us": graphed_us([layer]), "layer_eager_us": timed_us(layer),
+                         "floor_copy_us": floor["copy"], "floor_read_us": floor["read"],
+                         "kernels_x_copy_floor": kernels / floor["copy"], "kernels_x_read_floor": kernels / floor["read"],
+                         "block_m": launch.block_m, "gate_up": vars(launch.gate_up), "down": vars(launch.down)}
+        out.append(row)
+        print(json.dumps(row), flush=True)
     del gate_up, down, gu, dn
     release()
     return {"shape": "qwen3-omni-30b-a3b layer", "rounds": out}
@@ -208,12 +281,12 @@ def main() -> None:
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/fp8_gpu.py needs a CUDA device")
-    copy_bps = copy_bandwidth()
+    bandwidth = copy_bandwidth()
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "platform": platform.platform(),
-               "date": time.strftime("%Y-%m-%d"), "args": vars(args), "copy_bytes_per_s": copy_bps}
+               "date": time.strftime("%Y-%m-%d"), "args": vars(args), **bandwidth}
     parts = [x for x in args.parts.split(",") if x]
     runners = {"perplexity": lambda: bench_perplexity(args), "linear": lambda: bench_linear(args),
-               "moe": lambda: bench_moe(args, copy_bps), "engine": lambda: bench_engine(args)}
+               "moe": lambda: bench_moe(args, bandwidth), "engine": lambda: bench_engine(args)}
     for part in parts:
         start = time.perf_counter()
         results[part] = runners[part]()

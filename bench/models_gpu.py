@@ -408,7 +408,7 @@ def time_expert_paths(spec, device, dtype, token_counts, reps: int) -> list[dict
 
 def tune_moe(args) -> dict:
     """Tile sweep of the two grouped-GEMM kernels at the real layer shape: per T tokens and kernel, the
-    fastest (block_m, TileConfig) by median CUDA-event time; configs that do not fit are skipped."""
+    fastest (block_m, TileConfig) by its time in a CUDA graph; configs that do not fit are skipped."""
     import itertools
 
     from metronome.models.moe_triton import TileConfig, launch_down, launch_gate_up, route
@@ -429,15 +429,25 @@ def tune_moe(args) -> dict:
     grid = [TileConfig(n, kk, w, st) for n, kk, w, st in itertools.product((64, 128), reductions, (4, 8), (3, 4))]
 
     def timed(fn) -> float:
-        fn()
+        """ms per call of ``fn`` replayed 5 times in a CUDA graph, median of 7 replays (no launch cost: the
+        engine's decode rounds are captured)."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(5):
+                fn()
         times = []
-        for _ in range(10):
+        for _ in range(7):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            fn()
+            graph.replay()
             b.record()
             b.synchronize()
-            times.append(a.elapsed_time(b))
+            times.append(a.elapsed_time(b) / 5)
         return statistics.median(times)
 
     rows = []
@@ -446,17 +456,23 @@ def tune_moe(args) -> dict:
         ids = torch.softmax(torch.randn(t, e, device=dev), -1).topk(k, -1).indices
         weights = torch.full((t * k,), 1.0 / k, device=dev, dtype=torch.bfloat16)
         mean = t * k / e
-        heights = (16,) if mean <= 16 else (16, 32, 64) if mean <= 64 else (64, 128)
+        heights = (16,) if mean <= 8 else (16, 32, 64) if mean <= 64 else (64, 128)
         best: dict = {}
         for bm in heights:
             routing = route(ids, e, bm)
-            act = torch.empty(t * k, inter, device=dev, dtype=torch.bfloat16)
+            act = torch.randn(t * k, inter, device=dev, dtype=torch.bfloat16)
             out = torch.empty(t * k, h, device=dev, dtype=torch.float32)
+            # E4M3 experts multiply E4M3 activations (as grouped_moe does on this GPU): the kernels read codes
+            x_in, x_row_scale, act_in, act_row_scale = x, None, act, None
+            if args.quantization == "fp8":
+                from metronome.models.fp8 import quantize_rows
+
+                (x_in, x_row_scale), (act_in, act_row_scale) = quantize_rows(x), quantize_rows(act)
             for cfg in grid:
-                for kernel, fn in (("gate_up", lambda: launch_gate_up(x, w_gate_up, act, routing, k, cfg, False,
-                                                                      *gate_up_scale)),
-                                   ("down", lambda: launch_down(act, w_down, out, weights, routing, cfg, False,
-                                                                *down_scale))):
+                for kernel, fn in (("gate_up", lambda: launch_gate_up(x_in, w_gate_up, act, routing, k, cfg, False,
+                                                                      *gate_up_scale, x_scale=x_row_scale)),
+                                   ("down", lambda: launch_down(act_in, w_down, out, weights, routing, cfg, False,
+                                                                *down_scale, act_scale=act_row_scale))):
                     try:
                         ms = timed(fn)
                     except Exception as exc:   # e.g. out of shared memory for this tile shape

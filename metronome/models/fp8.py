@@ -43,9 +43,10 @@ UNUSED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale")
 # Smallest activation amax a row is scaled by (an all-zero row must not divide by zero).
 ACTIVATION_AMAX_FLOOR = 1e-12
 # Up to this many rows (a decode round's layer inputs at small N) a per-channel FP8 layer on CUDA runs the
-# weight-only kernel (``fp8_triton.w8a16_linear``): the product is bound by reading the weight, and the
-# tensor-core path would add an activation-quantising launch and cuBLAS's FP8 setup for a handful of rows.
-W8A16_MAX_ROWS = 16
+# weight-only kernel (``fp8_triton.w8a16_linear``): the product is bound by reading the weight, and the tensor-core
+# path adds an activation-quantising launch and cuBLAS's FP8 setup (on an H200 it is the faster one from 64 rows on
+# some 7B layers; docs/benchmarks/gpu.md).
+W8A16_MAX_ROWS = 32
 
 
 def _cdiv(a: int, b: int) -> int:

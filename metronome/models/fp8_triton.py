@@ -80,33 +80,76 @@ def quantize_rows_triton(x: torch.Tensor, amax_floor: float) -> tuple[torch.Tens
 
 
 @triton.jit
-def _w8a16(X, W, S, B, Y, M, N, K, stride_x, stride_w, stride_y, HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr,
+def _w8a16(X, W, S, B, Y, P, M, N, K, k_per_split, stride_x, stride_w, stride_y,
+           HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr,
            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    # Transposed product: the weight tile [BLOCK_N, BLOCK_K] is the wide operand and the few activation rows the
+    # narrow one, so a 64-column tile fills the tensor cores whatever the row count.
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(1)
+    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask, n_mask = offs_m < M, offs_n < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    k_lo = split * k_per_split
+    for k0 in range(k_lo, tl.minimum(k_lo + k_per_split, K), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
-        a = tl.load(X + offs_m[:, None].to(tl.int64) * stride_x + offs_k[None, :],
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(W + offs_n[None, :].to(tl.int64) * stride_w + offs_k[:, None],
-                    mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        if DOT_F32:
-            acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        a = tl.load(X + offs_m[None, :].to(tl.int64) * stride_x + offs_k[:, None],
+                    mask=m_mask[None, :] & k_mask[:, None], other=0.0)
+        w_ptr = W + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :]
+        if EVEN:
+            w = tl.load(w_ptr)
         else:
-            acc = tl.dot(a, w.to(a.dtype), acc)
-    acc = acc * tl.load(S + offs_n, mask=n_mask, other=0.0)[None, :]
+            w = tl.load(w_ptr, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        if DOT_F32:
+            acc = tl.dot(w.to(tl.float32), a.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w.to(a.dtype), a, acc)
+    if SPLIT == 1:
+        acc = acc * tl.load(S + offs_n, mask=n_mask, other=0.0)[:, None]
+        if HAS_BIAS:
+            acc = acc + tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        tl.store(Y + offs_m[None, :].to(tl.int64) * stride_y + offs_n[:, None], acc.to(Y.dtype.element_ty),
+                 mask=m_mask[None, :] & n_mask[:, None])
+    else:   # this split's partial sum; _sum_splits adds them in split order (the same bits every run)
+        tl.store(P + (split * M + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None], acc,
+                 mask=m_mask[None, :] & n_mask[:, None])
+
+
+@triton.jit
+def _sum_splits(P, S, B, Y, M, N, stride_y, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(1)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for split in tl.static_range(SPLIT):
+        acc += tl.load(P + (split * M + row).to(tl.int64) * N + offs, mask=mask, other=0.0)
+    acc = acc * tl.load(S + offs, mask=mask, other=0.0)
     if HAS_BIAS:
-        acc = acc + tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + offs_m[:, None].to(tl.int64) * stride_y + offs_n[None, :], acc.to(Y.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
+        acc = acc + tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + row.to(tl.int64) * stride_y + offs, acc.to(Y.dtype.element_ty), mask=mask)
+
+
+def split_k_for(column_tiles: int, k_steps: int, device: torch.device) -> int:
+    """Reduction splits (1, 2, 4 or 8) that give the GPU about four programs per SM: a decode round's product
+    streams the weight, and a layer with few column tiles (7B q/k/v, o, down: 56-72) would leave most SMs
+    without enough loads in flight. On the CPU (interpreted) one split."""
+    if device.type != "cuda":
+        return 1
+    target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    split = 1
+    while split < 8 and column_tiles * split < target and 2 * split <= k_steps:
+        split *= 2
+    return split
 
 
 def w8a16_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ (codes * scale).T + bias`` for x [M, K] (few rows), E4M3 codes [N, K], per-channel scales [N, 1]."""
+                 bias: torch.Tensor | None = None, split_k: int | None = None) -> torch.Tensor:
+    """``x @ (codes * scale).T + bias`` for x [M, K] (few rows), E4M3 codes [N, K], per-channel scales [N, 1].
+
+    ``split_k``: reduction splits (default ``split_k_for``); with more than one, each writes a float32 partial
+    and a second launch sums them in order, scales and rounds.
+    """
     m, k = x.shape
     n = codes.shape[0]
     if x.stride(-1) != 1:
@@ -115,12 +158,19 @@ def w8a16_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     if m == 0:
         return y
     block_m = min(64, max(16, triton.next_power_of_2(m)))
-    # Narrow column tiles: a decode round's few rows leave the weight stream as the work, and 32 columns
-    # give the GPU's SMs several programs each at the hidden sizes of 7B models (N >= 3584).
-    block_n = 32 if n >= 2048 else 16
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
-    _w8a16[grid](x, codes, scale, bias if bias is not None else scale, y, m, n, k,
-                 x.stride(0), codes.stride(0), y.stride(0), HAS_BIAS=bias is not None,
-                 DOT_F32=triton_interpreted() or x.dtype == torch.float32,
-                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, num_warps=4, num_stages=4)
+    block_n, block_k = 64, 128
+    column_tiles, k_steps = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
+    split = split_k or split_k_for(column_tiles, k_steps, x.device)
+    k_per_split = triton.cdiv(k_steps, split) * block_k
+    partial = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
+    has_bias = bias is not None
+    _w8a16[(column_tiles, split, triton.cdiv(m, block_m))](
+        x, codes, scale, bias if has_bias else scale, y, partial, m, n, k, k_per_split,
+        x.stride(0), codes.stride(0), y.stride(0), HAS_BIAS=has_bias,
+        DOT_F32=triton_interpreted() or x.dtype == torch.float32, SPLIT=split,
+        EVEN=k % block_k == 0 and n % block_n == 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=4, num_stages=3)
+    if split > 1:
+        _sum_splits[(triton.cdiv(n, BLOCK_K), m)](partial, scale, bias if has_bias else scale, y, m, n, y.stride(0),
+                                                  HAS_BIAS=has_bias, SPLIT=split, BLOCK=BLOCK_K)
     return y

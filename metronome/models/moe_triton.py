@@ -16,11 +16,13 @@ so a decode round that uses it can be captured in a CUDA graph: the grid has an 
 ``cdiv(M, BLOCK_M) + min(E, M)`` row tiles (each expert's rows are padded to whole tiles); the tiles
 past the real ones find the sentinel expert ``E`` and return at once.
 
-FP8 experts (``scales``, ``models/fp8.py``): the E4M3 weight tiles are converted to the activations' dtype in
-registers (W8A16: decode rounds stream half the bytes; the products stay bf16 on the tensor cores). A scale per
-output channel multiplies the accumulator once after the reduction; block scales (one per row and group of
-``G`` columns) multiply each reduction step's partial product, so every step must lie in one group
-(``G % BLOCK_K == 0``).
+FP8 experts (``scales``, ``models/fp8.py``): on a GPU with FP8 tensor cores the activations are quantised too
+(each token's input and each assignment's SiLU·up row to E4M3 with a scale of its own, one launch each) and both
+products run on the FP8 tensor cores (W8A8). Otherwise (and with ``fp8_activations=False``) the E4M3 weight tiles
+are converted to the activations' dtype in registers (W8A16); that conversion, not the memory, had held a decode
+round's kernels to about 3 TB/s. A scale per output channel multiplies the accumulator once after the reduction;
+block scales (one per row and group of ``G`` columns) multiply each reduction step's partial product, so every
+step must lie in one group (``G % BLOCK_K == 0``).
 
 CPU: the kernels run under ``TRITON_INTERPRET=1`` (tests). The interpreter mishandles bf16 in
 ``tl.dot`` (see ``attention/triton_paged.py``), so when interpreting the operands are upcast to fp32.
@@ -37,7 +39,8 @@ import triton
 import triton.language as tl
 
 from metronome.cpu import triton_interpreted
-from metronome.models.fp8 import ExpertScales
+from metronome.models.fp8 import ACTIVATION_AMAX_FLOOR, ExpertScales, scaled_mm_available
+from metronome.models.fp8_triton import quantize_rows_triton
 
 # How expert weights are scaled (the kernels' SCALE): float weights, E4M3 per output channel, E4M3 per group.
 NO_SCALE, CHANNEL_SCALE, GROUP_SCALE = 0, 1, 2
@@ -110,10 +113,10 @@ def _partial(a, b, acc, scale, DOT_F32: tl.constexpr, SCALE: tl.constexpr):
 
 @triton.jit
 def _gate_up_act(x_ptr, w_ptr, act_ptr, order_ptr, start_ptr, count_ptr, tile_expert_ptr, tile_start_ptr, s_ptr,
-                 H, I, TOPK, NUM_EXPERTS,
+                 x_scale_ptr, H, I, TOPK, NUM_EXPERTS,
                  stride_x, stride_we, stride_wn, stride_act, stride_se, stride_sn,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
-                 SCALE: tl.constexpr, GROUP_K: tl.constexpr):
+                 SCALE: tl.constexpr, GROUP_K: tl.constexpr, ROW_SCALE: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if tl.load(tile_expert_ptr + pid_m) >= NUM_EXPERTS:
@@ -146,6 +149,9 @@ def _gate_up_act(x_ptr, w_ptr, act_ptr, order_ptr, start_ptr, count_ptr, tile_ex
     if SCALE == 1:
         acc_gate = acc_gate * tl.load(s_gate, mask=n_mask, other=0.0)[None, :]
         acc_up = acc_up * tl.load(s_up, mask=n_mask, other=0.0)[None, :]
+    if ROW_SCALE:   # E4M3 activations: each token's own scale
+        x_scale = tl.load(x_scale_ptr + token, mask=row_mask, other=0.0)[:, None]
+        acc_gate, acc_up = acc_gate * x_scale, acc_up * x_scale
     h = acc_gate * tl.sigmoid(acc_gate) * acc_up
     out = act_ptr + sorted_row[:, None].to(tl.int64) * stride_act + offs_n[None, :]
     tl.store(out, h.to(act_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
@@ -153,10 +159,10 @@ def _gate_up_act(x_ptr, w_ptr, act_ptr, order_ptr, start_ptr, count_ptr, tile_ex
 
 @triton.jit
 def _down(act_ptr, w_ptr, out_ptr, weight_ptr, order_ptr, start_ptr, count_ptr, tile_expert_ptr, tile_start_ptr, s_ptr,
-          H, I, NUM_EXPERTS,
+          act_scale_ptr, H, I, NUM_EXPERTS,
           stride_act, stride_we, stride_wn, stride_out, stride_se, stride_sn,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
-          SCALE: tl.constexpr, GROUP_K: tl.constexpr):
+          SCALE: tl.constexpr, GROUP_K: tl.constexpr, ROW_SCALE: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if tl.load(tile_expert_ptr + pid_m) >= NUM_EXPERTS:
@@ -181,6 +187,8 @@ def _down(act_ptr, w_ptr, out_ptr, weight_ptr, order_ptr, start_ptr, count_ptr, 
         acc = _partial(a, b, acc, scale, DOT_F32, SCALE)
     if SCALE == 1:
         acc = acc * tl.load(s_rows, mask=n_mask, other=0.0)[None, :]
+    if ROW_SCALE:   # E4M3 activations: each sorted row's own scale
+        acc = acc * tl.load(act_scale_ptr + sorted_row, mask=row_mask, other=0.0)[:, None]
     weight = tl.load(weight_ptr + assign, mask=row_mask, other=0.0).to(tl.float32)
     acc = acc * weight[:, None]
     out = out_ptr + assign[:, None].to(tl.int64) * stride_out + offs_n[None, :]
@@ -226,8 +234,8 @@ def choose_launch(num_assignments: int, num_experts: int, itemsize: int = 2) -> 
     else:
         launch = MoeLaunch(128, TileConfig(128, 64, 8, 3), TileConfig(128, 64, 4, 3))
     if itemsize == 1 and mean <= 128:   # E4M3 weights: a reduction step streams half the bytes (tuned likewise)
-        launch = (MoeLaunch(16, TileConfig(64, 128, 4, 3), TileConfig(64, 128, 4, 3)) if mean <= 16 else
-                  MoeLaunch(32, TileConfig(64, 128, 8, 4), TileConfig(128, 128, 4, 4)))
+        launch = (MoeLaunch(16, TileConfig(64, 256, 4, 3), TileConfig(64, 256, 4, 3)) if mean <= 8 else
+                  MoeLaunch(32, TileConfig(64, 128, 4, 3), TileConfig(64, 128, 4, 4)))
     if itemsize > 2:
         def narrow(c: TileConfig) -> TileConfig:
             return TileConfig(c.block_n, min(c.block_k, 64), c.num_warps, 2)
@@ -251,42 +259,49 @@ def _scale_args(w: torch.Tensor, scale: torch.Tensor | None, group: int, tiles: 
 
 
 def launch_gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, act: torch.Tensor, routing: Routing, top_k: int,
-                   tiles: TileConfig, dot_f32: bool, scale: torch.Tensor | None = None, group: int = 0) -> None:
-    """``act[j] = silu(gate)·up`` of the j-th sorted assignment's token under its expert."""
+                   tiles: TileConfig, dot_f32: bool, scale: torch.Tensor | None = None, group: int = 0,
+                   x_scale: torch.Tensor | None = None) -> None:
+    """``act[j] = silu(gate)·up`` of the j-th sorted assignment's token under its expert; ``x`` E4M3 codes with
+    ``x_scale`` [T, 1] when given."""
     e, two_i, h = w_gate_up.shape
     inter = two_i // 2
     grid = (routing.tile_expert.numel(), triton.cdiv(inter, tiles.block_n))
     mode, (s, stride_se, stride_sn) = _scale_args(w_gate_up, scale, group, tiles)
     _gate_up_act[grid](
         x, w_gate_up, act, routing.order, routing.start, routing.count, routing.tile_expert, routing.tile_start, s,
-        h, inter, top_k, e, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0), stride_se, stride_sn,
-        BLOCK_M=routing.block_m, BLOCK_N=tiles.block_n, DOT_F32=dot_f32, **mode,
+        s if x_scale is None else x_scale, h, inter, top_k, e, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0), stride_se, stride_sn,
+        BLOCK_M=routing.block_m, BLOCK_N=tiles.block_n, DOT_F32=dot_f32, **mode, ROW_SCALE=x_scale is not None,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
 def launch_down(act: torch.Tensor, w_down: torch.Tensor, out: torch.Tensor, weights: torch.Tensor, routing: Routing,
-                tiles: TileConfig, dot_f32: bool, scale: torch.Tensor | None = None, group: int = 0) -> None:
-    """``out[assignment] = weight · down(act)`` (fp32), every assignment in its own row."""
+                tiles: TileConfig, dot_f32: bool, scale: torch.Tensor | None = None, group: int = 0,
+                act_scale: torch.Tensor | None = None) -> None:
+    """``out[assignment] = weight · down(act)`` (fp32), every assignment in its own row; ``act`` E4M3 codes with
+    ``act_scale`` [M, 1] when given."""
     e, h, inter = w_down.shape
     grid = (routing.tile_expert.numel(), triton.cdiv(h, tiles.block_n))
     mode, (s, stride_se, stride_sn) = _scale_args(w_down, scale, group, tiles)
     _down[grid](
         act, w_down, out, weights, routing.order, routing.start, routing.count, routing.tile_expert,
-        routing.tile_start, s, h, inter, e, act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
+        routing.tile_start, s, s if act_scale is None else act_scale, h, inter, e, act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
         stride_se, stride_sn,
-        BLOCK_M=routing.block_m, BLOCK_N=tiles.block_n, DOT_F32=dot_f32, **mode,
+        BLOCK_M=routing.block_m, BLOCK_N=tiles.block_n, DOT_F32=dot_f32, **mode, ROW_SCALE=act_scale is not None,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
 def grouped_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor, *, launch: MoeLaunch | None = None,
-                block_m: int | None = None, scales: ExpertScales | None = None) -> torch.Tensor:
+                block_m: int | None = None, scales: ExpertScales | None = None,
+                fp8_activations: bool | None = None) -> torch.Tensor:
     """``sum_j topk_weights[t, j] · expert_{topk_ids[t, j]}(x[t])`` for every token ``t``.
 
     ``x`` [T, H]; ``w_gate_up`` [E, 2I, H] (gate rows first, then up); ``w_down`` [E, H, I];
     ``topk_ids`` [T, k] (int); ``topk_weights`` [T, k]. Returns [T, H] in ``x``'s dtype. ``launch``
     overrides the tiles ``choose_launch`` picks (``block_m`` only their row height). ``scales``: the weights
-    are E4M3 codes with these scales.
+    are E4M3 codes with these scales. ``fp8_activations``: quantise each token's input and each assignment's
+    SiLU·up row to E4M3 (one scale per row) and multiply on the FP8 tensor cores; default: with E4M3 experts on
+    a GPU that has them.
     """
     t, h = x.shape
     e, two_i, h_w = w_gate_up.shape
@@ -311,6 +326,17 @@ def grouped_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, 
     dot_f32 = triton_interpreted() or not x.is_cuda or x.dtype == torch.float32
     gate_up_scale = (scales.gate_up, scales.gate_up_group) if scales is not None else (None, 0)
     down_scale = (scales.down, scales.down_group) if scales is not None else (None, 0)
-    launch_gate_up(x, w_gate_up, act, routing, k, launch.gate_up, dot_f32, *gate_up_scale)
-    launch_down(act, w_down, out, topk_weights.reshape(-1).contiguous(), routing, launch.down, dot_f32, *down_scale)
+    if fp8_activations is None:
+        fp8_activations = scales is not None and not dot_f32 and scaled_mm_available(x.device)
+    if fp8_activations and scales is None:
+        raise ValueError("E4M3 activations need E4M3 experts (scales)")
+    weights = topk_weights.reshape(-1).contiguous()
+    if fp8_activations:
+        xq, x_scale = quantize_rows_triton(x, ACTIVATION_AMAX_FLOOR)
+        launch_gate_up(xq, w_gate_up, act, routing, k, launch.gate_up, dot_f32, *gate_up_scale, x_scale=x_scale)
+        actq, act_scale = quantize_rows_triton(act, ACTIVATION_AMAX_FLOOR)
+        launch_down(actq, w_down, out, weights, routing, launch.down, dot_f32, *down_scale, act_scale=act_scale)
+    else:
+        launch_gate_up(x, w_gate_up, act, routing, k, launch.gate_up, dot_f32, *gate_up_scale)
+        launch_down(act, w_down, out, weights, routing, launch.down, dot_f32, *down_scale)
     return out.view(t, k, h).sum(1).to(x.dtype)

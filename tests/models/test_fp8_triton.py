@@ -74,18 +74,21 @@ def test_row_quantisation_kernel_matches_torch():
 @pytest.mark.parametrize("rows", [1, 5, 37])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_weight_only_product_against_float64(rows, dtype, with_bias):
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("k,n", [(300, 80), (256, 128)])
+def test_weight_only_product_against_float64(rows, dtype, with_bias, split_k, k, n):
     """Against float64 over the same dequantised weight: fp32 accumulation, then the output's own rounding
     (one bf16 step, 2**-7 of it: the interpreter truncates where the GPU rounds to nearest); column and
-    reduction sizes that are not whole tiles."""
+    reduction sizes that are whole tiles or not, in one reduction or in split partials summed by a second launch."""
     g = torch.Generator().manual_seed(rows)
-    linear = torch.nn.Linear(300, 80, bias=with_bias)
+    linear = torch.nn.Linear(k, n, bias=with_bias)
     torch.nn.init.normal_(linear.weight, std=0.05, generator=g)
     codes, scale = fp8.quantize(linear.weight.detach())
-    x = torch.randn(rows, 300, generator=g).to(dtype)
+    x = torch.randn(rows, k, generator=g).to(dtype)
     bias = linear.bias.detach().to(dtype) if with_bias else None
-    got = w8a16_linear(x.to(DEVICE), codes.to(DEVICE), scale.to(DEVICE), None if bias is None else bias.to(DEVICE))
-    assert got.dtype == dtype and got.shape == (rows, 80)
+    got = w8a16_linear(x.to(DEVICE), codes.to(DEVICE), scale.to(DEVICE), None if bias is None else bias.to(DEVICE),
+                       split_k=split_k)
+    assert got.dtype == dtype and got.shape == (rows, n)
     want = x.double() @ (codes.double() * scale.double()).T
     if bias is not None:
         want += bias.double()

@@ -99,3 +99,42 @@ def test_per_expert_fp8_layers_stack_with_their_block_scales():
         experts[e].down_proj(torch.nn.functional.silu(experts[e].gate_proj(x[t])) * experts[e].up_proj(x[t]))
         for t, e in enumerate(ids[:, j].tolist())]) for j in range(2))
     torch.testing.assert_close(fused(x, ids, w), want, atol=1e-5, rtol=1e-4)
+
+
+def _oracle_fp8_activations(x, gate_up, down, ids, w):
+    """The float64 oracle with the activations rounded as the W8A8 path rounds them: each token's input and each
+    assignment's SiLU·up row to E4M3 with its own amax scale (``fp8.quantize_rows``)."""
+    from metronome.models.fp8 import quantize_rows
+
+    def rounded(rows):
+        codes, scale = quantize_rows(rows.float())
+        return codes.double() * scale.double()
+
+    x, gate_up, down, w = rounded(x.cpu()), gate_up.double().cpu(), down.double().cpu(), w.double().cpu()
+    y = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j, e in enumerate(ids[t].tolist()):
+            gate, up = (gate_up[e] @ x[t]).chunk(2)
+            y[t] += w[t, j] * (down[e] @ rounded((torch.nn.functional.silu(gate) * up)[None])[0])
+    return y
+
+
+@pytest.mark.parametrize("group", [None, 32], ids=["per-channel", "groups-of-32"])
+def test_fp8_activations_round_each_row_onto_e4m3(group):
+    """W8A8: within float32 rounding of the oracle that rounds the same rows onto E4M3 (a code that lands on the
+    other side of a midpoint moves its element one E4M3 step, 2**-3 of it, rarely), and farther from the oracle
+    that keeps the activations exact, by about E4M3's precision."""
+    t, e, k, h, inter = 24, 6, 3, 64, 64
+    gate_up, down, scales, gate_up_f, down_f = _fp8_experts(e, h, inter, group)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    ids, w = _routing(t, e, k, skew=True)
+    tiles = TileConfig(block_n=16, block_k=32)
+    got = grouped_moe(x, gate_up, down, ids, w, launch=MoeLaunch(16, tiles, tiles), scales=scales,
+                      fp8_activations=True).double().cpu()
+    rounded = _oracle_fp8_activations(x, gate_up_f, down_f, ids, w)
+    exact = _oracle(x, gate_up_f, down_f, ids, w)
+    norm = exact.norm()
+    assert (got - rounded).norm() / norm < 2 ** -9
+    assert 2 ** -9 < (got - exact).norm() / norm < 2 ** -4
+    with pytest.raises(ValueError, match="E4M3 experts"):
+        grouped_moe(x, *_weights(e, h, inter, torch.float32), ids, w, fp8_activations=True)
