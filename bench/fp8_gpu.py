@@ -9,8 +9,9 @@ Parts:
   prose in chunks of 256 through a sink + window session (S = 16, W = 1024): bf16, FP8 weights, FP8 KV, both.
 * ``linear``: ``Fp8Linear`` against bf16 ``F.linear`` at Qwen2.5-7B's four layer shapes, for decode-sized and
   prefill-sized row counts: µs per call replayed in a CUDA graph (as the engine's decode rounds run), cycling
-  through enough copies of the weight that it comes from memory and not from L2; the eager per-call time beside
-  it (launch cost inside); and the weight bytes streamed per µs (decode rounds are weight-bound: FP8 halves them).
+  through enough copies of the weight that it comes from memory and not from L2; each FP8 product on its own
+  (cuBLAS's ``_scaled_mm``; the streamed Triton product with bf16 or E4M3 activations); the eager per-call time
+  (launch cost inside); and the weight bytes streamed per µs (decode rounds are weight-bound: FP8 halves them).
 * ``moe``: the grouped GEMM over Qwen3-Omni-30B-A3B's experts (E = 128, k = 8, H = 2048, I = 768), bf16 against
   E4M3 experts with bf16 activations (W8A16) and with E4M3 activations (W8A8, the default), at decode batches of N tokens: the two kernels' time and the whole layer's (routing and the
   weighted sum too) in a CUDA graph, the layer eager, and the floor of streaming the experts that round touches
@@ -131,7 +132,8 @@ def bench_perplexity(args) -> dict:
 
 
 def bench_linear(args) -> dict:
-    from metronome.models.fp8 import Fp8Linear
+    from metronome.models.fp8 import STREAMED_MAX_ROWS, Fp8Linear, fp8_matmul
+    from metronome.models.fp8_triton import fp8_weight_linear
 
     hidden, inter, heads, kv_heads, d = 3584, 18944, 28, 4, 128  # Qwen2.5-7B
     shapes = {"qkv": (hidden, (heads + 2 * kv_heads) * d), "o": (heads * d, hidden), "gate_up": (hidden, 2 * inter),
@@ -145,14 +147,23 @@ def bench_linear(args) -> dict:
         assert fp8s[0].tensor_cores, "needs FP8 tensor cores (compute capability >= 8.9)"
         for m in rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            bf16_us = graphed_us([lambda w=linear.weight: F.linear(x, w) for linear in linears])
-            fp8_us = graphed_us([lambda f=f: f(x) for f in fp8s])
-            out.append({"layer": name, "K": k, "N": n, "rows": m, "weight_copies": copies,
-                        "bf16_us": bf16_us, "fp8_us": fp8_us, "speedup": bf16_us / fp8_us,
+            row = {"layer": name, "K": k, "N": n, "rows": m, "weight_copies": copies,
+                   "bf16_us": graphed_us([lambda w=linear.weight: F.linear(x, w) for linear in linears]),
+                   "fp8_us": graphed_us([lambda f=f: f(x) for f in fp8s])}
+            # Each FP8 product on its own: cuBLAS's (activations quantised per token), and the streamed Triton
+            # product in both forms where the layer would choose it.
+            row["scaled_mm_us"] = graphed_us([lambda f=f: fp8_matmul(x, f.weight, f.weight_scale) for f in fp8s])
+            if m <= STREAMED_MAX_ROWS:
+                for form, fp8_act in (("w8a16", False), ("w8a8", True)):
+                    row[f"streamed_{form}_us"] = graphed_us([
+                        lambda f=f, a=fp8_act: fp8_weight_linear(x, f.weight, f.weight_scale, fp8_activations=a)
+                        for f in fp8s])
+            row.update({"speedup": row["bf16_us"] / row["fp8_us"],
                         "bf16_eager_us": timed_us(lambda: F.linear(x, linears[0].weight)),
                         "fp8_eager_us": timed_us(lambda: fp8s[0](x)),
-                        "bf16_weight_GBps": 2 * k * n / bf16_us / 1e3, "fp8_weight_GBps": k * n / fp8_us / 1e3})
-            print(json.dumps(out[-1]), flush=True)
+                        "bf16_weight_GBps": 2 * k * n / row["bf16_us"] / 1e3, "fp8_weight_GBps": k * n / row["fp8_us"] / 1e3})
+            out.append(row)
+            print(json.dumps(row), flush=True)
         del linears, fp8s
         release()
     return {"shape": "qwen2.5-7b", "layers": out}

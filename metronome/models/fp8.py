@@ -7,9 +7,11 @@ rows, a per-channel one is a column, and a block-wise ``weight_scale_inv`` [ceil
 each block row bn times. Scales by row make fused projections (q/k/v, gate/up, stacked experts) a
 concatenation, wherever their block edges fall.
 
-Products: on CUDA a per-channel weight times a few rows (``W8A16_MAX_ROWS``) runs weight-only (E4M3 codes
-converted in registers, ``fp8_triton.w8a16_linear``); more rows, with compute capability >= 8.9 and bf16
-activations, run on the FP8 tensor cores (``torch._scaled_mm``) with the activations quantised per token on the fly; a block-wise weight is
+Products: on CUDA a per-channel weight times up to a few hundred rows (``STREAMED_MAX_ROWS``: decode rounds) runs
+the weight-streaming Triton product (``fp8_triton.fp8_weight_linear``): with compute capability >= 8.9 and bf16
+activations the rows are quantised per token and multiplied on the FP8 tensor cores, else the codes are widened in
+registers. More rows, with FP8 tensor cores and bf16 activations, run on cuBLAS (``torch._scaled_mm``) with the
+activations quantised per token on the fly; a block-wise weight is
 rescaled per channel once loaded there (``per_channel_for_tensor_cores_``: one more E4M3 rounding). Elsewhere the
 weight is dequantised to the activations' dtype for each product, so on the CPU the layer computes exactly with
 the dequantised weight. Stacked MoE experts keep block scales everywhere (their grouped GEMM applies them).
@@ -42,11 +44,10 @@ SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv")
 UNUSED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale")
 # Smallest activation amax a row is scaled by (an all-zero row must not divide by zero).
 ACTIVATION_AMAX_FLOOR = 1e-12
-# Up to this many rows (a decode round's layer inputs at small N) a per-channel FP8 layer on CUDA runs the
-# weight-only kernel (``fp8_triton.w8a16_linear``): the product is bound by reading the weight, and the tensor-core
-# path adds an activation-quantising launch and cuBLAS's FP8 setup (on an H200 it is the faster one from 64 rows on
-# some 7B layers; docs/benchmarks/gpu.md).
-W8A16_MAX_ROWS = 32
+# Up to this many rows (a decode round's layer inputs) a per-channel FP8 layer on CUDA runs the weight-streaming
+# Triton product (``fp8_triton.fp8_weight_linear``); cuBLAS's FP8 GEMM (``torch._scaled_mm``) is for prefill's
+# thousands of rows, and below a few hundred it lost even to bf16 on an H200 (docs/benchmarks/gpu.md).
+STREAMED_MAX_ROWS = 256
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -149,10 +150,11 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if self.weight.is_cuda and self.weight_scale.shape[1] == 1 and rows <= W8A16_MAX_ROWS:
-            from metronome.models.fp8_triton import w8a16_linear
+        if self.weight.is_cuda and self.weight_scale.shape[1] == 1 and rows <= STREAMED_MAX_ROWS:
+            from metronome.models.fp8_triton import fp8_weight_linear
 
-            out = w8a16_linear(x.reshape(-1, self.in_features), self.weight, self.weight_scale, self.bias)
+            out = fp8_weight_linear(x.reshape(-1, self.in_features), self.weight, self.weight_scale, self.bias,
+                                    fp8_activations=x.dtype == torch.bfloat16 and scaled_mm_available(x.device))
             return out.reshape(*x.shape[:-1], self.out_features)
         if self.tensor_cores and x.dtype == torch.bfloat16:
             out = fp8_matmul(x.reshape(-1, self.in_features), self.weight, self.weight_scale)

@@ -10,10 +10,12 @@ that is half a dozen small kernels (abs, amax, cast, divide, clamp, cast) per la
 decode round each costs a launch, so one program per row does the lot: a pass for the amax, a pass to write
 the E4M3 codes.
 
-A decode round has a few rows per layer input, where the product is bound by reading the weight, not by the
-arithmetic: ``w8a16_linear`` reads the E4M3 codes (half the bytes of bf16), converts each tile to the
-activations' dtype in registers and multiplies on the bf16 tensor cores, so the activations are not
-quantised at all. Interpreted (CPU tests), the operands are upcast to float32, as in ``moe_triton.py``.
+A decode round has a few hundred rows or fewer per layer input, where the product is bound by reading the weight,
+not by the arithmetic: ``fp8_weight_linear`` streams the E4M3 codes (half the bytes of bf16) with the weight tile as
+the wide operand and long reductions split across programs. With FP8 tensor cores the activation rows are rounded
+onto E4M3 first and the products run in E4M3 (W8A8); without them the codes are widened to the activations' dtype
+in registers (W8A16), a conversion that on an H200 held the stream to about 3 TB/s. Interpreted (CPU tests), the
+operands are upcast to float32, as in ``moe_triton.py``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import triton.language as tl
 
 from metronome.attention.fp8 import E4M3, E4M3_MAX
 from metronome.cpu import triton_interpreted
+from metronome.models.fp8 import ACTIVATION_AMAX_FLOOR
 
 BLOCK_K = 1024
 _MAX = tl.constexpr(E4M3_MAX)
@@ -80,14 +83,16 @@ def quantize_rows_triton(x: torch.Tensor, amax_floor: float) -> tuple[torch.Tens
 
 
 @triton.jit
-def _w8a16(X, W, S, B, Y, P, M, N, K, k_per_split, stride_x, stride_w, stride_y,
-           HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr,
-           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _fp8_weight_product(X, XS, W, S, B, Y, P, M, N, K, k_per_split, stride_x, stride_w, stride_y,
+                        HAS_BIAS: tl.constexpr, ROW_SCALE: tl.constexpr, DOT_F32: tl.constexpr,
+                        SPLIT: tl.constexpr, EVEN: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # Transposed product: the weight tile [BLOCK_N, BLOCK_K] is the wide operand and the few activation rows the
-    # narrow one, so a 64-column tile fills the tensor cores whatever the row count.
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    split = tl.program_id(1)
-    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    # narrow one, so a 64-column tile fills the tensor cores whatever the row count. Row tiles vary fastest, so
+    # the programs that share a weight tile run together and read it from memory once.
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)
     m_mask, n_mask = offs_m < M, offs_n < N
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     k_lo = split * k_per_split
@@ -103,10 +108,12 @@ def _w8a16(X, W, S, B, Y, P, M, N, K, k_per_split, stride_x, stride_w, stride_y,
             w = tl.load(w_ptr, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         if DOT_F32:
             acc = tl.dot(w.to(tl.float32), a.to(tl.float32), acc, input_precision="ieee")
-        else:
+        else:   # E4M3 activations: E4M3 products; else the codes widened to the activations' dtype
             acc = tl.dot(w.to(a.dtype), a, acc)
     if SPLIT == 1:
         acc = acc * tl.load(S + offs_n, mask=n_mask, other=0.0)[:, None]
+        if ROW_SCALE:
+            acc = acc * tl.load(XS + offs_m, mask=m_mask, other=0.0)[None, :]
         if HAS_BIAS:
             acc = acc + tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
         tl.store(Y + offs_m[None, :].to(tl.int64) * stride_y + offs_n[:, None], acc.to(Y.dtype.element_ty),
@@ -117,7 +124,8 @@ def _w8a16(X, W, S, B, Y, P, M, N, K, k_per_split, stride_x, stride_w, stride_y,
 
 
 @triton.jit
-def _sum_splits(P, S, B, Y, M, N, stride_y, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_splits(P, XS, S, B, Y, M, N, stride_y, HAS_BIAS: tl.constexpr, ROW_SCALE: tl.constexpr,
+                SPLIT: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(1)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -125,6 +133,8 @@ def _sum_splits(P, S, B, Y, M, N, stride_y, HAS_BIAS: tl.constexpr, SPLIT: tl.co
     for split in tl.static_range(SPLIT):
         acc += tl.load(P + (split * M + row).to(tl.int64) * N + offs, mask=mask, other=0.0)
     acc = acc * tl.load(S + offs, mask=mask, other=0.0)
+    if ROW_SCALE:
+        acc = acc * tl.load(XS + row)
     if HAS_BIAS:
         acc = acc + tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(Y + row.to(tl.int64) * stride_y + offs, acc.to(Y.dtype.element_ty), mask=mask)
@@ -143,12 +153,16 @@ def split_k_for(column_tiles: int, k_steps: int, device: torch.device) -> int:
     return split
 
 
-def w8a16_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
-                 bias: torch.Tensor | None = None, split_k: int | None = None) -> torch.Tensor:
-    """``x @ (codes * scale).T + bias`` for x [M, K] (few rows), E4M3 codes [N, K], per-channel scales [N, 1].
+def fp8_weight_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                      *, fp8_activations: bool = False, split_k: int | None = None) -> torch.Tensor:
+    """``x @ (codes * scale).T + bias`` for x [M, K] (a decode round's rows), E4M3 codes [N, K], per-channel
+    scales [N, 1]; the result in ``x``'s dtype.
 
-    ``split_k``: reduction splits (default ``split_k_for``); with more than one, each writes a float32 partial
-    and a second launch sums them in order, scales and rounds.
+    Weight-only (W8A16) by default: the codes are widened to ``x``'s dtype in registers. ``fp8_activations``: each
+    row of ``x`` is first rounded onto E4M3 with its own scale (``quantize_rows_triton``, one launch) and the
+    products run on the FP8 tensor cores (W8A8), which spares the widening. ``split_k``: reduction splits
+    (default ``split_k_for``); with more than one, each writes a float32 partial and a second launch sums them in
+    order, scales and rounds.
     """
     m, k = x.shape
     n = codes.shape[0]
@@ -157,20 +171,25 @@ def w8a16_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    row_scale = None
+    if fp8_activations:
+        x, row_scale = quantize_rows_triton(x, ACTIVATION_AMAX_FLOOR)
+    block_m = min(128, max(16, triton.next_power_of_2(m)))
     block_n, block_k = 64, 128
     column_tiles, k_steps = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
     split = split_k or split_k_for(column_tiles, k_steps, x.device)
     k_per_split = triton.cdiv(k_steps, split) * block_k
     partial = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
     has_bias = bias is not None
-    _w8a16[(column_tiles, split, triton.cdiv(m, block_m))](
-        x, codes, scale, bias if has_bias else scale, y, partial, m, n, k, k_per_split,
-        x.stride(0), codes.stride(0), y.stride(0), HAS_BIAS=has_bias,
-        DOT_F32=triton_interpreted() or x.dtype == torch.float32, SPLIT=split,
+    unused = scale   # stands in for the pointers a launch does not read
+    _fp8_weight_product[(triton.cdiv(m, block_m), column_tiles, split)](
+        x, unused if row_scale is None else row_scale, codes, scale, bias if has_bias else unused, y, partial,
+        m, n, k, k_per_split, x.stride(0), codes.stride(0), y.stride(0), HAS_BIAS=has_bias,
+        ROW_SCALE=row_scale is not None, DOT_F32=triton_interpreted() or y.dtype == torch.float32, SPLIT=split,
         EVEN=k % block_k == 0 and n % block_n == 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=4, num_stages=3)
     if split > 1:
-        _sum_splits[(triton.cdiv(n, BLOCK_K), m)](partial, scale, bias if has_bias else scale, y, m, n, y.stride(0),
-                                                  HAS_BIAS=has_bias, SPLIT=split, BLOCK=BLOCK_K)
+        _sum_splits[(triton.cdiv(n, BLOCK_K), m)](
+            partial, unused if row_scale is None else row_scale, scale, bias if has_bias else unused, y, m, n,
+            y.stride(0), HAS_BIAS=has_bias, ROW_SCALE=row_scale is not None, SPLIT=split, BLOCK=BLOCK_K)
     return y

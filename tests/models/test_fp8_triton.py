@@ -18,7 +18,7 @@ import triton.language as tl  # noqa: E402
 
 from metronome.attention.fp8 import E4M3, E4M3_MAX  # noqa: E402
 from metronome.models import fp8  # noqa: E402
-from metronome.models.fp8_triton import e4m3_grid, quantize_rows_triton, w8a16_linear  # noqa: E402
+from metronome.models.fp8_triton import e4m3_grid, fp8_weight_linear, quantize_rows_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -86,8 +86,8 @@ def test_weight_only_product_against_float64(rows, dtype, with_bias, split_k, k,
     codes, scale = fp8.quantize(linear.weight.detach())
     x = torch.randn(rows, k, generator=g).to(dtype)
     bias = linear.bias.detach().to(dtype) if with_bias else None
-    got = w8a16_linear(x.to(DEVICE), codes.to(DEVICE), scale.to(DEVICE), None if bias is None else bias.to(DEVICE),
-                       split_k=split_k)
+    got = fp8_weight_linear(x.to(DEVICE), codes.to(DEVICE), scale.to(DEVICE), None if bias is None else bias.to(DEVICE),
+                            split_k=split_k)
     assert got.dtype == dtype and got.shape == (rows, n)
     want = x.double() @ (codes.double() * scale.double()).T
     if bias is not None:
@@ -95,3 +95,26 @@ def test_weight_only_product_against_float64(rows, dtype, with_bias, split_k, k,
     eps = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -20
     bound = eps * want.abs() + 1e-5 * (x.double().abs() @ (codes.double() * scale.double()).abs().T) + 1e-6
     assert ((got.cpu().double() - want).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("rows", [1, 37])
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_fp8_activation_product_rounds_each_row_onto_e4m3(rows, split_k):
+    """W8A8: within float32 rounding of float64 over the rows rounded as ``fp8.quantize_rows`` rounds them (a code
+    that lands on the other side of a midpoint moves one element by an E4M3 step, rarely), and farther from the
+    product of the exact rows, by about E4M3's precision; bias added after the scales."""
+    g = torch.Generator().manual_seed(rows)
+    linear = torch.nn.Linear(300, 80)
+    torch.nn.init.normal_(linear.weight, std=0.05, generator=g)
+    codes, scale = fp8.quantize(linear.weight.detach())
+    x = torch.randn(rows, 300, generator=g) * torch.logspace(-1, 1, 300)
+    bias = linear.bias.detach()
+    got = fp8_weight_linear(x.to(DEVICE), codes.to(DEVICE), scale.to(DEVICE), bias.to(DEVICE), fp8_activations=True,
+                            split_k=split_k).cpu().double()
+    w = codes.double() * scale.double()
+    x_codes, x_scale = fp8.quantize_rows(x)
+    rounded = (x_codes.double() * x_scale.double()) @ w.T + bias.double()
+    exact = x.double() @ w.T + bias.double()
+    norm = (exact - bias.double()).norm()
+    assert (got - rounded).norm() / norm < 2 ** -10
+    assert 2 ** -10 < (got - exact).norm() / norm < 2 ** -4
