@@ -7,10 +7,10 @@ rows, a per-channel one is a column, and a block-wise ``weight_scale_inv`` [ceil
 each block row bn times. Scales by row make fused projections (q/k/v, gate/up, stacked experts) a
 concatenation, wherever their block edges fall.
 
-Products: on CUDA a per-channel weight times up to a few hundred rows (``STREAMED_MAX_ROWS``: decode rounds) runs
+Products: on CUDA a per-channel weight times a few rows (``STREAMED_MAX_ROWS``: decode rounds at small N) runs
 the weight-streaming Triton product (``fp8_triton.fp8_weight_linear``): with compute capability >= 8.9 and bf16
-activations the rows are quantised per token and multiplied on the FP8 tensor cores, else the codes are widened in
-registers. More rows, with FP8 tensor cores and bf16 activations, run on cuBLAS (``torch._scaled_mm``) with the
+activations the rows are quantised per token and multiplied on the FP8 tensor cores where that pays (wide layers,
+or more than ``WIDENED_MAX_ROWS`` rows), else the codes are widened in registers. More rows, with FP8 tensor cores and bf16 activations, run on cuBLAS (``torch._scaled_mm``) with the
 activations quantised per token on the fly; a block-wise weight is
 rescaled per channel once loaded there (``per_channel_for_tensor_cores_``: one more E4M3 rounding). Elsewhere the
 weight is dequantised to the activations' dtype for each product, so on the CPU the layer computes exactly with
@@ -44,10 +44,13 @@ SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv")
 UNUSED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale")
 # Smallest activation amax a row is scaled by (an all-zero row must not divide by zero).
 ACTIVATION_AMAX_FLOOR = 1e-12
-# Up to this many rows (a decode round's layer inputs) a per-channel FP8 layer on CUDA runs the weight-streaming
-# Triton product (``fp8_triton.fp8_weight_linear``); cuBLAS's FP8 GEMM (``torch._scaled_mm``) is for prefill's
-# thousands of rows, and below a few hundred it lost even to bf16 on an H200 (docs/benchmarks/gpu.md).
-STREAMED_MAX_ROWS = 256
+# Up to this many rows (a decode round's layer inputs at small N) a per-channel FP8 layer on CUDA runs the
+# weight-streaming Triton product (``fp8_triton.fp8_weight_linear``); above, cuBLAS's FP8 GEMM
+# (``torch._scaled_mm``). Within it, activations stay bf16 (the codes widened in registers) up to
+# ``WIDENED_MAX_ROWS`` rows unless the layer is wide (outputs >= 2x inputs): for a narrow layer the E4M3 path's
+# extra quantising launch costs more than the widening saves. Measured on an H200 (docs/benchmarks/gpu.md).
+STREAMED_MAX_ROWS = 64
+WIDENED_MAX_ROWS = 32
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -153,8 +156,10 @@ class Fp8Linear(nn.Module):
         if self.weight.is_cuda and self.weight_scale.shape[1] == 1 and rows <= STREAMED_MAX_ROWS:
             from metronome.models.fp8_triton import fp8_weight_linear
 
+            fp8_activations = (x.dtype == torch.bfloat16 and scaled_mm_available(x.device)
+                               and (rows > WIDENED_MAX_ROWS or self.out_features >= 2 * self.in_features))
             out = fp8_weight_linear(x.reshape(-1, self.in_features), self.weight, self.weight_scale, self.bias,
-                                    fp8_activations=x.dtype == torch.bfloat16 and scaled_mm_available(x.device))
+                                    fp8_activations=fp8_activations)
             return out.reshape(*x.shape[:-1], self.out_features)
         if self.tensor_cores and x.dtype == torch.bfloat16:
             out = fp8_matmul(x.reshape(-1, self.in_features), self.weight, self.weight_scale)
