@@ -107,6 +107,25 @@ def fp8_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> tor
     return torch._scaled_mm(xq, codes.t(), scale_a=x_scale, scale_b=scale.t(), out_dtype=x.dtype)
 
 
+def _tensor_core_dims(in_features: int, out_features: int) -> bool:
+    return in_features % 16 == 0 and out_features % 16 == 0
+
+
+def choose_product(rows: int, in_features: int, out_features: int, dtype: torch.dtype, *, cuda: bool,
+                   per_channel: bool, fp8_tensor_cores: bool) -> str:
+    """How an FP8 layer multiplies ``rows`` rows: ``"streamed-w8a16"`` / ``"streamed-w8a8"`` (the Triton product,
+    activations widened-to or rounded-onto E4M3), ``"scaled-mm"`` (cuBLAS's FP8 GEMM) or ``"dequantized"``."""
+    if cuda and per_channel and rows <= STREAMED_MAX_ROWS:
+        wide = out_features >= 2 * in_features
+        if dtype == torch.bfloat16 and fp8_tensor_cores and (rows > WIDENED_MAX_ROWS or wide):
+            return "streamed-w8a8"
+        return "streamed-w8a16"
+    if (cuda and per_channel and fp8_tensor_cores and dtype == torch.bfloat16
+            and _tensor_core_dims(in_features, out_features)):
+        return "scaled-mm"
+    return "dequantized"
+
+
 class Fp8Linear(nn.Module):
     """A linear layer of E4M3 codes [N, K] and float32 scales [N, G] (buffers) and an optional bias."""
 
@@ -143,25 +162,26 @@ class Fp8Linear(nn.Module):
 
     @property
     def tensor_cores(self) -> bool:
-        """Whether products run on the FP8 tensor cores: one scale per output channel, dimensions that are
-        multiples of 16, a device that has them."""
-        return (self.weight.is_cuda and self.weight_scale.shape[1] == 1 and self.in_features % 16 == 0
-                and self.out_features % 16 == 0 and scaled_mm_available(self.weight.device))
+        """Whether prefill's products run on the FP8 tensor cores (cuBLAS): one scale per output channel,
+        dimensions that are multiples of 16, a device that has them."""
+        return (self.weight.is_cuda and self.weight_scale.shape[1] == 1 and _tensor_core_dims(self.in_features,
+                self.out_features) and scaled_mm_available(self.weight.device))
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize(self.weight, self.weight_scale, self.group, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if self.weight.is_cuda and self.weight_scale.shape[1] == 1 and rows <= STREAMED_MAX_ROWS:
+        product = choose_product(rows, self.in_features, self.out_features, x.dtype, cuda=self.weight.is_cuda,
+                                 per_channel=self.weight_scale.shape[1] == 1,
+                                 fp8_tensor_cores=self.weight.is_cuda and scaled_mm_available(self.weight.device))
+        if product in ("streamed-w8a16", "streamed-w8a8"):
             from metronome.models.fp8_triton import fp8_weight_linear
 
-            fp8_activations = (x.dtype == torch.bfloat16 and scaled_mm_available(x.device)
-                               and (rows > WIDENED_MAX_ROWS or self.out_features >= 2 * self.in_features))
             out = fp8_weight_linear(x.reshape(-1, self.in_features), self.weight, self.weight_scale, self.bias,
-                                    fp8_activations=fp8_activations)
+                                    fp8_activations=product == "streamed-w8a8")
             return out.reshape(*x.shape[:-1], self.out_features)
-        if self.tensor_cores and x.dtype == torch.bfloat16:
+        if product == "scaled-mm":
             out = fp8_matmul(x.reshape(-1, self.in_features), self.weight, self.weight_scale)
             out = out.reshape(*x.shape[:-1], self.out_features)
             return out if self.bias is None else out.add_(self.bias)

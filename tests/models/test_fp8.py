@@ -222,3 +222,23 @@ def test_engine_greedy_tokens_with_fp8_weights(tmp_path):
             same += int(row.argmax()) == token
     assert same >= 20  # of 24: where fp32's margin is wider than the bound, nothing may change
 
+
+
+def test_products_by_row_count_layer_width_and_device():
+    """Decode rounds stream the weight (E4M3 activations for wide layers or past ``WIDENED_MAX_ROWS`` rows, where
+    there are FP8 tensor cores and bf16 activations), prefill goes to cuBLAS, the CPU dequantises."""
+    from metronome.models.fp8 import STREAMED_MAX_ROWS, WIDENED_MAX_ROWS, choose_product
+
+    bf16, gpu = torch.bfloat16, dict(cuda=True, per_channel=True, fp8_tensor_cores=True)
+    assert choose_product(1, 4096, 4096, bf16, **gpu) == "streamed-w8a16"                  # narrow: o, down
+    assert choose_product(1, 4096, 24576, bf16, **gpu) == "streamed-w8a8"                   # wide: gate_up
+    assert choose_product(WIDENED_MAX_ROWS + 1, 4096, 4096, bf16, **gpu) == "streamed-w8a8"
+    assert choose_product(STREAMED_MAX_ROWS, 4096, 4096, bf16, **gpu) == "streamed-w8a8"
+    assert choose_product(STREAMED_MAX_ROWS + 1, 4096, 4096, bf16, **gpu) == "scaled-mm"
+    assert choose_product(STREAMED_MAX_ROWS + 1, 4096, 4100, bf16, **gpu) == "dequantized"  # not whole MMA tiles
+    assert choose_product(40, 4096, 24576, torch.float16, **gpu) == "streamed-w8a16"
+    no_fp8 = dict(gpu, fp8_tensor_cores=False)   # e.g. an A100: the codes are widened, prefill dequantises
+    assert choose_product(1, 4096, 24576, bf16, **no_fp8) == "streamed-w8a16"
+    assert choose_product(STREAMED_MAX_ROWS + 1, 4096, 4096, bf16, **no_fp8) == "dequantized"
+    assert choose_product(1, 4096, 4096, bf16, **dict(gpu, per_channel=False)) == "dequantized"  # block scales
+    assert choose_product(1, 4096, 4096, bf16, cuda=False, per_channel=True, fp8_tensor_cores=False) == "dequantized"
