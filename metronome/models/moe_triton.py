@@ -218,8 +218,8 @@ def choose_launch(num_assignments: int, num_experts: int, itemsize: int = 2) -> 
     """Tiles by the mean rows per expert (measured on an H200 at Qwen3-Omni's layer shape, H = 2048,
     I = 768, E = 128, k = 8; ``bench/models_gpu.py --model qwen3_omni --tune-moe``).
 
-    Decode rounds put a few rows on each expert: the kernels stream weights (3.2-3.6 TB/s there), so
-    16-row tiles and long reduction steps with deep pipelines. Prefill batches are compute-bound: tall
+    Decode rounds put a few rows on each expert: the kernels stream weights (bf16 at the copy rate in a CUDA
+    graph), so 16-row tiles and long reduction steps with deep pipelines. Prefill batches are compute-bound: tall
     row tiles reuse each weight tile (about 430 TFLOP/s at 16k tokens). These are bf16/fp16 tiles;
     4-byte operands (float32 models, tests) take half the reduction step and two stages so a program's
     pipelined tiles still fit in shared memory (227 KiB on Hopper).
