@@ -13,9 +13,10 @@ Parts:
   (cuBLAS's ``_scaled_mm``; the streamed Triton product with bf16 or E4M3 activations); the eager per-call time
   (launch cost inside); and the weight bytes streamed per µs (decode rounds are weight-bound: FP8 halves them).
 * ``moe``: the grouped GEMM over Qwen3-Omni-30B-A3B's experts (E = 128, k = 8, H = 2048, I = 768), bf16 against
-  E4M3 experts with bf16 activations (W8A16) and with E4M3 activations (W8A8, the default), at decode batches of N tokens: the two kernels' time and the whole layer's (routing and the
-  weighted sum too) in a CUDA graph, the layer eager, and the floor of streaming the experts that round touches
-  once, at the measured copy and read-only bandwidths.
+  E4M3 experts with bf16 activations (W8A16) and with E4M3 activations (W8A8, the default), at decode batches of
+  N tokens: the two kernels' time and the whole layer's (routing and the weighted sum too) in a CUDA graph, the
+  layer eager, and the floor of streaming the experts that round touches once, at the measured copy and
+  read-only bandwidths.
 * ``engine``: a Qwen2.5-7B-shaped decoder (random weights): one tick of N sessions (26 tokens prefilled, 25
   decoded, windows full) in bf16, with FP8 weights, with FP8 weights and FP8 KV; and each pool's capacity
   (sessions that fit at ``kv_memory_fraction`` 0.85 beside the weights).
@@ -90,7 +91,8 @@ def copy_bandwidth() -> dict:
     copy_us = timed_us(lambda: b.copy_(a), reps=10)
     words = a.view(torch.float32)
     read_us = timed_us(lambda: words.sum(), reps=10)
-    return {"copy_bytes_per_s": 2 * a.numel() * 2 / (copy_us * 1e-6), "read_bytes_per_s": a.numel() * 2 / (read_us * 1e-6)}
+    return {"copy_bytes_per_s": 2 * a.numel() * 2 / (copy_us * 1e-6),
+            "read_bytes_per_s": a.numel() * 2 / (read_us * 1e-6)}
 
 
 def l2_defeating_copies(weight_bytes: int) -> int:
@@ -132,7 +134,7 @@ def bench_perplexity(args) -> dict:
 
 
 def bench_linear(args) -> dict:
-    from metronome.models.fp8 import STREAMED_MAX_ROWS, Fp8Linear, fp8_matmul
+    from metronome.models.fp8 import STREAMED_MAX_ROWS, Fp8Linear, fp8_matmul, quantize_rows
     from metronome.models.fp8_triton import fp8_weight_linear
 
     hidden, inter, heads, kv_heads, d = 3584, 18944, 28, 4, 128  # Qwen2.5-7B
@@ -154,14 +156,19 @@ def bench_linear(args) -> dict:
             # product in both forms, past the row count where the layer leaves it too (to show where that falls).
             row["scaled_mm_us"] = graphed_us([lambda f=f: fp8_matmul(x, f.weight, f.weight_scale) for f in fp8s])
             if m <= 4 * STREAMED_MAX_ROWS:
-                for form, fp8_act in (("w8a16", False), ("w8a8", True)):
-                    row[f"streamed_{form}_us"] = graphed_us([
-                        lambda f=f, a=fp8_act: fp8_weight_linear(x, f.weight, f.weight_scale, fp8_activations=a)
-                        for f in fp8s])
+                row["streamed_w8a16_us"] = graphed_us([lambda f=f: fp8_weight_linear(x, f.weight, f.weight_scale)
+                                                       for f in fp8s])
+
+                def streamed_w8a8(f: Fp8Linear) -> torch.Tensor:   # the rows' quantising launch counts too
+                    rows_e4m3, row_scale = quantize_rows(x)
+                    return fp8_weight_linear(rows_e4m3, f.weight, f.weight_scale, x_scale=row_scale, out_dtype=x.dtype)
+
+                row["streamed_w8a8_us"] = graphed_us([lambda f=f: streamed_w8a8(f) for f in fp8s])
             row.update({"speedup": row["bf16_us"] / row["fp8_us"],
                         "bf16_eager_us": timed_us(lambda: F.linear(x, linears[0].weight)),
                         "fp8_eager_us": timed_us(lambda: fp8s[0](x)),
-                        "bf16_weight_GBps": 2 * k * n / row["bf16_us"] / 1e3, "fp8_weight_GBps": k * n / row["fp8_us"] / 1e3})
+                        "bf16_weight_GBps": 2 * k * n / row["bf16_us"] / 1e3,
+                        "fp8_weight_GBps": k * n / row["fp8_us"] / 1e3})
             out.append(row)
             print(json.dumps(row), flush=True)
         del linears, fp8s
@@ -217,7 +224,8 @@ def bench_moe(args, bandwidth: dict) -> dict:
 
             row[name] = {"kernels_us": kernels, "layer_us": graphed_us([layer]), "layer_eager_us": timed_us(layer),
                          "floor_copy_us": floor["copy"], "floor_read_us": floor["read"],
-                         "kernels_x_copy_floor": kernels / floor["copy"], "kernels_x_read_floor": kernels / floor["read"],
+                         "kernels_x_copy_floor": kernels / floor["copy"],
+                         "kernels_x_read_floor": kernels / floor["read"],
                          "block_m": launch.block_m, "gate_up": vars(launch.gate_up), "down": vars(launch.down)}
         out.append(row)
         print(json.dumps(row), flush=True)

@@ -178,8 +178,12 @@ class Fp8Linear(nn.Module):
         if product in ("streamed-w8a16", "streamed-w8a8"):
             from metronome.models.fp8_triton import fp8_weight_linear
 
-            out = fp8_weight_linear(x.reshape(-1, self.in_features), self.weight, self.weight_scale, self.bias,
-                                    fp8_activations=product == "streamed-w8a8")
+            rows_in = x.reshape(-1, self.in_features)
+            x_scale = None
+            if product == "streamed-w8a8":
+                rows_in, x_scale = quantize_rows(rows_in)
+            out = fp8_weight_linear(rows_in, self.weight, self.weight_scale, self.bias, x_scale=x_scale,
+                                    out_dtype=x.dtype)
             return out.reshape(*x.shape[:-1], self.out_features)
         if product == "scaled-mm":
             out = fp8_matmul(x.reshape(-1, self.in_features), self.weight, self.weight_scale)

@@ -27,7 +27,6 @@ import triton.language as tl
 
 from metronome.attention.fp8 import E4M3, E4M3_MAX
 from metronome.cpu import triton_interpreted
-from metronome.models.fp8 import ACTIVATION_AMAX_FLOOR
 
 BLOCK_K = 1024
 _MAX = tl.constexpr(E4M3_MAX)
@@ -154,26 +153,25 @@ def split_k_for(column_tiles: int, k_steps: int, device: torch.device) -> int:
 
 
 def fp8_weight_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                      *, fp8_activations: bool = False, split_k: int | None = None) -> torch.Tensor:
+                      *, x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                      split_k: int | None = None) -> torch.Tensor:
     """``x @ (codes * scale).T + bias`` for x [M, K] (a decode round's rows), E4M3 codes [N, K], per-channel
-    scales [N, 1]; the result in ``x``'s dtype.
+    scales [N, 1]; the result in ``out_dtype`` (default ``x``'s).
 
-    Weight-only (W8A16) by default: the codes are widened to ``x``'s dtype in registers. ``fp8_activations``: each
-    row of ``x`` is first rounded onto E4M3 with its own scale (``quantize_rows_triton``, one launch) and the
-    products run on the FP8 tensor cores (W8A8), which spares the widening. ``split_k``: reduction splits
-    (default ``split_k_for``); with more than one, each writes a float32 partial and a second launch sums them in
-    order, scales and rounds.
+    ``x`` in a float dtype: weight-only (W8A16), the codes widened to it in registers. ``x`` E4M3 codes with one
+    scale per row (``x_scale`` [M, 1], from ``quantize_rows_triton``): the products run on the FP8 tensor cores
+    (W8A8), which spares the widening. ``split_k``: reduction splits (default ``split_k_for``); with more than
+    one, each writes a float32 partial and a second launch sums them in order, scales and rounds.
     """
     m, k = x.shape
     n = codes.shape[0]
+    if (x.dtype == E4M3) != (x_scale is not None) or (x.dtype == E4M3 and out_dtype is None):
+        raise ValueError("E4M3 rows need their scales (x_scale) and an out_dtype; only E4M3 rows take scales")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return y
-    row_scale = None
-    if fp8_activations:
-        x, row_scale = quantize_rows_triton(x, ACTIVATION_AMAX_FLOOR)
     block_m = min(128, max(16, triton.next_power_of_2(m)))
     block_n, block_k = 64, 128
     column_tiles, k_steps = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
@@ -183,13 +181,13 @@ def fp8_weight_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     has_bias = bias is not None
     unused = scale   # stands in for the pointers a launch does not read
     _fp8_weight_product[(triton.cdiv(m, block_m), column_tiles, split)](
-        x, unused if row_scale is None else row_scale, codes, scale, bias if has_bias else unused, y, partial,
+        x, unused if x_scale is None else x_scale, codes, scale, bias if has_bias else unused, y, partial,
         m, n, k, k_per_split, x.stride(0), codes.stride(0), y.stride(0), HAS_BIAS=has_bias,
-        ROW_SCALE=row_scale is not None, DOT_F32=triton_interpreted() or y.dtype == torch.float32, SPLIT=split,
+        ROW_SCALE=x_scale is not None, DOT_F32=triton_interpreted() or y.dtype == torch.float32, SPLIT=split,
         EVEN=k % block_k == 0 and n % block_n == 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=4, num_stages=3)
     if split > 1:
         _sum_splits[(triton.cdiv(n, BLOCK_K), m)](
-            partial, unused if row_scale is None else row_scale, scale, bias if has_bias else unused, y, m, n,
-            y.stride(0), HAS_BIAS=has_bias, ROW_SCALE=row_scale is not None, SPLIT=split, BLOCK=BLOCK_K)
+            partial, unused if x_scale is None else x_scale, scale, bias if has_bias else unused, y, m, n,
+            y.stride(0), HAS_BIAS=has_bias, ROW_SCALE=x_scale is not None, SPLIT=split, BLOCK=BLOCK_K)
     return y

@@ -109,8 +109,9 @@ def test_fp8_activation_product_rounds_each_row_onto_e4m3(rows, split_k):
     codes, scale = fp8.quantize(linear.weight.detach())
     x = torch.randn(rows, 300, generator=g) * torch.logspace(-1, 1, 300)
     bias = linear.bias.detach()
-    got = fp8_weight_linear(x.to(DEVICE), codes.to(DEVICE), scale.to(DEVICE), bias.to(DEVICE), fp8_activations=True,
-                            split_k=split_k).cpu().double()
+    x_rows, x_scale = quantize_rows_triton(x.to(DEVICE), fp8.ACTIVATION_AMAX_FLOOR)
+    got = fp8_weight_linear(x_rows, codes.to(DEVICE), scale.to(DEVICE), bias.to(DEVICE), x_scale=x_scale,
+                            out_dtype=torch.float32, split_k=split_k).cpu().double()
     w = codes.double() * scale.double()
     x_codes, x_scale = fp8.quantize_rows(x)
     rounded = (x_codes.double() * x_scale.double()) @ w.T + bias.double()
@@ -118,3 +119,13 @@ def test_fp8_activation_product_rounds_each_row_onto_e4m3(rows, split_k):
     norm = (exact - bias.double()).norm()
     assert (got - rounded).norm() / norm < 2 ** -10
     assert 2 ** -10 < (got - exact).norm() / norm < 2 ** -4
+
+
+def test_e4m3_rows_need_their_scales_and_an_output_dtype():
+    codes, scale = fp8.quantize(torch.randn(32, 64))
+    x_rows, x_scale = quantize_rows_triton(torch.randn(3, 64).to(DEVICE), fp8.ACTIVATION_AMAX_FLOOR)
+    for kwargs in ({}, {"x_scale": x_scale}, {"out_dtype": torch.float32}):
+        with pytest.raises(ValueError, match="x_scale"):
+            fp8_weight_linear(x_rows, codes.to(DEVICE), scale.to(DEVICE), **kwargs)
+    with pytest.raises(ValueError, match="x_scale"):
+        fp8_weight_linear(torch.randn(3, 64).to(DEVICE), codes.to(DEVICE), scale.to(DEVICE), x_scale=x_scale)
