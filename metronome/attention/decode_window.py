@@ -10,8 +10,8 @@ window slides one token a round; keys behind it stay in the buffer, masked). The
 A session is gathered again when it joins, when its keys moved in the cache (a rebase re-rotated them)
 or when its buffer row is full (the fresh gather drops the keys behind the window); sessions that
 leave are dropped by compacting the rows. The buffers stay allocated between steps (about one more
-copy of the decoding sessions' live K/V), zero-initialised once, so padding is always finite and a
-freed block is never read.
+copy of the decoding sessions' live K/V, up to half again as many rows and twice the columns as slack for
+growth), zero-initialised once, so padding is always finite and a freed block is never read.
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ SPARE_COLUMNS = 32
 # hold): live keys grow every step until a window is full, and regrowing (fresh zeroed memory for every layer's
 # buffers, then a copy) each step costs more than the slack.
 COLUMN_GROWTH, COLUMN_STEP = 1.0, 64
+# Rows grow by at least half, in steps of ROW_STEP: sessions join one at a time, and growing exactly to each new
+# count would zero and copy every layer's buffers at every join.
+ROW_GROWTH, ROW_STEP = 0.5, 4
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,7 @@ class DecodeWindow:
             slack = -(-int(self.cols_cap * (1 + COLUMN_GROWTH)) // COLUMN_STEP) * COLUMN_STEP
             need = max(need, slack if self.max_columns is None else min(slack, self.max_columns))
         if n > self.rows_cap or need > self.cols_cap:
-            self._grow(max(n, self.rows_cap), need)
+            self._grow(self._rows_for(n), need)
         cols, device = self.cols_cap, self.device
 
         gather_rows = gather_slots = None
@@ -146,7 +149,7 @@ class DecodeWindow:
             self.moved.clear()
             return moved
         if len(session_ids) > self.rows_cap:
-            self._grow(len(session_ids), self.cols_cap)
+            self._grow(self._rows_for(len(session_ids)), self.cols_cap)
         where = {sid: i for i, sid in enumerate(self.ids)}
         source = [where.get(sid, -1) for sid in session_ids]
         kept = [i for i, s in enumerate(source) if s >= 0]
@@ -162,6 +165,13 @@ class DecodeWindow:
         gather = [i for i, (sid, s) in enumerate(zip(session_ids, source)) if s < 0 or sid in self.moved]
         self.moved.clear()
         return gather
+
+    def _rows_for(self, n: int) -> int:
+        """Row capacity for ``n`` sessions: the current one if it holds them, else grown with slack."""
+        if n <= self.rows_cap:
+            return self.rows_cap
+        slack = -(-int(self.rows_cap * (1 + ROW_GROWTH)) // ROW_STEP) * ROW_STEP
+        return max(n, slack, ROW_STEP)
 
     def _move_rows(self, source: list[int], dest: list[int]) -> None:
         """Copy buffer rows ``source`` to rows ``dest`` in every layer (through a copy: they may overlap)."""

@@ -224,3 +224,25 @@ def test_growing_sessions_regrow_the_buffers_a_few_times_not_every_step(monkeypa
         assert 0 < len(grows) <= steps // 3    # without the slack: every step
         if max_live is not None:
             assert window.cols_cap <= window.max_columns
+
+
+def test_sessions_joining_one_at_a_time_regrow_the_rows_a_few_times(monkeypatch):
+    """A session joins every step: the rows grow by half at a time (each growth zeroes and copies every layer's
+    buffers), not at every join; outputs still match the oracle."""
+    grows = []
+    real_grow = DecodeWindow._grow
+
+    def counted_grow(self, rows, cols):
+        grows.append(rows)
+        real_grow(self, rows, cols)
+
+    monkeypatch.setattr(DecodeWindow, "_grow", counted_grow)
+    sim = PagedSim(sinks=2, window=12, block_size=4, num_blocks=800)
+    window = DecodeWindow(sim.caches, HEADS)
+    joined = []
+    for sid in range(1, 17):
+        sim.prefill(sid, 5)
+        joined.append(sid)
+        run_rounds(sim, [joined] * 2, window=window)
+    rows = sorted(set(grows))
+    assert rows[-1] >= 16 and len(rows) <= 5     # 4, 8, 12, 20 rather than 1, 2, ..., 16
