@@ -199,17 +199,23 @@ def test_the_next_step_starts_from_the_cache_again():
     run_rounds(sim, [[2, 1]] * 5, window=window)
 
 
-def test_growing_sessions_regrow_the_buffers_a_few_times_not_every_step(monkeypatch):
-    """Young sessions' live keys grow every step until their windows fill. The columns double at a time, a
-    bounded session's up to the most it can hold: most steps reuse the buffers as they are."""
-    grows = []
+@pytest.fixture
+def grows(monkeypatch) -> list[tuple[int, int]]:
+    """The (rows, columns) of every buffer growth, as it happens."""
+    sizes = []
     real_grow = DecodeWindow._grow
 
     def counted_grow(self, rows, cols):
-        grows.append(cols)
+        sizes.append((rows, cols))
         real_grow(self, rows, cols)
 
     monkeypatch.setattr(DecodeWindow, "_grow", counted_grow)
+    return sizes
+
+
+def test_growing_sessions_regrow_the_buffers_a_few_times_not_every_step(grows):
+    """Young sessions' live keys grow every step until their windows fill. The columns double at a time, a
+    bounded session's up to the most it can hold: most steps reuse the buffers as they are."""
     sinks, bs, steps = 4, 4, 24
     for window_len, max_live in ((200, 4 + 200 + 2 * 4), (None, None)):
         grows.clear()
@@ -226,17 +232,9 @@ def test_growing_sessions_regrow_the_buffers_a_few_times_not_every_step(monkeypa
             assert window.cols_cap <= window.max_columns
 
 
-def test_sessions_joining_one_at_a_time_regrow_the_rows_a_few_times(monkeypatch):
+def test_sessions_joining_one_at_a_time_regrow_the_rows_a_few_times(grows):
     """A session joins every step: the rows grow by half at a time (each growth zeroes and copies every layer's
     buffers), not at every join; outputs still match the oracle."""
-    grows = []
-    real_grow = DecodeWindow._grow
-
-    def counted_grow(self, rows, cols):
-        grows.append(rows)
-        real_grow(self, rows, cols)
-
-    monkeypatch.setattr(DecodeWindow, "_grow", counted_grow)
     sim = PagedSim(sinks=2, window=12, block_size=4, num_blocks=800)
     window = DecodeWindow(sim.caches, HEADS)
     joined = []
@@ -244,5 +242,5 @@ def test_sessions_joining_one_at_a_time_regrow_the_rows_a_few_times(monkeypatch)
         sim.prefill(sid, 5)
         joined.append(sid)
         run_rounds(sim, [joined] * 2, window=window)
-    rows = sorted(set(grows))
+    rows = sorted({r for r, _ in grows})
     assert rows[-1] >= 16 and len(rows) <= 5     # 4, 8, 12, 20 rather than 1, 2, ..., 16
