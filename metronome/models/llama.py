@@ -198,11 +198,26 @@ class LlamaFamilyForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
+        logits = None
         if hidden.device.type == "cpu" and self.cpu_kernels is not None:
             logits = skinny_linear(hidden, weight, None, self.cpu_kernels)
-            if logits is not None:
-                return logits
-        if hidden.device.type == "cpu":
+        if logits is None and hidden.device.type == "cpu":
             # vocab-major product: ~1.5x faster than F.linear for few rows on the CPU BLAS here.
-            return (weight @ hidden.t()).t()
-        return F.linear(hidden, weight)
+            logits = (weight @ hidden.t()).t()
+        elif logits is None:
+            logits = F.linear(hidden, weight)
+        return exact_top(logits, hidden, weight) if logits.dtype in (torch.bfloat16, torch.float16) else logits
+
+
+# A bfloat16 logit near 25 is a multiple of 0.125: two of the top logits often round to one value, and argmax then
+# takes the lower token id, a different answer from the float32 head's (greedy decoding goes astray from there).
+EXACT_TOP = 4
+
+
+def exact_top(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, k: int = EXACT_TOP) -> torch.Tensor:
+    """Half-precision ``logits`` [rows, vocab] as float32, the ``k`` largest of each row recomputed in float32 from
+    ``hidden`` [rows, h] and ``weight`` [vocab, h]. Rounding keeps order, so the float32 argmax is among the row's
+    rounded maxima, and after this it is the argmax. Static shapes: it runs inside CUDA graphs."""
+    top = logits.topk(min(k, logits.shape[-1]), dim=-1).indices
+    exact = torch.einsum("rh,rkh->rk", hidden.float(), weight[top].float())
+    return logits.float().scatter_(-1, top, exact)
