@@ -160,6 +160,18 @@ class InteractionAdapter(ABC):
 
     # Sample rate of the audio the adapter speaks (``take_audio``); 0: text only.
     output_sample_rate: int = 0
+    # The adapter takes a session's audio as it streams in (``hear``), not in ``TickAudio.pcm`` at the tick: its
+    # speech front end works beside the tick, so audio heard sooner is answered sooner.
+    hears_early: bool = False
+
+    def hear(self, session_id: str, pcm: np.ndarray, *, clear: bool = False,
+             turn_detection: TurnDetection | None = None) -> str | None:
+        """Adapters with ``hears_early``: one streamed piece of the session's input, in the order the client sent
+        it: ``turn_detection`` applies from this piece's audio on, ``clear`` drops the uncommitted audio before it,
+        then ``pcm`` (at ``sample_rate``, may be empty). Returns a message for the client when the turn detection
+        is refused (the piece's audio is still heard). The tick's ``TickAudio`` then carries no audio, clear or
+        turn detection of its own."""
+        raise NotImplementedError(f"the {self.name} adapter takes its audio at the tick")
 
     def on_hidden(self, batch: list[tuple[str, torch.Tensor]]) -> None:
         """Hidden states ([hidden]) of the sessions whose ``PreparedInput.return_hidden`` was set, one

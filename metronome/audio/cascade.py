@@ -4,8 +4,9 @@ The embedded default a person can talk to. The speech front end (``audio/fronten
 tick on threads of its own: per session a streaming Silero VAD cuts the incoming audio into utterances
 (so words are never split at tick boundaries; ``ENDPOINT_SILENCE_MS`` of silence ends one), and the
 finished utterances of ALL sessions are transcribed together by Whisper (``audio/asr.py``) whenever it is
-free. ``prepare`` only hands the front end this tick's audio and takes what it has finished: the tick
-never waits for Whisper, and a transcript joins the first tick that starts after it is ready. Each
+free. In the worker the audio reaches the front end as it streams in (``hear``, between ticks); ``prepare``
+hands it what the tick still brings and takes what it has finished: the tick never waits for Whisper, and a
+transcript joins the first tick that starts after it is ready. Each
 recognised utterance enters its session as a user turn of the model's chat template (``audio/chat.py``),
 the system header first on the session's first tick, exactly as the energy adapter frames its turns.
 
@@ -144,6 +145,7 @@ class CascadeAdapter(InteractionAdapter):
     name = "cascade"
     modes = MODES
     sample_rate = SAMPLE_RATE
+    hears_early = True   # the VAD hears a tick's audio as it streams in, so an utterance's end is found sooner
 
     @classmethod
     def from_context(cls, context: AdapterContext) -> "CascadeAdapter":
@@ -258,6 +260,17 @@ class CascadeAdapter(InteractionAdapter):
                                    transcript=transcript, ends_response=ends or barge_in, cancelled=barge_in,
                                    **marks)
         return out  # type: ignore[return-value]
+
+    def hear(self, session_id: str, pcm, *, clear: bool = False, turn_detection: TurnDetection | None = None
+             ) -> str | None:
+        if session_id not in self._sessions:
+            return f"session {session_id!r} is not open in the {self.name} adapter"
+        refused = self.set_turn_detection(session_id, turn_detection) if turn_detection is not None else None
+        if clear:
+            self.frontend.clear(session_id)
+        if pcm.size:
+            self.frontend.submit([(session_id, pcm, False)])
+        return refused
 
     def _response_cap(self, tick: TickAudio) -> int:
         """Tokens the session's answer may take: the client's ``max_output_tokens`` within the adapter's cap."""

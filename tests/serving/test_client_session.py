@@ -139,6 +139,25 @@ def test_streamed_pieces_carry_input_without_controls_and_still_count_against_th
     assert s.append_audio(b"\x03\x00" * 160)          # a new tick: the whole bound again
 
 
+def test_a_turn_detection_change_goes_with_the_next_streamed_piece_ahead_of_its_audio_and_once():
+    """A worker that hears audio as it streams applies a piece's turn detection before the piece's audio, so the
+    change travels with the first piece after it, not with the tick's last message."""
+    from metronome.serving.gateway.client_session import step_request_wire
+    from metronome.serving.proto import worker_pb2 as pb
+
+    s = make()
+    s.sample_rate = 16000
+    s.turn_detection, s.turn_detection_changed = None, True   # session.update: server VAD off
+    assert s.append_audio(b"\x01\x00" * 100)
+    piece = pb.StepRequest.FromString(step_request_wire([s.take_stream_wire()], 0, 0)).sessions[0]
+    assert piece.HasField("turn_detection") and not piece.turn_detection.server_vad
+    assert piece.audio_pcm16 == b"\x01\x00" * 100 and not s.turn_detection_changed
+    assert s.append_audio(b"\x02\x00" * 100)
+    later = pb.StepRequest.FromString(step_request_wire([s.take_stream_wire()], 0, 0)).sessions[0]
+    last = pb.StepRequest.FromString(step_request_wire([s.take_tick_wire()], 4, 1)).sessions[0]
+    assert not later.HasField("turn_detection") and not last.HasField("turn_detection")
+
+
 def test_a_clear_reaches_the_worker_even_when_no_audio_was_streamed_this_tick():
     """The worker's VAD may hold the start of an utterance from earlier ticks: every clear must say so."""
     session = make()

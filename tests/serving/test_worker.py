@@ -7,6 +7,7 @@ import os
 import shutil
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -20,7 +21,7 @@ from metronome.audio.pcm import Resampler, decode_pcm16, encode_pcm16, levels, r
 from metronome.errors import ConfigError
 from metronome.serving.proto import worker_pb2 as pb
 from metronome.serving.proto import worker_pb2_grpc
-from metronome.serving.worker import WorkerConfig, serve_worker
+from metronome.serving.worker import WorkerConfig, adapter_context, serve_worker
 
 POLICY = KVPolicy(sinks=4, window=64, block_size=16)
 CHUNK = 64
@@ -55,9 +56,45 @@ def engine(chat_checkpoint):
     return Engine(config(chat_checkpoint).engine)
 
 
-@pytest.fixture
-async def worker(engine, chat_checkpoint):
-    handle = await serve_worker(config(chat_checkpoint), engine=engine)
+class HearingEnergyAdapter(EnergyTokenAdapter):
+    """The energy adapter taking its audio as it streams in, as the cascade does: what ``hear`` got (at the
+    adapter's rate, after a clear) joins the session's tick, so both ways must give the same tokens."""
+
+    hears_early = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.heard: dict[str, list[np.ndarray]] = {}
+        self.calls: list[tuple] = []   # ("hear", sid, samples, clear) and ("prepare", sids), in order
+
+    def hear(self, session_id, pcm, *, clear=False, turn_detection=None):
+        self.calls.append(("hear", session_id, pcm.size, clear))
+        if clear:
+            self.heard[session_id] = []
+        self.heard.setdefault(session_id, []).append(pcm)
+
+    def prepare(self, batch):
+        self.calls.append(("prepare", tuple(t.session_id for t in batch)))
+        assert not any(t.pcm.size or t.clear_buffer or t.turn_detection for t in batch)   # all of it was heard
+        joined = [replace(t, pcm=np.concatenate([np.zeros(0, np.float32), *self.heard.pop(t.session_id, [])]))
+                  for t in batch]
+        return super().prepare(joined)
+
+    def close_session(self, session_id):
+        self.heard.pop(session_id, None)
+        super().close_session(session_id)
+
+
+async def start_worker(engine, checkpoint, hearing: bool, **overrides):
+    """A worker over ``engine``: the energy adapter, or its hearing variant (audio as it streams in)."""
+    cfg = config(checkpoint, **overrides)
+    adapter = HearingEnergyAdapter.from_context(adapter_context(cfg, engine)) if hearing else None
+    return await serve_worker(cfg, engine=engine, adapter=adapter)
+
+
+@pytest.fixture(params=[False, True], ids=["audio-at-the-tick", "audio-heard-early"])
+async def worker(request, engine, chat_checkpoint):
+    handle = await start_worker(engine, chat_checkpoint, request.param)
     yield handle
     await handle.stop(0)
     assert engine.stats().sessions == 0  # stop() closed whatever a test left open
@@ -155,6 +192,9 @@ async def test_a_session_back_at_48k_after_16k_starts_a_fresh_resampler(stub, wo
 
     def at_adapter_rate(samples: np.ndarray, rate: int) -> np.ndarray:
         inp = pb.SessionInput(sid="r", audio_pcm16=pcm(samples), sample_rate=rate)
+        if service.adapter.hears_early:
+            service.core.hear(pb.StepRequest(sessions=[inp]))
+            return service.adapter.heard.pop("r")[-1]
         return service.core.tick_audio(inp, 4, pb.SessionOutput(sid="r")).pcm
 
     at_adapter_rate(chunks[0], 48000)
@@ -198,8 +238,9 @@ async def test_a_streamed_tick_is_the_step_of_its_joined_input(stub):
     assert again.input_dbfs == pytest.approx(out["rate"].input_dbfs)
 
 
-async def test_a_streamed_tick_is_bounded_and_checked_piece_by_piece(engine, chat_checkpoint):
-    handle = await serve_worker(config(chat_checkpoint, max_message_bytes=1 << 20), engine=engine)
+@pytest.mark.parametrize("hearing", [False, True], ids=["audio-at-the-tick", "audio-heard-early"])
+async def test_a_streamed_tick_is_bounded_and_checked_piece_by_piece(engine, chat_checkpoint, hearing):
+    handle = await start_worker(engine, chat_checkpoint, hearing, max_message_bytes=1 << 20)
     try:
         async with grpc.aio.insecure_channel(handle.address) as channel:
             stub = worker_pb2_grpc.WorkerStub(channel)
@@ -220,8 +261,63 @@ async def test_a_streamed_tick_is_bounded_and_checked_piece_by_piece(engine, cha
                 pb.SessionInput(sid="odd", audio_pcm16=b"\x03", sample_rate=16000),
                 pb.SessionInput(sid="fine", audio_pcm16=pcm(tone(0.5)), sample_rate=16000)])
             out = by_sid(await stream_step(stub, early, last))
-            assert "odd number of bytes" in out["odd"].error
+            assert "number of bytes" in out["odd"].error and out["odd"].error_code == "invalid_input"
             assert not out["fine"].error and len(out["fine"].tokens) == 2
+    finally:
+        await handle.stop(0)
+
+
+async def until(condition, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def test_streamed_audio_is_heard_before_the_tick_and_after_the_previous_tick(engine, chat_checkpoint):
+    """An adapter that hears early gets each streamed message as it comes, before the tick's last message is
+    even sent; a gateway's next stream, here opened before this tick's last message, is heard only once this
+    tick is queued on the engine thread, so a commit stays ahead of the audio sent after it."""
+    handle = await start_worker(engine, chat_checkpoint, True)
+    adapter, service = handle.service.adapter, handle.service
+    received = asyncio.Event()
+    charge = service.budget.charge
+
+    async def charge_and_note(tally, pairs):   # the handler's last await before it hears a message
+        pairs = list(pairs)
+        await charge(tally, pairs)
+        if any(text == "later" for _, text in pairs):
+            received.set()
+
+    service.budget.charge = charge_and_note
+    try:
+        async with grpc.aio.insecure_channel(handle.address) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            await open_sessions(stub, "free_running", "s")
+            queues = [asyncio.Queue(), asyncio.Queue()]
+
+            async def messages(queue):
+                while (message := await queue.get()) is not None:
+                    yield message
+
+            ticks = [asyncio.ensure_future(stub.StreamStep(messages(q))) for q in queues[:1]]
+            await queues[0].put(pb.StepRequest(sessions=[
+                pb.SessionInput(sid="s", audio_pcm16=pcm(tone(0.1)), sample_rate=16000)]))
+            await until(lambda: ("hear", "s", 1600, False) in adapter.calls)   # the tick is still open
+            assert not any(call[0] == "prepare" for call in adapter.calls)
+            ticks.append(asyncio.ensure_future(stub.StreamStep(messages(queues[1]))))
+            await queues[1].put(pb.StepRequest(sessions=[
+                pb.SessionInput(sid="s", audio_pcm16=pcm(tone(0.2)), sample_rate=16000, text="later")]))
+            await received.wait()                                               # the worker has it, unheard
+            await queues[0].put(pb.StepRequest(tick=1, tokens_per_tick=2, sessions=[
+                pb.SessionInput(sid="s", new_turn=True)]))
+            await queues[0].put(None)
+            await queues[1].put(pb.StepRequest(tick=2, tokens_per_tick=2, sessions=[pb.SessionInput(sid="s")]))
+            await queues[1].put(None)
+            first, second = await asyncio.gather(*ticks)
+            assert not by_sid(first)["s"].error and not by_sid(second)["s"].error
+            assert adapter.calls == [("hear", "s", 1600, False), ("hear", "s", 0, False), ("prepare", ("s",)),
+                                     ("hear", "s", 3200, False), ("hear", "s", 0, False), ("prepare", ("s",))]
     finally:
         await handle.stop(0)
 

@@ -253,7 +253,8 @@ class ClientSession:
 
     def take_stream_wire(self) -> list[bytes] | None:
         """The audio and text buffered since the last take, as a ``StepRequest.sessions`` entry of a StreamStep
-        message before the tick's last (no controls: those go with the last); None when nothing is buffered.
+        message before the tick's last (commit, cancel and the answer cap go with the last; a change of turn
+        detection with the first entry after it, ahead of that entry's audio); None when nothing is buffered.
 
         The tick's input bounds count what was streamed, so streaming does not lift them.
         """
@@ -316,9 +317,9 @@ class ClientSession:
             cap = self.answer_cap
             if cap:
                 tail += [b"\x48", _varint(cap)]
-            if self.turn_detection_changed:
-                tail.append(turn_detection_wire(self.turn_detection))
-                self.turn_detection_changed = False
+        if self.turn_detection_changed:   # streamed too: a worker that hears audio as it comes applies it in order
+            tail.append(turn_detection_wire(self.turn_detection))
+            self.turn_detection_changed = False
         if self.audio_discarded:
             tail.append(b"\x40\x01")
             self.audio_discarded = False

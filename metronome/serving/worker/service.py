@@ -8,7 +8,9 @@ Health answers at once from the core's snapshot, so it does not wait behind a ru
 
 StreamStep (what the gateway uses) is a tick whose input is sent as it arrives: the event loop files each
 message's bytes by session (``StreamedTick``) while the engine thread still runs the previous tick, so
-the tick's critical path keeps only the last message's transfer and the join. Only an unexpected
+the tick's critical path keeps only the last message's transfer and the join. An adapter that hears early
+(the cascade) gets each message's audio as it comes, on the engine thread between ticks, in order with the
+same gateway's ticks: its VAD finds the end of an utterance without waiting for the tick. Only an unexpected
 exception fails an RPC (``INTERNAL``); the worker stays up.
 
 Typed text and instructions are counted in tokens on a thread of their own before the engine thread
@@ -77,6 +79,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         # A call given up before the engine thread ran it is taken off by the loop (``_Opening``).
         self._opening = 0
         self._opening_lock = threading.Lock()
+        self._streams: dict[str, asyncio.Future] = {}   # peer -> its latest StreamStep, done once its tick is queued
 
     @property
     def engine(self) -> Engine:
@@ -146,28 +149,63 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         return self._observed(await self._timed(context, "Step", request, None, tally))
 
     async def StreamStep(self, request_iterator, context):
-        """One tick whose input arrives over the frame period; the last message is the Step request proper."""
-        streamed = StreamedTick()
-        last = None
-        async for message in request_iterator:
-            if last is not None and streamed.add(last) > self.config.max_message_bytes:
-                log.warning("a streamed tick passed %d bytes; its input is dropped", self.config.max_message_bytes)
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                    f"the tick's streamed input exceeds {self.config.max_message_bytes} bytes")
-            # Each message's text is counted as it arrives, while the tick's later input still streams in: only
-            # text in the tick's last message is counted on the tick's critical path.
-            await self.budget.charge(streamed.text_tokens, ((inp.sid, inp.text) for inp in message.sessions))
-            last = message
-        if last is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a StreamStep needs at least its last message")
-        return self._observed(await self._timed(context, "StreamStep", last, streamed, streamed.text_tokens))
+        """One tick whose input arrives over the frame period; the last message is the Step request proper.
 
-    async def _timed(self, context, what: str, request, streamed, tally) -> tuple[pb.StepResponse, float]:
-        """The tick on the engine thread, and its latency here: the wait behind other gateways' ticks included."""
+        With an adapter that hears early, each message is handed to the engine thread as it comes (``hear``),
+        after the same gateway's previous tick was queued there: audio stays in the order it was sent."""
+        streamed = StreamedTick(heard=self.adapter.hears_early)
+        previous, queued = self._in_turn(context.peer()) if streamed.heard else (None, None)
+        try:
+            last = None
+            async for message in request_iterator:
+                if last is not None and streamed.add(last) > self.config.max_message_bytes:
+                    log.warning("a streamed tick passed %d bytes; its input is dropped", self.config.max_message_bytes)
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                        f"the tick's streamed input exceeds {self.config.max_message_bytes} bytes")
+                # Each message's text is counted as it arrives, while the tick's later input still streams in:
+                # only text in the tick's last message is counted on the tick's critical path.
+                await self.budget.charge(streamed.text_tokens, ((inp.sid, inp.text) for inp in message.sessions))
+                if streamed.heard:
+                    if previous is not None:
+                        await asyncio.shield(previous)
+                        previous = None
+                    self._executor.submit(self._hear, message)
+                last = message
+            if last is None:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a StreamStep needs at least its last message")
+            if previous is not None:
+                await asyncio.shield(previous)
+            return self._observed(await self._timed(context, "StreamStep", last, streamed, streamed.text_tokens,
+                                                    queued))
+        finally:
+            if queued is not None and not queued.done():
+                queued.set_result(None)
+
+    def _in_turn(self, peer: str) -> tuple[asyncio.Future | None, asyncio.Future]:
+        """The future of the peer's previous StreamStep (done once its tick is queued on the engine thread) and
+        this one's. A gateway opens a tick's stream after it sent the last one's end, so they start in order."""
+        previous = self._streams.get(peer)
+        queued = self._streams[peer] = asyncio.get_running_loop().create_future()
+        queued.add_done_callback(lambda f: self._streams.pop(peer, None) if self._streams.get(peer) is f else None)
+        return (previous if previous is not None and not previous.done() else None), queued
+
+    def _hear(self, message: pb.StepRequest) -> None:
+        """Engine thread: one streamed message for an adapter that hears early (the tick reports its problems)."""
+        try:
+            self.core.hear(message)
+        except Exception:  # noqa: BLE001 - a bug here must not take the engine thread's later work with it
+            log.exception("hearing a streamed message failed")
+
+    async def _timed(self, context, what: str, request, streamed, tally,
+                     queued: asyncio.Future | None = None) -> tuple[pb.StepResponse, float]:
+        """The tick on the engine thread, and its latency here: the wait behind other gateways' ticks included.
+        ``queued`` is set once the tick is in the engine thread's queue."""
         loop = asyncio.get_running_loop()
         started = loop.time()
-        response = await self._on_engine_thread(context, what, self.core.step, request, streamed,
-                                                self.budget.refusals(tally))
+        pending = loop.run_in_executor(self._executor, self.core.step, request, streamed, self.budget.refusals(tally))
+        if queued is not None:
+            queued.set_result(None)
+        response = await self._engine_result(context, what, pending)
         return response, (loop.time() - started) * 1e3
 
     def _observed(self, timed: tuple[pb.StepResponse, float]) -> pb.StepResponse:
@@ -184,9 +222,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         return health
 
     async def _on_engine_thread(self, context, what: str, fn, *args):
-        loop = asyncio.get_running_loop()
+        return await self._engine_result(context, what,
+                                         asyncio.get_running_loop().run_in_executor(self._executor, fn, *args))
+
+    @staticmethod
+    async def _engine_result(context, what: str, pending: asyncio.Future):
         try:
-            return await loop.run_in_executor(self._executor, fn, *args)
+            return await pending
         except Exception as exc:  # noqa: BLE001 - any bug must become a clean RPC error, not a dead worker
             log.exception("%s failed", what)
             await context.abort(grpc.StatusCode.INTERNAL, f"{what} failed: {type(exc).__name__}: {exc}")

@@ -59,10 +59,17 @@ class StreamedInput:
     cancel: bool = False
     cleared: bool = False
     error: str = ""
+    turn_detection: pb.TurnDetection | None = None   # the latest change streamed
 
-    def add(self, inp: pb.SessionInput) -> int:
-        """Take one SessionInput; returns the bytes it added. Audio before a change of sample rate is dropped."""
+    def add(self, inp: pb.SessionInput, keep_audio: bool = True) -> int:
+        """Take one SessionInput; returns the bytes it added. Audio before a change of sample rate is dropped.
+        ``keep_audio`` False: the audio was heard as it came (``TickCore.hear``) and is only counted."""
         audio = inp.audio_pcm16   # read once: each read of a protobuf bytes field copies it
+        size = len(audio) + len(inp.text)
+        if inp.HasField("turn_detection"):
+            self.turn_detection = inp.turn_detection
+        if not keep_audio:
+            audio = b""
         if inp.clear_audio:
             self.audio.clear()
             self.error = ""
@@ -78,22 +85,37 @@ class StreamedInput:
             self.text.append(inp.text)
         self.new_turn |= inp.new_turn
         self.cancel |= inp.cancel
-        return len(audio) + len(inp.text)
+        return size
 
 
 @dataclass
 class StreamedTick:
-    """A StreamStep's input before its last message, filed by session (bytes only: no decoding here)."""
+    """A StreamStep's input before its last message, filed by session (bytes only: no decoding here).
+
+    ``heard``: every message of the tick, its last included, was handed to ``TickCore.hear`` as it came (an
+    adapter that hears early); the audio is then only counted here."""
 
     sessions: dict[str, StreamedInput] = field(default_factory=dict)
     size: int = 0
     text_tokens: dict[str, int] = field(default_factory=dict)   # sid -> tokens of its text this tick (``budget.py``)
+    heard: bool = False
 
     def add(self, message: pb.StepRequest) -> int:
         """File one earlier message; returns the tick's streamed bytes so far."""
         for inp in message.sessions:
-            self.size += self.sessions.setdefault(inp.sid, StreamedInput()).add(inp)
+            self.size += self.sessions.setdefault(inp.sid, StreamedInput()).add(inp, keep_audio=not self.heard)
         return self.size
+
+
+@dataclass
+class HeardInput:
+    """One session's input handed to an adapter that hears early, since its last tick: the audio as sent (for
+    the tick's levels) and the first problem, reported on the session's output at the tick."""
+
+    pcm: list[np.ndarray] = field(default_factory=list)
+    sample_rate: int = 0
+    error: str = ""
+    error_code: str = ""
 
 
 @dataclass
@@ -145,6 +167,7 @@ class TickCore:
         self._sessions: dict[str, int] = {}          # sid -> engine session id
         self._opened: dict[str, tuple[str, str]] = {}  # sid -> (mode, instructions), until its first step
         self._resamplers: dict[str, Resampler] = {}  # sid -> its stream's resampler
+        self._heard: dict[str, HeardInput] = {}      # sid -> input heard since its last tick (``hear``)
         self._speaking_after_text: set[str] = set()   # sessions whose answer text ended, speech not yet
         self.health = self._snapshot()               # refreshed after every call that changes it
 
@@ -222,6 +245,7 @@ class TickCore:
         eid = self._sessions.pop(sid, None)
         self._opened.pop(sid, None)
         self._resamplers.pop(sid, None)
+        self._heard.pop(sid, None)
         self.adapter.close_session(sid)
         if eid is not None:
             self.engine.close_session(eid)
@@ -234,18 +258,60 @@ class TickCore:
             self.close(sid)
 
     # ------------------------------------------------------------------ the tick
+    def hear(self, message: pb.StepRequest) -> None:
+        """Hand each session's turn detection, clear and audio in ``message`` to an adapter that hears early
+        (``InteractionAdapter.hears_early``), in the order the client sent them: a StreamStep's messages as they
+        come, between ticks. What goes wrong is kept for the session's output at its tick, with the levels."""
+        for inp in message.sessions:
+            if inp.sid not in self._sessions:
+                continue   # the tick says so
+            heard = self._heard.setdefault(inp.sid, HeardInput())
+            if inp.clear_audio:
+                heard.pcm.clear()
+                if heard.error_code == "invalid_input":
+                    heard.error = heard.error_code = ""
+            pcm = np.zeros(0, np.float32)
+            audio = inp.audio_pcm16   # read once: each read of a protobuf bytes field copies it
+            if audio:
+                try:
+                    check_sample_rate(inp.sample_rate)
+                    sent = decode_pcm16(audio)
+                except ValueError as exc:
+                    heard.error, heard.error_code = heard.error or str(exc), heard.error_code or "invalid_input"
+                else:
+                    if inp.sample_rate != heard.sample_rate:   # the tick's levels are those of its latest rate
+                        heard.pcm, heard.sample_rate = [], inp.sample_rate
+                    heard.pcm.append(sent)
+                    pcm = self._resample(inp.sid, inp.sample_rate, sent)
+            turn = turn_detection(inp.turn_detection) if inp.HasField("turn_detection") else None
+            refused = self.adapter.hear(inp.sid, pcm, clear=inp.clear_audio, turn_detection=turn)
+            if refused and not heard.error:
+                heard.error, heard.error_code = refused, "input_refused"
+
+    def _resample(self, sid: str, rate: int, pcm: np.ndarray) -> np.ndarray:
+        resampler = self._resamplers.get(sid)
+        if resampler is None or resampler.in_rate != rate:
+            resampler = self._resamplers[sid] = Resampler(rate, self.adapter.sample_rate)
+        return resampler.process(pcm)
+
+    @staticmethod
+    def _measure(out: pb.SessionOutput, pcm: np.ndarray, rate: int) -> None:
+        """Level checks (RMS, clipping) of the audio as sent, on the session's output for the client."""
+        lv = levels(pcm, rate)
+        out.input_dbfs, out.input_clipping = lv.rms_dbfs, lv.clipping
+
     def tick_audio(self, inp: pb.SessionInput, default_tokens: int, out: pb.SessionOutput,
                    earlier: StreamedInput | None = None) -> TickAudio:
         """One session's SessionInput (after its ``earlier`` streamed input) → TickAudio at the adapter's rate;
-        ValueError for bad input.
-
-        Level checks (RMS, clipping) of the audio as sent go on the session's output for the client."""
+        ValueError for bad input. An adapter that hears early had the audio, clear and turn detection already
+        (``hear``): the TickAudio carries the rest."""
         if inp.sid not in self._sessions:
             raise ValueError(f"unknown session {inp.sid!r}")
         pcm = np.zeros(0, np.float32)
         out.input_dbfs = SILENCE_DBFS
         audio = inp.audio_pcm16   # read once: each read of a protobuf bytes field copies it
         text, new_turn, cancel, cleared = inp.text, inp.new_turn, inp.cancel, inp.clear_audio
+        turn = inp.turn_detection if inp.HasField("turn_detection") else None
         out.cancelled = cancel or (earlier is not None and earlier.cancel)
         if earlier is not None:
             if earlier.error and not inp.clear_audio:
@@ -255,18 +321,20 @@ class TickCore:
             text = "".join(earlier.text) + text
             new_turn, cancel = new_turn or earlier.new_turn, cancel or earlier.cancel
             cleared = cleared or earlier.cleared
+            turn = turn or earlier.turn_detection
+        if self.adapter.hears_early:
+            heard = self._heard.get(inp.sid)
+            if heard is not None and heard.pcm:
+                self._measure(out, np.concatenate(heard.pcm), heard.sample_rate)
+            audio, cleared, turn = b"", False, None
         if audio:
             check_sample_rate(inp.sample_rate)
             pcm = decode_pcm16(audio)
-            lv = levels(pcm, inp.sample_rate)
-            out.input_dbfs, out.input_clipping = lv.rms_dbfs, lv.clipping
-            resampler = self._resamplers.get(inp.sid)
-            if resampler is None or resampler.in_rate != inp.sample_rate:
-                resampler = self._resamplers[inp.sid] = Resampler(inp.sample_rate, self.adapter.sample_rate)
-            pcm = resampler.process(pcm)
+            self._measure(out, pcm, inp.sample_rate)
+            pcm = self._resample(inp.sid, inp.sample_rate, pcm)
         return TickAudio(session_id=inp.sid, pcm=pcm, new_turn=new_turn, text=text, cancel=cancel, clear_buffer=cleared,
                          max_tokens=inp.max_tokens or default_tokens, max_output_tokens=inp.max_output_tokens,
-                         turn_detection=turn_detection(inp.turn_detection) if inp.HasField("turn_detection") else None)
+                         turn_detection=turn_detection(turn) if turn is not None else None)
 
     def step(self, request: pb.StepRequest, streamed: StreamedTick | None = None,
              refused: dict[str, str] | None = None) -> pb.StepResponse:
@@ -275,6 +343,8 @@ class TickCore:
         ``refused``: sid -> why, sessions whose input this tick was refused before the engine thread
         (``budget.py``): they get ``input_too_large`` and their input is dropped."""
         t0 = perf_counter()
+        if self.adapter.hears_early and not (streamed is not None and streamed.heard):
+            self.hear(request)
         earlier = streamed.sessions if streamed is not None else {}
         refused = refused or {}
         outputs = [pb.SessionOutput(sid=inp.sid) for inp in request.sessions]
@@ -293,10 +363,14 @@ class TickCore:
                 if inp.sid in refused:
                     self._session_error(request.tick, outputs[i], refused[inp.sid], INPUT_TOO_LARGE)
                     continue
+                if (heard := self._heard.get(inp.sid)) is not None and heard.error:
+                    self._session_error(request.tick, outputs[i], heard.error, heard.error_code)
+                    continue
                 ticks.append(self.tick_audio(inp, request.tokens_per_tick, outputs[i], earlier.get(inp.sid)))
                 indices.append(i)
             except ValueError as exc:
                 self._session_error(request.tick, outputs[i], str(exc), "invalid_input")
+        self._heard.clear()   # this tick's: a session the tick does not name has its input dropped, as the audio
         prepared = self.adapter.prepare(ticks) if ticks else []
         if len(prepared) != len(ticks):
             raise RuntimeError(f"the adapter returned {len(prepared)} inputs for {len(ticks)} sessions")

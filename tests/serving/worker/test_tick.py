@@ -160,6 +160,11 @@ def test_realtime_controls_reach_the_adapter_and_the_output_says_what_the_tick_d
     seen.clear()
     out = by_sid(core.step(pb.StepRequest(tokens_per_tick=2, sessions=[pb.SessionInput(sid="s")])))["s"]
     assert seen[0].turn_detection is None and seen[0].max_output_tokens == 0     # not sent: unchanged
+    seen.clear()
+    streamed = StreamedTick()                          # a change the gateway streamed ahead of the last message
+    streamed.add(pb.StepRequest(sessions=[pb.SessionInput(sid="s", turn_detection=pb.TurnDetection())]))
+    core.step(pb.StepRequest(tokens_per_tick=2, sessions=[pb.SessionInput(sid="s")]), streamed)
+    assert seen[0].turn_detection is not None and not seen[0].turn_detection.server_vad
     assert not out.cancelled and not out.HasField("speech_started_ms")
 
 
@@ -210,3 +215,48 @@ def test_speech_over_an_answer_cancels_it_and_whisper_never_runs_on_the_tick(eng
         finally:
             core.close_all()
             adapter.shutdown()
+
+
+def test_the_cascade_hears_streamed_audio_before_its_tick_in_the_order_it_was_sent(engine, config):
+    """Through ``hear`` (a StreamStep's messages, between ticks) the VAD and Whisper have a question before its
+    tick comes, and that tick answers it. A turn detection sent ahead of the audio applies to that audio (no
+    server VAD: only the commit ends the turn); a refused one is the session's error at its tick."""
+    from dataclasses import replace
+
+    from metronome.audio.cascade import CascadeAdapter
+    from tests.audio.speech import synth, trim
+    from tests.audio.test_frontend import GatedAsr
+
+    question = "What is the capital of France?"
+    adapter = CascadeAdapter(engine.tokenizer, asr=GatedAsr(text=question))
+    core = TickCore(engine, adapter, replace(config, adapter="cascade"))
+    sids = ("auto", "manual", "refused")
+    try:
+        for sid in sids:
+            assert core.open(pb.OpenSessionRequest(sid=sid, mode="turn")).ok
+        spoken = encode_pcm16(np.concatenate([np.zeros(4800, np.float32), trim(synth(question)),
+                                              np.zeros(16000, np.float32)]))
+        core.hear(pb.StepRequest(sessions=[
+            pb.SessionInput(sid="auto", audio_pcm16=spoken, sample_rate=16000),
+            pb.SessionInput(sid="manual", audio_pcm16=spoken, sample_rate=16000,
+                            turn_detection=pb.TurnDetection(server_vad=False)),
+            pb.SessionInput(sid="refused", audio_pcm16=spoken, sample_rate=16000,
+                            turn_detection=pb.TurnDetection(server_vad=True, threshold=2.0))]))
+        assert adapter.frontend.wait_idle(30)
+
+        def step(tick, **inp):
+            return by_sid(core.step(pb.StepRequest(tick=tick, tokens_per_tick=4, sessions=[
+                pb.SessionInput(sid=sid, sample_rate=16000, **inp) for sid in sids])))
+
+        first = step(1)
+        assert first["auto"].transcript == question and len(first["auto"].tokens) == 4
+        assert first["auto"].input_dbfs > -40                              # the levels of the audio heard
+        assert not first["manual"].transcript and not first["manual"].tokens and not first["manual"].error
+        assert first["refused"].error_code == "input_refused" and "threshold" in first["refused"].error
+        step(2, new_turn=True)                                             # the commit ends the manual turn
+        assert adapter.frontend.wait_idle(30)
+        third = step(3)
+        assert third["manual"].transcript == question and len(third["manual"].tokens) == 4
+    finally:
+        core.close_all()
+        adapter.shutdown()
