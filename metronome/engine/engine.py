@@ -33,7 +33,7 @@ from metronome.engine.session import Session, SessionStatus
 from metronome.errors import ConfigError, MetronomeError
 from metronome.models.cpu_layer_ops import CpuLayerOps, use_layer_ops_
 from metronome.models.cpu_linear import kernel_linears_, pack_linears_, packable
-from metronome.models.fp8 import quantize_decoder_
+from metronome.models.fp8 import check_fp8_device, quantize_decoder_
 from metronome.models.llama import LlamaFamilyForCausalLM
 from metronome.models.loader import load_model, load_tokenizer
 from metronome.native import NativeLibrary, optional_library
@@ -89,6 +89,8 @@ class Engine:
         self.config = config
         self.device = torch.device(config.device)
         dtype = DTYPES[config.dtype]
+        if config.quantization == "fp8" or config.kv_cache_dtype == "fp8":
+            check_fp8_device(self.device)
         if model is None:
             self.model, self.checkpoint = load_model(config.model, dtype, self.device)
         else:

@@ -7,10 +7,11 @@ rows, a per-channel one is a column, and a block-wise ``weight_scale_inv`` [ceil
 each block row bn times. Scales by row make fused projections (q/k/v, gate/up, stacked experts) a
 concatenation, wherever their block edges fall.
 
-Products: on CUDA a per-channel weight times a few rows (``STREAMED_MAX_ROWS``: decode rounds at small N) runs
-the weight-streaming Triton product (``fp8_triton.fp8_weight_linear``): with compute capability >= 8.9 and bf16
-activations the rows are quantised per token and multiplied on the FP8 tensor cores where that pays (wide layers,
-or more than ``WIDENED_MAX_ROWS`` rows), else the codes are widened in registers. More rows, with FP8 tensor cores and bf16 activations, run on cuBLAS (``torch._scaled_mm``) with the
+Products: on CUDA (compute capability >= 8.9, which E4M3 in Triton needs) a per-channel weight times a few rows
+(``STREAMED_MAX_ROWS``: decode rounds at small N) runs the weight-streaming Triton product
+(``fp8_triton.fp8_weight_linear``): with bf16 activations the rows are quantised per token and multiplied on the
+FP8 tensor cores where that pays (wide layers, or more than ``WIDENED_MAX_ROWS`` rows), else the codes are widened
+in registers. More rows, with FP8 tensor cores and bf16 activations, run on cuBLAS (``torch._scaled_mm``) with the
 activations quantised per token on the fly; a block-wise weight is
 rescaled per channel once loaded there (``per_channel_for_tensor_cores_``: one more E4M3 rounding). Elsewhere the
 weight is dequantised to the activations' dtype for each product, so on the CPU the layer computes exactly with
@@ -36,7 +37,7 @@ from safetensors import safe_open
 from torch import nn
 
 from metronome.attention.fp8 import E4M3, E4M3_MAX, to_e4m3
-from metronome.errors import ModelLoadError
+from metronome.errors import ConfigError, ModelLoadError
 
 # Tensors an FP8 checkpoint stores beside its weights that are not weights: scales, and the static activation
 # and KV scales of checkpoints calibrated for them (activations are scaled per token here, the KV per head).
@@ -88,6 +89,15 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def check_fp8_device(device: torch.device) -> None:
+    """Refuse FP8 weights or KV on a GPU below compute capability 8.9: Triton has no E4M3 type there, so the
+    first decode round's kernels would fail to compile. The CPU dequantises and takes them."""
+    if device.type == "cuda" and not scaled_mm_available(device):
+        major, minor = _capability(device.index if device.index is not None else torch.cuda.current_device())
+        raise ConfigError(f"FP8 weights and KV need a GPU of compute capability 8.9 or later (Ada, Hopper); this "
+                          f"one is {major}.{minor}: run without --quantization fp8 and --kv-cache-dtype fp8")
+
+
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token (row) dynamic quantisation of activations [M, K]: E4M3 codes and float32 scales [M, 1]
     (on CUDA one Triton kernel, ``models/fp8_triton.py``)."""
@@ -115,9 +125,9 @@ def choose_product(rows: int, in_features: int, out_features: int, dtype: torch.
                    per_channel: bool, fp8_tensor_cores: bool) -> str:
     """How an FP8 layer multiplies ``rows`` rows: ``"streamed-w8a16"`` / ``"streamed-w8a8"`` (the Triton product,
     activations widened-to or rounded-onto E4M3), ``"scaled-mm"`` (cuBLAS's FP8 GEMM) or ``"dequantized"``."""
-    if cuda and per_channel and rows <= STREAMED_MAX_ROWS:
+    if cuda and per_channel and fp8_tensor_cores and rows <= STREAMED_MAX_ROWS:
         wide = out_features >= 2 * in_features
-        if dtype == torch.bfloat16 and fp8_tensor_cores and (rows > WIDENED_MAX_ROWS or wide):
+        if dtype == torch.bfloat16 and (rows > WIDENED_MAX_ROWS or wide):
             return "streamed-w8a8"
         return "streamed-w8a16"
     if (cuda and per_channel and fp8_tensor_cores and dtype == torch.bfloat16

@@ -12,9 +12,9 @@ the E4M3 codes.
 
 A decode round has a few hundred rows or fewer per layer input, where the product is bound by reading the weight,
 not by the arithmetic: ``fp8_weight_linear`` streams the E4M3 codes (half the bytes of bf16) with the weight tile as
-the wide operand and long reductions split across programs. With FP8 tensor cores the activation rows are rounded
-onto E4M3 first and the products run in E4M3 (W8A8); without them the codes are widened to the activations' dtype
-in registers (W8A16), a conversion that on an H200 held the stream to about 3 TB/s. Interpreted (CPU tests), the
+the wide operand and long reductions split across programs. Given E4M3 rows and their scales it multiplies on the
+FP8 tensor cores (W8A8); given bf16 or float rows it widens the codes to their dtype in registers (W8A16), a
+conversion that on an H200 held the stream to 2.3–2.7 TB/s. E4M3 in Triton needs compute capability 8.9. Interpreted (CPU tests), the
 operands are upcast to float32, as in ``moe_triton.py``.
 """
 
@@ -28,7 +28,7 @@ import triton.language as tl
 from metronome.attention.fp8 import E4M3, E4M3_MAX
 from metronome.cpu import triton_interpreted
 
-BLOCK_K = 1024
+ROW_BLOCK = 1024   # elements of a row one program of the row quantiser or of the split sum takes at once
 _MAX = tl.constexpr(E4M3_MAX)
 
 
@@ -77,7 +77,7 @@ def quantize_rows_triton(x: torch.Tensor, amax_floor: float) -> tuple[torch.Tens
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m:
         _quantize_rows[(m,)](x, codes, scale, k, x.stride(0), codes.stride(0), amax_floor,
-                             BLOCK=min(BLOCK_K, triton.next_power_of_2(k)))
+                             BLOCK=min(ROW_BLOCK, triton.next_power_of_2(k)))
     return codes, scale
 
 
@@ -187,7 +187,7 @@ def fp8_weight_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
         EVEN=k % block_k == 0 and n % block_n == 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=4, num_stages=3)
     if split > 1:
-        _sum_splits[(triton.cdiv(n, BLOCK_K), m)](
+        _sum_splits[(triton.cdiv(n, ROW_BLOCK), m)](
             partial, unused if x_scale is None else x_scale, scale, bias if has_bias else unused, y, m, n,
-            y.stride(0), HAS_BIAS=has_bias, ROW_SCALE=x_scale is not None, SPLIT=split, BLOCK=BLOCK_K)
+            y.stride(0), HAS_BIAS=has_bias, ROW_SCALE=x_scale is not None, SPLIT=split, BLOCK=ROW_BLOCK)
     return y

@@ -20,7 +20,7 @@ FP8 experts (``scales``, ``models/fp8.py``): on a GPU with FP8 tensor cores the 
 (each token's input and each assignment's SiLU·up row to E4M3 with a scale of its own, one launch each) and both
 products run on the FP8 tensor cores (W8A8). Otherwise (and with ``fp8_activations=False``) the E4M3 weight tiles
 are converted to the activations' dtype in registers (W8A16); that conversion, not the memory, had held a decode
-round's kernels to about 3 TB/s. A scale per output channel multiplies the accumulator once after the reduction;
+round's kernels to 2.3–2.7 TB/s. A scale per output channel multiplies the accumulator once after the reduction;
 block scales (one per row and group of ``G`` columns) multiply each reduction step's partial product, so every
 step must lie in one group (``G % BLOCK_K == 0``).
 
@@ -269,7 +269,8 @@ def launch_gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, act: torch.Tensor, 
     mode, (s, stride_se, stride_sn) = _scale_args(w_gate_up, scale, group, tiles)
     _gate_up_act[grid](
         x, w_gate_up, act, routing.order, routing.start, routing.count, routing.tile_expert, routing.tile_start, s,
-        s if x_scale is None else x_scale, h, inter, top_k, e, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0), stride_se, stride_sn,
+        s if x_scale is None else x_scale, h, inter, top_k, e, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
+        act.stride(0), stride_se, stride_sn,
         BLOCK_M=routing.block_m, BLOCK_N=tiles.block_n, DOT_F32=dot_f32, **mode, ROW_SCALE=x_scale is not None,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
@@ -284,7 +285,8 @@ def launch_down(act: torch.Tensor, w_down: torch.Tensor, out: torch.Tensor, weig
     mode, (s, stride_se, stride_sn) = _scale_args(w_down, scale, group, tiles)
     _down[grid](
         act, w_down, out, weights, routing.order, routing.start, routing.count, routing.tile_expert,
-        routing.tile_start, s, s if act_scale is None else act_scale, h, inter, e, act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
+        routing.tile_start, s, s if act_scale is None else act_scale, h, inter, e, act.stride(0), w_down.stride(0),
+        w_down.stride(1), out.stride(0),
         stride_se, stride_sn,
         BLOCK_M=routing.block_m, BLOCK_N=tiles.block_n, DOT_F32=dot_f32, **mode, ROW_SCALE=act_scale is not None,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)

@@ -232,13 +232,47 @@ def test_products_by_row_count_layer_width_and_device():
     bf16, gpu = torch.bfloat16, dict(cuda=True, per_channel=True, fp8_tensor_cores=True)
     assert choose_product(1, 4096, 4096, bf16, **gpu) == "streamed-w8a16"                  # narrow: o, down
     assert choose_product(1, 4096, 24576, bf16, **gpu) == "streamed-w8a8"                   # wide: gate_up
+    assert choose_product(WIDENED_MAX_ROWS, 4096, 4096, bf16, **gpu) == "streamed-w8a16"      # the boundaries
     assert choose_product(WIDENED_MAX_ROWS + 1, 4096, 4096, bf16, **gpu) == "streamed-w8a8"
+    assert choose_product(1, 4096, 8192, bf16, **gpu) == "streamed-w8a8"                    # twice as wide
+    assert choose_product(1, 4096, 8176, bf16, **gpu) == "streamed-w8a16"
     assert choose_product(STREAMED_MAX_ROWS, 4096, 4096, bf16, **gpu) == "streamed-w8a8"
     assert choose_product(STREAMED_MAX_ROWS + 1, 4096, 4096, bf16, **gpu) == "scaled-mm"
     assert choose_product(STREAMED_MAX_ROWS + 1, 4096, 4100, bf16, **gpu) == "dequantized"  # not whole MMA tiles
     assert choose_product(40, 4096, 24576, torch.float16, **gpu) == "streamed-w8a16"
-    no_fp8 = dict(gpu, fp8_tensor_cores=False)   # e.g. an A100: the codes are widened, prefill dequantises
-    assert choose_product(1, 4096, 24576, bf16, **no_fp8) == "streamed-w8a16"
+    no_fp8 = dict(gpu, fp8_tensor_cores=False)   # e.g. an A100: no E4M3 in Triton there, so no streamed product
+    assert choose_product(1, 4096, 24576, bf16, **no_fp8) == "dequantized"
     assert choose_product(STREAMED_MAX_ROWS + 1, 4096, 4096, bf16, **no_fp8) == "dequantized"
     assert choose_product(1, 4096, 4096, bf16, **dict(gpu, per_channel=False)) == "dequantized"  # block scales
     assert choose_product(1, 4096, 4096, bf16, cuda=False, per_channel=True, fp8_tensor_cores=False) == "dequantized"
+
+
+def test_the_layer_quantises_rows_only_for_the_w8a8_product(monkeypatch):
+    """``Fp8Linear.forward`` hands the streamed product bf16 rows (W8A16) or E4M3 rows with their scales (W8A8),
+    as ``choose_product`` says (the CPU never reaches these branches on its own)."""
+    import metronome.models.fp8 as fp8
+    import metronome.models.fp8_triton as fp8_triton
+
+    layer = fp8.Fp8Linear.from_linear(torch.nn.Linear(64, 32, bias=False)).to(torch.bfloat16)
+    seen = []
+
+    def product(x, codes, scale, bias, *, x_scale=None, out_dtype=None, split_k=None):
+        seen.append((x.dtype, x_scale is not None, out_dtype))
+        return torch.zeros(x.shape[0], codes.shape[0], dtype=out_dtype)
+
+    monkeypatch.setattr(fp8_triton, "fp8_weight_linear", product)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    for chosen, expected in (("streamed-w8a16", (torch.bfloat16, False)), ("streamed-w8a8", (fp8.E4M3, True))):
+        monkeypatch.setattr(fp8, "choose_product", lambda *a, chosen=chosen, **k: chosen)
+        assert layer(x).shape == (3, 32)
+        assert seen.pop() == (*expected, torch.bfloat16)
+
+
+def test_fp8_is_refused_at_start_on_a_gpu_without_e4m3(monkeypatch):
+    import metronome.models.fp8 as fp8
+    from metronome.errors import ConfigError
+
+    monkeypatch.setattr(fp8, "_capability", lambda index: (8, 0))
+    with pytest.raises(ConfigError, match="compute capability 8.9"):
+        fp8.check_fp8_device(torch.device("cuda", 0))
+    fp8.check_fp8_device(torch.device("cpu"))   # the CPU dequantises

@@ -97,6 +97,21 @@ def test_weight_only_product_against_float64(rows, dtype, with_bias, split_k, k,
     assert ((got.cpu().double() - want).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("split_k", [1, 2, 3])
+@pytest.mark.parametrize("k,n", [(1000, 80), (700, 80), (256, 80), (300, 128)])
+def test_uneven_splits_and_tiles_whole_in_one_dimension_only(split_k, k, n):
+    """Splits of several reduction steps each, the last one shorter (down's 148 steps in 8 splits are 19 and 15),
+    and shapes whole in K but not N or the other way round (the kernels' unmasked fast path must not be taken)."""
+    g = torch.Generator().manual_seed(k + n)
+    weight = torch.randn(n, k, generator=g) * 0.05
+    codes, scale = fp8.quantize(weight)
+    x = torch.randn(5, k, generator=g)
+    got = fp8_weight_linear(x.to(DEVICE), codes.to(DEVICE), scale.to(DEVICE), None, split_k=split_k).cpu().double()
+    w = codes.double() * scale.double()
+    want = x.double() @ w.T
+    assert ((got - want).abs() <= 2 ** -20 * want.abs() + 1e-5 * (x.double().abs() @ w.abs().T) + 1e-6).all()
+
+
 @pytest.mark.parametrize("rows", [1, 37])
 @pytest.mark.parametrize("split_k", [1, 3])
 def test_fp8_activation_product_rounds_each_row_onto_e4m3(rows, split_k):
