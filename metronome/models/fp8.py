@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 
 import torch
@@ -121,19 +122,27 @@ def _tensor_core_dims(in_features: int, out_features: int) -> bool:
     return in_features % 16 == 0 and out_features % 16 == 0
 
 
+class Product(str, Enum):
+    """How an FP8 layer multiplies (``choose_product``)."""
+
+    STREAMED_W8A16 = "streamed-w8a16"   # the Triton product, the codes widened to the activations' dtype
+    STREAMED_W8A8 = "streamed-w8a8"     # the Triton product, the rows rounded onto E4M3 (FP8 tensor cores)
+    SCALED_MM = "scaled-mm"             # cuBLAS's FP8 GEMM, the rows rounded onto E4M3
+    DEQUANTIZED = "dequantized"         # the weight dequantised for an ordinary product
+
+
 def choose_product(rows: int, in_features: int, out_features: int, dtype: torch.dtype, *, cuda: bool,
-                   per_channel: bool, fp8_tensor_cores: bool) -> str:
-    """How an FP8 layer multiplies ``rows`` rows: ``"streamed-w8a16"`` / ``"streamed-w8a8"`` (the Triton product,
-    activations widened-to or rounded-onto E4M3), ``"scaled-mm"`` (cuBLAS's FP8 GEMM) or ``"dequantized"``."""
+                   per_channel: bool, fp8_tensor_cores: bool) -> Product:
+    """How an FP8 layer multiplies ``rows`` rows."""
     if cuda and per_channel and fp8_tensor_cores and rows <= STREAMED_MAX_ROWS:
         wide = out_features >= 2 * in_features
         if dtype == torch.bfloat16 and (rows > WIDENED_MAX_ROWS or wide):
-            return "streamed-w8a8"
-        return "streamed-w8a16"
+            return Product.STREAMED_W8A8
+        return Product.STREAMED_W8A16
     if (cuda and per_channel and fp8_tensor_cores and dtype == torch.bfloat16
             and _tensor_core_dims(in_features, out_features)):
-        return "scaled-mm"
-    return "dequantized"
+        return Product.SCALED_MM
+    return Product.DEQUANTIZED
 
 
 class Fp8Linear(nn.Module):
@@ -185,17 +194,17 @@ class Fp8Linear(nn.Module):
         product = choose_product(rows, self.in_features, self.out_features, x.dtype, cuda=self.weight.is_cuda,
                                  per_channel=self.weight_scale.shape[1] == 1,
                                  fp8_tensor_cores=self.weight.is_cuda and scaled_mm_available(self.weight.device))
-        if product in ("streamed-w8a16", "streamed-w8a8"):
+        if product in (Product.STREAMED_W8A16, Product.STREAMED_W8A8):
             from metronome.models.fp8_triton import fp8_weight_linear
 
             rows_in = x.reshape(-1, self.in_features)
             x_scale = None
-            if product == "streamed-w8a8":
+            if product == Product.STREAMED_W8A8:
                 rows_in, x_scale = quantize_rows(rows_in)
             out = fp8_weight_linear(rows_in, self.weight, self.weight_scale, self.bias, x_scale=x_scale,
                                     out_dtype=x.dtype)
             return out.reshape(*x.shape[:-1], self.out_features)
-        if product == "scaled-mm":
+        if product == Product.SCALED_MM:
             out = fp8_matmul(x.reshape(-1, self.in_features), self.weight, self.weight_scale)
             out = out.reshape(*x.shape[:-1], self.out_features)
             return out if self.bias is None else out.add_(self.bias)
