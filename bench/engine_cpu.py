@@ -23,8 +23,10 @@ Arms (``--arms``, any of these):
   N sessions per token (one ``DynamicCache``; the sessions have equal lengths, so no padding is needed):
   the 27-token prefill, then 24 single-token forwards.
 
-N grows through ``--sessions``, every arm at each N in turn (on a shared machine they see the same load), an
-arm leaving once its median tick passes ``--cap-factor`` x B; then each arm's largest N within B is found by bisection between the last N within B and the first beyond it (``--no-refine`` skips).
+Each arm runs in a process of its own, the arms taking turns. N grows through ``--sessions``, every arm at
+each N in turn (on a shared machine they see the same load), an arm leaving once its median tick passes
+``--cap-factor`` x B; then each arm's largest N within B is found by bisection between the last N within B
+and the first beyond it (``--no-refine`` skips).
 The targets (capacity at B = 2 s of Metronome in the dtype ``dtype="auto"`` picks on this CPU: >= 24 sessions,
 >= 3x transformers float32, >= 1.5x transformers bfloat16; its tick at N = 8 >= 2x faster than transformers
 float32) are stated for CPUs with native bf16; elsewhere the table says how close float32 gets.
@@ -41,6 +43,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import multiprocessing as mp
 import os
 import platform
 import statistics
@@ -203,16 +206,60 @@ def run_point(arm, n: int, args) -> dict:
             "within_budget": median <= args.budget_ms}
 
 
+def serve_arm(name: str, checkpoints: dict, args, conn) -> None:
+    """A child process's loop: build one arm, then run each N the parent sends until it sends None."""
+    torch.set_num_threads(args.threads or usable_cores())
+    arm = build_arm(name, checkpoints, args)
+    conn.send("ready")
+    while (n := conn.recv()) is not None:
+        try:
+            conn.send(run_point(arm, n, args))
+        except Exception as exc:   # the parent raises it, with the arm's name
+            conn.send(RuntimeError(f"{name} at N = {n}: {exc!r}"))
+
+
+class ArmProcess:
+    """One arm in a process of its own: with the other arms loaded in one process, Metronome's bf16 tick was up
+    to a quarter slower than alone (docs/benchmarks/cpu.md); apart, every arm runs as it would alone."""
+
+    def __init__(self, name: str, checkpoints: dict, args) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=serve_arm, args=(name, checkpoints, args, child), daemon=True)
+        self.process.start()
+        child.close()   # so that a child's death reads as the end of the pipe here
+        self._answer()   # "ready": the arms take turns from the first point on, none loading beside another
+
+    def _answer(self):
+        try:
+            answer = self.conn.recv()
+        except EOFError:
+            self.process.join()
+            raise RuntimeError(f"arm process exited with code {self.process.exitcode}") from None
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def point(self, n: int) -> dict:
+        self.conn.send(n)
+        return self._answer()
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            self.conn.send(None)
+        self.process.join(timeout=30)
+
+
 class Sweep:
     """One arm's points, kept in ``saved`` (its entry in the results) and written out after each."""
 
-    def __init__(self, name: str, arm, args, saved: dict, save) -> None:
+    def __init__(self, name: str, arm: ArmProcess, args, saved: dict, save) -> None:
         self.name, self.arm, self.args, self.saved, self.save = name, arm, args, saved, save
         self.points: dict[int, dict] = {}
         self.done = False
 
     def probe(self, n: int) -> dict:
-        p = self.points[n] = run_point(self.arm, n, self.args)
+        p = self.points[n] = self.arm.point(n)
         self.saved.update(points=[self.points[k] for k in sorted(self.points)], capacity=None,
                           capacity_lower_bound=None)
         self.save()
@@ -528,8 +575,15 @@ def main(argv=None) -> int:
                 save()
             print(json.dumps(results["profiles"], indent=1))
             return 0
-        sweep([Sweep(name, build_arm(name, checkpoints, args), args, results["runs"].setdefault(name, {}), save)
-               for name in args.arm_list], args.session_list)
+        arms = {}
+        try:
+            for name in args.arm_list:
+                arms[name] = ArmProcess(name, checkpoints, args)
+            sweep([Sweep(name, arm, args, results["runs"].setdefault(name, {}), save)
+                   for name, arm in arms.items()], args.session_list)
+        finally:
+            for arm in arms.values():
+                arm.close()
         results["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
         save()
     report(results)

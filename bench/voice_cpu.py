@@ -42,6 +42,7 @@ import numpy as np
 
 from metronome.audio.pcm import decode_pcm16, encode_pcm16, resample
 from metronome.audio.registry import default_budget_ms
+from metronome.cpu import auto_dtype
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "metronome" / "audio" / "samples"
@@ -212,7 +213,7 @@ def run_n(n: int, args, clips, logdir: Path) -> dict:
     port, worker_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "metronome", "--log-level", args.log_level, "serve", "--model", "smollm2-135m",
            "--voice", args.voice, "--port", str(port), "--worker-port", str(worker_port),
-           "--budget-ms", str(args.budget_ms), "--tokens-per-tick", str(args.tokens_per_tick),
+           "--budget-ms", str(args.budget_ms), "--dtype", args.dtype, "--tokens-per-tick", str(args.tokens_per_tick),
            "--initial-cap", str(n + 2), "--target", "1.0", "--idle-timeout-s", "0",
            "--cpu-attention", args.cpu_attention, "--cpu-linear", args.cpu_linear,
            "--cpu-elementwise", args.cpu_elementwise]
@@ -269,7 +270,10 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=type(
         "Formatter", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter), {}))
     p.add_argument("sessions", nargs="*", type=int, default=[1, 8, 16], help="session counts N")
-    p.add_argument("--budget-ms", type=float, default=default_budget_ms("cascade"), help="frame budget B")
+    p.add_argument("--budget-ms", type=float, default=None,
+                   help="frame budget B [default: the cascade's on this engine, as metronome serve picks it]")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="the worker's engine dtype (metronome serve --dtype)")
     p.add_argument("--tokens-per-tick", type=int, default=25,
                    help="decode tokens per session per tick the gateway asks (serve's default; the cascade caps it)")
     p.add_argument("--cycle-s", type=float, default=10.0, help="seconds between one session's questions")
@@ -286,12 +290,16 @@ def main(argv=None) -> dict:
     p.add_argument("--log-level", default="info", help="the server's (its log goes beside --out)")
     p.add_argument("--out", default="results/voice_cpu.json", help="raw JSON")
     args = p.parse_args(argv)
+    if args.budget_ms is None:
+        args.budget_ms = default_budget_ms("cascade", device="cpu", dtype=args.dtype)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     clips = speech_clips()
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor())
-    results = {"benchmark": "voice_cpu", "budget_ms": args.budget_ms, "tokens_per_tick": args.tokens_per_tick,
+    results = {"benchmark": "voice_cpu", "budget_ms": args.budget_ms, "dtype": args.dtype,
+               "engine_dtype": auto_dtype("cpu") if args.dtype == "auto" else args.dtype,
+               "tokens_per_tick": args.tokens_per_tick,
                "cycle_s": args.cycle_s, "questions_per_session": args.questions, "voice": args.voice,
                "cpu": cpu, "cpus_usable": len(os.sched_getaffinity(0)), "platform": platform.platform(),
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": []}

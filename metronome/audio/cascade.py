@@ -92,7 +92,7 @@ SPEECH_TOKENS_PER_S = 6   # fast speech (~200 words/min) in SmolLM2 tokens, with
 ENDPOINT_SILENCE_MS = 300
 # Answer tokens decoded per second of ticks at most, whatever a client asks per tick: twice the rate speech
 # is spoken at (~15 characters, ~4 SmolLM2 tokens a second), so speech never waits for text, and a short B
-# gets a short tick (at 500 ms: 4 tokens).
+# gets a short tick (at 250 ms: 2 tokens).
 ANSWER_TOKENS_PER_S = 8
 
 __all__ = ["ANSWER_TOKENS_PER_S", "CascadeAdapter", "ENDPOINT_SILENCE_MS", "clean_transcript", "speech_out"]
@@ -139,7 +139,8 @@ class CascadeAdapter(InteractionAdapter):
     error and the session is left as it was). ``max_response_tokens`` caps one turn-mode answer.
     ``speech``: a ``SpeechSynthesizer`` to speak the answers at ``speech_rate`` Hz (None: text only).
     ``max_tokens_per_tick``: at most this many answer tokens a tick, whatever the client asks (None: no
-    cap; the worker builds it from B and ``ANSWER_TOKENS_PER_S``).
+    cap; the worker builds it from B and ``ANSWER_TOKENS_PER_S``); a spoken answer's first tick may decode
+    its first speech piece whole (``CutPolicy.first_words`` + 1 tokens).
     """
 
     name = "cascade"
@@ -254,6 +255,10 @@ class CascadeAdapter(InteractionAdapter):
             if self.speech is not None:
                 self._steer_speech(state, new, tick, transcript, barge_in)
             cap = self.max_tokens_per_tick
+            if cap is not None and self.speech is not None and new.responding and not new.response_tokens:
+                # The answer's first tick decodes the speech's whole first piece (its words, and the next token,
+                # which shows the last word is whole): otherwise the first audio waits for one tick more.
+                cap = max(cap, self.speech.policy.first_words + 1)
             asked = tick.max_tokens if cap is None else min(tick.max_tokens, cap)
             max_new, stops, ends = decode_budget(new, asked, self._response_cap(tick), self.stop_token_ids)
             out[i] = PreparedInput(token_ids=tokens or None, max_new_tokens=max_new, stop_token_ids=stops,

@@ -78,7 +78,8 @@ def _voice_args(p: argparse.ArgumentParser) -> None:
 
 def _budget_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-ms", type=float, default=None,
-                   help="frame budget B per tick (None: the adapter's own; a gateway adopts its workers')")
+                   help="frame budget B per tick (None: the adapter's own on this engine; a gateway adopts its "
+                        "workers')")
 
 
 def _gateway_args(p: argparse.ArgumentParser) -> None:
@@ -169,7 +170,7 @@ def _gateway_config(args: argparse.Namespace, workers: tuple[str, ...], model_na
 def _resolve(args: argparse.Namespace) -> None:
     """Fill in ``args.adapter`` ('auto') from the checkpoint; ``args.budget_ms`` stays None unless given
     (the worker takes its adapter's B, the gateway the workers')."""
-    args.adapter, _ = resolve_adapter(args.model, args.adapter, args.budget_ms)
+    args.adapter = resolve_adapter(args.model, args.adapter)
 
 
 def run_worker_cmd(args: argparse.Namespace) -> int:

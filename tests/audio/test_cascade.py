@@ -242,6 +242,29 @@ def test_an_answer_is_capped_and_typed_text_is_a_turn_too(engine, adapter):
         capped.shutdown()
 
 
+@pytest.mark.parametrize("spoken", [False, True])
+def test_a_spoken_answers_first_tick_decodes_its_first_speech_piece_whole(engine, adapter, spoken):
+    """Two tokens a tick (B = 250 ms): the first tick of a spoken answer decodes the first piece's three words
+    and the token after them; later ticks, and text-only answers, keep the cap."""
+    from metronome.audio.tts import SpeechSynthesizer, load_voice
+
+    speech = SpeechSynthesizer(load_voice("espeak")) if spoken else None
+    paced = CascadeAdapter(engine.tokenizer, vad=adapter.vad, asr=adapter.asr, speech=speech, max_tokens_per_tick=2)
+    c = Conversation(engine, paced, f"paced-{spoken}", tokens=25)
+    try:
+        first = speech.policy.first_words + 1 if spoken else 2
+        p, o = c.tick(text="Tell me a long story about a dragon.", new_turn=True)
+        assert p.max_new_tokens == first and len(o.token_ids) == first
+        for _ in range(2):
+            p, o = c.tick()
+            assert p.max_new_tokens == 2 and len(o.token_ids) == 2
+    finally:
+        c.close()
+        paced.shutdown()
+        if speech is not None:
+            speech.close()
+
+
 def test_typed_text_waits_for_response_create(conv):
     """conversation.item.create adds a user turn; as in OpenAI's API only response.create answers it."""
     c = conv(tokens=2)

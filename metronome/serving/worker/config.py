@@ -17,7 +17,7 @@ from metronome.errors import ConfigError
 class WorkerConfig:
     """Everything a worker needs: the engine's config, the adapter, the frame budget and the address.
 
-    ``budget_ms=None`` takes the adapter's own B (its record in ``audio/registry.py``); the worker
+    ``budget_ms=None`` takes the adapter's own B on this engine (``audio/registry.py``); the worker
     reports it in Health, and gateways adopt it or refuse a worker whose B differs from theirs.
     ``port=0`` binds an ephemeral port (``WorkerServer.port`` says which). ``max_input_tokens``
     bounds one session's input per tick (see "Chunking" in ``tick.py``); ``None`` picks
@@ -46,7 +46,8 @@ class WorkerConfig:
         if self.adapter not in RECORDS:
             raise ConfigError(f"adapter must be one of {tuple(RECORDS)}, got {self.adapter!r}")
         if self.budget_ms is None:
-            object.__setattr__(self, "budget_ms", default_budget_ms(self.adapter))
+            object.__setattr__(self, "budget_ms", default_budget_ms(self.adapter, device=self.engine.device,
+                                                                    dtype=self.engine.dtype))
         if self.budget_ms <= 0:
             raise ConfigError(f"budget_ms must be > 0, got {self.budget_ms}")
         chunk = self.engine.max_chunk_tokens
