@@ -190,6 +190,11 @@ class InteractionAdapter(ABC):
         """Is the session's answer still being spoken? Its response stays open until the speech ends."""
         return False
 
+    def on_speech_ready(self, notify: Callable[[], None]) -> None:
+        """Call ``notify`` (from any thread; it must not block) whenever a session's speech becomes ready
+        between ticks, so the worker can send it at once (``take_spoken`` on the engine thread). Adapters whose
+        audio is made in the tick itself ignore it."""
+
     def resolve_mode(self, mode: str) -> str:
         """``mode`` or the default; ``ValueError`` if this adapter does not support it."""
         mode = mode or self.default_mode

@@ -70,7 +70,7 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from metronome.audio.adapter import AdapterContext, InteractionAdapter, PreparedInput, TickAudio, TurnDetection
 from metronome.audio.chat import ChatTemplate
@@ -181,6 +181,7 @@ class CascadeAdapter(InteractionAdapter):
         self.frontend = SpeechFrontend(self.vad, asr, vad_config=self.vad_config)
         self._sessions: dict[str, _Session] = {}
         self.speech = speech
+        self._speech_ready: Callable[[], None] | None = None
         if speech is not None:
             self.output_sample_rate = speech_rate or speech.output_rate
 
@@ -385,7 +386,7 @@ class CascadeAdapter(InteractionAdapter):
         elif new.speech is not None and old.responding and not new.responding:
             new.speech.finish()
         if user_turn:
-            new.speech = self.speech.open(self.output_sample_rate)
+            new.speech = self.speech.open(self.output_sample_rate, on_ready=self._speech_ready)
 
     def take_speech(self, session_id: str) -> list[SpeechChunk]:
         """The answer's pieces whose audio is ready now, in order, each with the text it says (for
@@ -410,6 +411,9 @@ class CascadeAdapter(InteractionAdapter):
     def speaking(self, session_id: str) -> bool:
         state = self._sessions.get(session_id)
         return state is not None and state.speech is not None
+
+    def on_speech_ready(self, notify: Callable[[], None]) -> None:
+        self._speech_ready = notify   # answers opened from now on call it from the synthesis thread
 
     # ------------------------------------------------------------------ introspection (tests, metrics)
     def session_state(self, session_id: str) -> dict:

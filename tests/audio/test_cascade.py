@@ -8,6 +8,8 @@ gateway are left out here (``tests/serving/test_cascade_gateway.py`` covers them
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -245,11 +247,14 @@ def test_an_answer_is_capped_and_typed_text_is_a_turn_too(engine, adapter):
 @pytest.mark.parametrize("spoken", [False, True])
 def test_a_spoken_answers_first_tick_decodes_its_first_speech_piece_whole(engine, adapter, spoken):
     """Two tokens a tick (B = 250 ms): the first tick of a spoken answer decodes the first piece's three words
-    and the token after them; later ticks, and text-only answers, keep the cap."""
+    and the token after them; later ticks, and text-only answers, keep the cap. The worker is told when speech
+    is ready between ticks."""
     from metronome.audio.tts import SpeechSynthesizer, load_voice
 
     speech = SpeechSynthesizer(load_voice("espeak")) if spoken else None
     paced = CascadeAdapter(engine.tokenizer, vad=adapter.vad, asr=adapter.asr, speech=speech, max_tokens_per_tick=2)
+    ready = threading.Event()
+    paced.on_speech_ready(ready.set)   # the worker's hook: speech finished between ticks goes out at once
     c = Conversation(engine, paced, f"paced-{spoken}", tokens=25)
     try:
         first = speech.policy.first_words + 1 if spoken else 2
@@ -258,6 +263,8 @@ def test_a_spoken_answers_first_tick_decodes_its_first_speech_piece_whole(engine
         for _ in range(2):
             p, o = c.tick()
             assert p.max_new_tokens == 2 and len(o.token_ids) == 2
+        if spoken:   # the synthesis thread said when the first piece was ready; it is there to take
+            assert ready.wait(30) and paced.take_spoken(c.sid)[0]
     finally:
         c.close()
         paced.shutdown()

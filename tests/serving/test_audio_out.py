@@ -3,7 +3,10 @@ client as ``response.output_audio.delta`` (the path Moshi uses), over real gRPC 
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import itertools
+import threading
 
 import aiohttp
 import numpy as np
@@ -118,5 +121,94 @@ async def test_failing_adapter_heads_are_reported_on_their_sessions_only(chat_ch
         out = {o.sid: o for o in response.outputs}
         assert "output heads failed" in out["heads-1"].error and "out of memory" in out["heads-1"].error
         assert not out["plain-1"].error
+    finally:
+        await worker.stop()
+
+
+class SpeaksBetweenTicks(HiddenToAudio):
+    """One answer token, then speech finished between ticks, as the cascade's synthesis thread finishes it: the
+    audio is made ready on another thread once the answer's tick has handed out what it had. The tick after
+    waits until the client has that audio (at most 30 s, then it notes that it waited out)."""
+
+    name = "speaks-between-ticks"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.notify = None
+        self.ticks = 0
+        self.tick_took = threading.Event()
+        self.client_has_audio = threading.Event()
+        self.waited_out = False
+        self.lock = threading.Lock()
+        self.ready: dict[str, bytes] = {}
+        self.speaking_sids: set[str] = set()
+
+    def on_speech_ready(self, notify):
+        self.notify = notify
+
+    def prepare(self, batch):
+        self.ticks += 1
+        if self.ticks == 1:
+            return [PreparedInput(token_ids=list(PROMPT), max_new_tokens=1, ends_response=True) for _ in batch]
+        if self.ticks == 2:
+            self.waited_out = not self.client_has_audio.wait(30)
+        return [PreparedInput() for _ in batch]
+
+    def on_output(self, session_id, token_ids, finished):
+        if token_ids:   # the answer: its speech is made on another thread
+            self.speaking_sids.add(session_id)
+            threading.Thread(target=self._speak, args=(session_id,)).start()
+        return "Hi." if token_ids else ""
+
+    def _speak(self, session_id):
+        self.tick_took.wait(30)
+        with self.lock:
+            self.ready[session_id] = b"\x01\x02" * 240
+        self.notify()
+
+    def take_spoken(self, session_id):
+        with self.lock:
+            audio = self.ready.pop(session_id, b"")
+        self.tick_took.set()
+        if audio:
+            self.speaking_sids.discard(session_id)
+        return audio, "Hi." if audio else ""
+
+    def speaking(self, session_id):
+        return session_id in self.speaking_sids
+
+
+async def test_speech_finished_between_ticks_reaches_the_client_before_the_next_tick(chat_checkpoint):
+    """The answer's audio, finished after its tick, reaches the client while the next tick waits for it (it
+    does not wait for that tick); the answer then ends in one response, its audio before response.done."""
+    engine = Engine(engine_config(chat_checkpoint))
+    adapter = SpeaksBetweenTicks()
+    worker = await serve_worker(WorkerConfig(engine_config(chat_checkpoint), budget_ms=BUDGET_MS, port=0),
+                                engine=engine, adapter=adapter)
+    try:
+        async with running_gateway([worker]) as (_, addr), aiohttp.ClientSession() as http:
+            async with http.ws_connect(f"ws://{addr}/v1/realtime") as ws:
+                await recv_until(ws, of_type("session.created"))
+
+                async def talk():   # audio keeps streaming, as a microphone's does
+                    for chunk in itertools.cycle(chunks(tone(0.2))):
+                        await ws.send_json({"type": "input_audio_buffer.append", "audio": chunk})
+                        await asyncio.sleep(0.02)
+
+                talking = asyncio.ensure_future(talk())
+                try:
+                    events = await recv_until(ws, of_type("response.output_audio.delta"), timeout=20)
+                    adapter.client_has_audio.set()
+                    events += await recv_until(ws, of_type("response.done"), timeout=20)
+                finally:
+                    talking.cancel()
+        assert not adapter.waited_out
+        kinds = [e["type"] for e in events if e["type"].startswith("response.")]
+        assert kinds.count("response.created") == 1 and kinds.count("response.output_audio.delta") == 1
+        assert kinds.index("response.output_text.delta") < kinds.index("response.output_audio.delta") \
+            < kinds.index("response.done")
+        delta = next(e for e in events if e["type"] == "response.output_audio.delta")
+        assert base64.b64decode(delta["delta"]) == b"\x01\x02" * 240 and delta["sample_rate"] == 24000
+        assert events[-1]["response"]["status"] == "completed"
     finally:
         await worker.stop()

@@ -406,7 +406,8 @@ class RecordingWorker(pb_grpc.WorkerServicer):
                 for sid, n in streamed.items():
                     if any(inp.sid == sid for inp in message.sessions):   # unnamed: dropped, as the worker does
                         self.streamed_audio[sid] = self.streamed_audio.get(sid, 0) + n
-                return await self.Step(message, context)
+                await context.write(await self.Step(message, context))
+                return
             if self.fail_streams:
                 await context.abort(self.fail_streams.pop(0), "injected mid-tick")
             for inp in message.sessions:
@@ -588,7 +589,7 @@ def small_step_pool(sessions: int) -> tuple[GatewayConfig, WorkerPool, list[Clie
     """A pool whose last message holds 1.3 MB, and sessions that may buffer 500 kB of text a tick."""
     config = GatewayConfig(port=0, max_text_bytes_per_tick=500_000, max_buffered_audio_s=1.0,
                            max_step_bytes=1_300_000)
-    pool = WorkerPool(config, GatewayMetrics(config.budget_ms), lambda *a: None, lambda *a: None)
+    pool = WorkerPool(config, GatewayMetrics(config.budget_ms), lambda *a: None, lambda *a: None, lambda *a: None)
     return config, pool, [ClientSession(f"s{i}", "w", Quiet(), max_buffered_audio_s=1.0, max_messages_per_s=50.0,
                                         max_text_bytes=500_000) for i in range(sessions)]
 
@@ -727,6 +728,62 @@ async def test_a_worker_without_stream_step_gets_one_step_a_tick():
             client.close()
     finally:
         await old.server.stop(0)
+
+
+class SpeechAheadWorker(RecordingWorker):
+    """Answers its first tick with text, held back until the next tick's stream has sent that answer's speech
+    ahead (``speech_only``, at its first message): a gateway that handed speech out as it came would have it
+    before the answer it belongs to."""
+
+    SPEECH = b"\x01\x02" * 240
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.streams = 0
+        self.speech_sent = asyncio.Event()
+
+    async def StreamStep(self, request_iterator, context):
+        self.streams += 1
+        stream, last = self.streams, None
+        async for message in request_iterator:
+            if stream == 2 and not self.speech_sent.is_set():
+                await context.write(pb.StepResponse(speech_only=True, outputs=[
+                    pb.SessionOutput(sid=inp.sid, audio_pcm16=self.SPEECH, audio_sample_rate=24000,
+                                     audio_transcript="Hi.") for inp in message.sessions]))
+                self.speech_sent.set()
+            last = message
+        if stream == 1:
+            await self.speech_sent.wait()
+        await context.write(pb.StepResponse(outputs=[
+            pb.SessionOutput(sid=inp.sid, tokens=[1] if stream == 1 else [], text="Hi." if stream == 1 else "",
+                             finished=stream == 2) for inp in last.sessions]))
+
+
+async def test_speech_sent_ahead_of_a_tick_is_handed_out_after_the_tick_before():
+    worker = await serve_recording(SpeechAheadWorker())
+    try:
+        async with running_gateway([worker]) as (gateway, addr), aiohttp.ClientSession() as http:
+            async with http.ws_connect(f"ws://{addr}/v1/realtime") as ws:
+                await recv_until(ws, of_type("session.created"))
+
+                async def talk():   # audio keeps streaming, so each tick's stream opens before its last message
+                    for chunk in chunks(tone(5.0)):
+                        await ws.send_json({"type": "input_audio_buffer.append", "audio": chunk})
+                        await asyncio.sleep(0.02)
+
+                talking = asyncio.ensure_future(talk())
+                try:
+                    events = await recv_until(ws, of_type("response.done"), timeout=20)
+                finally:
+                    talking.cancel()
+        kinds = [e["type"] for e in events if e["type"].startswith("response.")]
+        assert kinds.index("response.output_text.delta") < kinds.index("response.output_audio.delta") \
+            < kinds.index("response.done")
+        delta = next(e for e in events if e["type"] == "response.output_audio.delta")
+        assert base64.b64decode(delta["delta"]) == SpeechAheadWorker.SPEECH
+        assert [e["delta"] for e in events if e["type"] == "response.output_audio_transcript.delta"] == ["Hi."]
+    finally:
+        await worker.server.stop(0)
 
 
 async def test_an_exception_in_a_tick_fails_that_tick_and_the_ticker_goes_on(recording, monkeypatch):

@@ -22,6 +22,7 @@ from metronome.errors import ConfigError
 from metronome.serving.proto import worker_pb2 as pb
 from metronome.serving.proto import worker_pb2_grpc
 from metronome.serving.worker import WorkerConfig, adapter_context, serve_worker
+from tests.serving.stream_step import answers, tick_answer
 
 POLICY = KVPolicy(sinks=4, window=64, block_size=16)
 CHUNK = 64
@@ -208,7 +209,7 @@ async def stream_step(stub, *messages: pb.StepRequest) -> pb.StepResponse:
         for message in messages:
             yield message
 
-    return await stub.StreamStep(requests())
+    return await tick_answer(stub.StreamStep(requests()))
 
 
 async def test_a_streamed_tick_is_the_step_of_its_joined_input(stub):
@@ -300,12 +301,12 @@ async def test_streamed_audio_is_heard_before_the_tick_and_after_the_previous_ti
                 while (message := await queue.get()) is not None:
                     yield message
 
-            ticks = [asyncio.ensure_future(stub.StreamStep(messages(q))) for q in queues[:1]]
+            ticks = [asyncio.ensure_future(tick_answer(stub.StreamStep(messages(q)))) for q in queues[:1]]
             await queues[0].put(pb.StepRequest(sessions=[
                 pb.SessionInput(sid="s", audio_pcm16=pcm(tone(0.1)), sample_rate=16000)]))
             await until(lambda: ("hear", "s", 1600, False) in adapter.calls)   # the tick is still open
             assert not any(call[0] == "prepare" for call in adapter.calls)
-            ticks.append(asyncio.ensure_future(stub.StreamStep(messages(queues[1]))))
+            ticks.append(asyncio.ensure_future(tick_answer(stub.StreamStep(messages(queues[1])))))
             await queues[1].put(pb.StepRequest(sessions=[
                 pb.SessionInput(sid="s", audio_pcm16=pcm(tone(0.2)), sample_rate=16000, text="later")]))
             await received.wait()                                               # the worker has it, unheard
@@ -318,6 +319,95 @@ async def test_streamed_audio_is_heard_before_the_tick_and_after_the_previous_ti
             assert not by_sid(first)["s"].error and not by_sid(second)["s"].error
             assert adapter.calls == [("hear", "s", 1600, False), ("hear", "s", 0, False), ("prepare", ("s",)),
                                      ("hear", "s", 3200, False), ("hear", "s", 0, False), ("prepare", ("s",))]
+    finally:
+        await handle.stop(0)
+
+
+class SpeakingEnergyAdapter(EnergyTokenAdapter):
+    """The energy adapter with speech that is finished between ticks, as the cascade's synthesis thread does:
+    ``say`` (from any thread) makes a session's audio ready and tells the worker."""
+
+    output_sample_rate = 24000
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.ready: dict[str, list[bytes]] = {}
+        self.lock = threading.Lock()
+        self.notify = None
+        self.calls: list[tuple] = []   # ("take", sid, bytes) for speech handed out, ("prepare", sids), in order
+
+    def on_speech_ready(self, notify):
+        self.notify = notify
+
+    def say(self, session_id: str, audio: bytes) -> None:
+        with self.lock:
+            self.ready.setdefault(session_id, []).append(audio)
+        self.notify()
+
+    def take_spoken(self, session_id):
+        with self.lock:
+            audio = b"".join(self.ready.pop(session_id, []))
+        if audio:
+            self.calls.append(("take", session_id, len(audio)))
+        return audio, "words" if audio else ""
+
+    def prepare(self, batch):
+        self.calls.append(("prepare", tuple(t.session_id for t in batch)))
+        return super().prepare(batch)
+
+
+async def test_speech_finished_between_ticks_goes_out_at_once_after_the_previous_tick(engine, chat_checkpoint):
+    """Speech ready between ticks goes out on the open stream at once, ahead of the tick's own answer, for the
+    sessions the stream carries input for (another session's waits for its tick); a gateway's next stream, here
+    opened before this tick's last message, takes speech only once this tick is queued on the engine thread, so
+    it follows this tick's answer. The tick never hands the same audio out again."""
+    cfg = config(chat_checkpoint)
+    adapter = SpeakingEnergyAdapter.from_context(adapter_context(cfg, engine))
+    handle = await serve_worker(cfg, engine=engine, adapter=adapter)
+    service = handle.service
+    try:
+        async with grpc.aio.insecure_channel(handle.address) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            await open_sessions(stub, "free_running", "s", "t")
+            queues = [asyncio.Queue(), asyncio.Queue()]
+
+            async def messages(queue):
+                while (message := await queue.get()) is not None:
+                    yield message
+
+            def noticed():   # every open stream has taken notice of the latest speech or session
+                return not any(wake.is_set() for wake in service._speech_waiters)
+
+            first = stub.StreamStep(messages(queues[0]))
+            await queues[0].put(pb.StepRequest(sessions=[
+                pb.SessionInput(sid="s", audio_pcm16=pcm(tone(0.1)), sample_rate=16000)]))
+            await until(lambda: len(service._speech_waiters) == 1)
+            await asyncio.to_thread(adapter.say, "s", b"\x01\x00" * 10)
+            ahead = await first.read()
+            assert ahead.speech_only and [(o.sid, o.audio_pcm16, o.audio_transcript, o.audio_sample_rate)
+                                          for o in ahead.outputs] == [("s", b"\x01\x00" * 10, "words", 24000)]
+            await asyncio.to_thread(adapter.say, "t", b"\x02\x00" * 20)   # this stream has no input for "t"
+            second = stub.StreamStep(messages(queues[1]))
+            await queues[1].put(pb.StepRequest(sessions=[
+                pb.SessionInput(sid="t", audio_pcm16=pcm(tone(0.1)), sample_rate=16000)]))
+            await until(lambda: len(service._speech_waiters) == 2)
+            await until(noticed)   # the next stream has "t", and waits for this tick to be queued
+            await queues[0].put(pb.StepRequest(tick=1, tokens_per_tick=2, sessions=[
+                pb.SessionInput(sid="s"), pb.SessionInput(sid="t")]))
+            await queues[0].put(None)
+            rest, answer = await answers(first)
+            assert rest == [] and not answer.speech_only
+            out = by_sid(answer)
+            assert out["s"].audio_pcm16 == b"" and out["t"].audio_pcm16 == b"\x02\x00" * 20
+            await asyncio.to_thread(adapter.say, "t", b"\x03\x00" * 30)
+            ahead = await second.read()
+            assert ahead.speech_only and [(o.sid, o.audio_pcm16) for o in ahead.outputs] == [("t", b"\x03\x00" * 30)]
+            await queues[1].put(pb.StepRequest(tick=2, tokens_per_tick=2, sessions=[pb.SessionInput(sid="t")]))
+            await queues[1].put(None)
+            rest, answer = await answers(second)
+            assert rest == [] and by_sid(answer)["t"].audio_pcm16 == b"" and not by_sid(answer)["t"].error
+            assert adapter.calls == [("take", "s", 20), ("prepare", ("s", "t")), ("take", "t", 40),
+                                     ("take", "t", 60), ("prepare", ("t",))]
     finally:
         await handle.stop(0)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -35,6 +35,20 @@ class TickReport:
     worker_ms: float = 0.0     # the whole Step in the worker; latency_ms - worker_ms is transport and gateway
     kv_blocks_used: int = 0    # the worker's KV pool after the tick
     kv_blocks_total: int = 0
+
+
+@dataclass
+class TickCall:
+    """A tick's RPC: ``rpc`` (cancel it to give up on the tick) and ``answer``, awaited for the tick's own
+    StepResponse (a StreamStep's reader, which hands out the speech the worker sends ahead of it)."""
+
+    rpc: grpc.aio.Call
+    answer: Awaitable[pb.StepResponse]
+
+    def cancel(self) -> None:
+        self.rpc.cancel()
+        if isinstance(self.answer, asyncio.Future):
+            self.answer.cancel()
 
 
 @dataclass
@@ -64,7 +78,7 @@ class WorkerHandle:
     kv_fill: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=FILL_SAMPLES))
 
     # The next tick's StreamStep, open from the first input streamed to it until the tick's last message.
-    stream: grpc.aio.StreamUnaryCall | None = None
+    stream: TickCall | None = None
     streamed_bytes: int = 0          # input written to ``stream`` so far
     stream_broken: bool = False      # a write to ``stream`` failed: nothing more goes on it
     streams: bool = True             # False: the worker has no StreamStep (an older one), so one Step a tick
@@ -74,11 +88,11 @@ class WorkerHandle:
         self.step_wire = self.channel.unary_unary(
             "/metronome.worker.v1.Worker/Step", request_serializer=None,
             response_deserializer=pb.StepResponse.FromString)
-        self.stream_step_wire = self.channel.stream_unary(
+        self.stream_step_wire = self.channel.stream_stream(
             "/metronome.worker.v1.Worker/StreamStep", request_serializer=None,
             response_deserializer=pb.StepResponse.FromString)
 
-    def take_stream(self) -> grpc.aio.StreamUnaryCall | None:
+    def take_stream(self) -> TickCall | None:
         """The open stream, now owned by the caller; the next input opens a new one."""
         call, self.stream, self.streamed_bytes, self.stream_broken = self.stream, None, 0, False
         return call
@@ -129,4 +143,5 @@ class WorkerHandle:
 
 
 OutputSink = Callable[[WorkerHandle, ClientSession, pb.SessionOutput, TickReport], None]
+SpeechSink = Callable[[WorkerHandle, ClientSession, pb.SessionOutput], None]   # speech sent between ticks
 FailureSink = Callable[[WorkerHandle, ClientSession, str], None]

@@ -18,6 +18,8 @@ The tick's input goes to the worker as it arrives: every ``stream_interval_ms`` 
 audio and text are written to the next tick's stream, and at the tick only the remainder and the
 controls are, so the tick's latency carries a fraction of its audio over the wire instead of all of it
 (docs/benchmarks/gateway.md). The next tick's stream fills while the worker still computes this one.
+Answers come back on the same stream: speech the worker finished between ticks as it is ready (handed out
+once the tick before has been, so it follows the text it speaks), then the tick's own response.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from metronome.serving.admission import AimdController, PaperAimdController
 import metronome.serving.gateway.placement as placement
 from metronome.serving.gateway.client_session import ClientSession, step_request_wire
 from metronome.serving.gateway.discovery import Discovery, Resolver, parse_workers, resolve_dns
-from metronome.serving.gateway.handle import FailureSink, OutputSink, TickReport, WorkerHandle
+from metronome.serving.gateway.handle import FailureSink, OutputSink, SpeechSink, TickCall, TickReport, WorkerHandle
 from metronome.serving.gateway.membership import Membership
 from metronome.serving.gateway.step_fit import fit_step
 from metronome.serving.metrics import GatewayMetrics
@@ -59,7 +61,7 @@ class WorkerPool:
     """All workers of one gateway; placement of new sessions on the one with the most headroom."""
 
     def __init__(self, config: GatewayConfig, metrics: GatewayMetrics, on_output: OutputSink,
-                 on_failure: FailureSink, resolve: Resolver = resolve_dns) -> None:
+                 on_failure: FailureSink, on_speech: SpeechSink, resolve: Resolver = resolve_dns) -> None:
         self.config = config
         self.handles: list[WorkerHandle] = []
         self.membership = Membership(Discovery(parse_workers(config.workers), resolve), self.handles, self.add,
@@ -67,6 +69,7 @@ class WorkerPool:
         self.metrics = metrics
         self.on_output = on_output
         self.on_failure = on_failure
+        self.on_speech = on_speech
         self._tasks: list[asyncio.Task] = []
         self._closes: set[asyncio.Task] = set()  # CloseSession for sessions a failure ended
         self._stopping = False
@@ -286,20 +289,42 @@ class WorkerPool:
         if handle.stream is None:
             # A backstop: the tick's own timeout starts with its last message (``_tick``), which can follow the
             # first by B plus a late previous tick.
-            timeout = self.budget_ms / 1000.0 + 2 * self.config.step_timeout_s
-            handle.stream = handle.stream_step_wire(timeout=timeout, metadata=handle.metadata)
+            handle.stream = self._open_stream(handle, self.budget_ms / 1000.0 + 2 * self.config.step_timeout_s)
         try:
-            await handle.stream.write(step_request_wire(entries, 0, 0))
+            await handle.stream.rpc.write(step_request_wire(entries, 0, 0))
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
             # The call ended early (the worker refused the input, or went away). Writing on would only
             # overwrite its status; the tick sends its last message on a new call and reports the loss.
             log.warning("streaming tick %d's input to %s failed: %s", handle.ticks + 1, handle.address, exc)
             handle.stream_broken = True
 
+    def _open_stream(self, handle: WorkerHandle, timeout: float) -> TickCall:
+        """A new StreamStep for the next tick, and the task that reads its answers."""
+        rpc = handle.stream_step_wire(timeout=timeout, metadata=handle.metadata)
+        reader = asyncio.ensure_future(self._answers(handle, rpc, handle.tick_task))
+        # A stream given up (cancelled, or its tick failed) is not awaited: its error was reported elsewhere.
+        reader.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return TickCall(rpc, reader)
+
+    async def _answers(self, handle: WorkerHandle, rpc: grpc.aio.StreamStreamCall,
+                       previous: asyncio.Task | None) -> pb.StepResponse:
+        """A StreamStep's answers: speech the worker sends ahead of the tick is handed out as it comes, once the
+        tick before (``previous``) has been; the tick's own response is returned."""
+        while (response := await rpc.read()) is not grpc.aio.EOF:
+            if not response.speech_only:
+                return response
+            if previous is not None and not previous.done():
+                await asyncio.wait((previous,))
+            for output in response.outputs:
+                session = handle.sessions.get(output.sid)
+                if session is not None and not session.closed:
+                    self.on_speech(handle, session, output)
+        raise RuntimeError(f"worker {handle.address} ended tick {handle.ticks}'s stream without its answer")
+
     def _drop_stream(self, handle: WorkerHandle, sessions: list[ClientSession]) -> list[ClientSession]:
         """Cancel the open stream; returns the sessions whose input on it is lost (their bounds start again)."""
-        if (call := handle.take_stream()) is not None:
-            call.cancel()
+        if (tick := handle.take_stream()) is not None:
+            tick.cancel()
         lost = []
         for session in sessions:
             if session.streamed_audio_bytes or session.streamed_text_bytes:
@@ -331,32 +356,32 @@ class WorkerPool:
         return step_request_wire(entries, self.config.tokens_per_tick, handle.ticks), named
 
     async def _send_tick(self, handle: WorkerHandle, sessions: list[ClientSession]
-                         ) -> tuple[grpc.aio.Call, list[ClientSession], list[ClientSession]]:
+                         ) -> tuple[TickCall, list[ClientSession], list[ClientSession]]:
         """The tick's last message on its stream (a new one if none is open or the open one failed); returns
         the call, the sessions the message names, and those whose streamed input a failed stream lost."""
         handle.ticks += 1
         # A broken stream, or one still open when the worker turned out to have no StreamStep: its input is gone.
         lost = self._drop_stream(handle, sessions) if handle.stream_broken or not handle.streams else []
-        call = handle.take_stream()
+        tick = handle.take_stream()
         try:
             request, sessions = self._last_message(handle, sessions)
             if not handle.streams:   # then no stream is open: ``_drop_stream`` took it
-                return (handle.step_wire(request, timeout=self.config.step_timeout_s, metadata=handle.metadata),
-                        sessions, lost)
-            if call is None:
-                call = handle.stream_step_wire(timeout=self.config.step_timeout_s, metadata=handle.metadata)
+                rpc = handle.step_wire(request, timeout=self.config.step_timeout_s, metadata=handle.metadata)
+                return TickCall(rpc, rpc), sessions, lost
+            if tick is None:
+                tick = self._open_stream(handle, self.config.step_timeout_s)
             try:
-                await call.write(request)
-                await call.done_writing()
+                await tick.rpc.write(request)
+                await tick.rpc.done_writing()
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
                 log.debug("tick %d to %s: %s", handle.ticks, handle.address, exc)   # awaiting the call reports it
         except BaseException:
-            if call is not None:
-                call.cancel()
+            if tick is not None:
+                tick.cancel()
             raise
-        return call, sessions, lost
+        return tick, sessions, lost
 
-    async def _finish_tick(self, handle: WorkerHandle, call: grpc.aio.Call, sessions: list[ClientSession],
+    async def _finish_tick(self, handle: WorkerHandle, call: TickCall, sessions: list[ClientSession],
                            lost: list[ClientSession], started: float, drift: float) -> None:
         """Await the tick's response and hand it out; sessions whose streamed input was lost hear of it when
         the tick itself went through (a failed tick reports its own error)."""
@@ -407,12 +432,12 @@ class WorkerPool:
         return error_event("tick_failed", f"the worker refused this tick's input ({code}); it was dropped",
                            type="server_error")
 
-    async def _tick(self, handle: WorkerHandle, call: grpc.aio.Call, sessions: list[ClientSession],
+    async def _tick(self, handle: WorkerHandle, call: TickCall, sessions: list[ClientSession],
                     started: float, drift: float) -> TickReport | None:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.config.step_timeout_s):   # the stream's own deadline is looser
-                response = await call
+                response = await call.answer
         except TimeoutError:
             call.cancel()
             log.error("worker %s did not answer tick %d within %g s", handle.address, handle.ticks,

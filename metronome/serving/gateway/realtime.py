@@ -33,7 +33,7 @@ from metronome.serving.gateway.handle import TickReport, WorkerHandle
 from metronome.serving.gateway.http import REALTIME_PATH, HttpEndpoints
 from metronome.serving.gateway.pool import WorkerPool
 from metronome.serving.gateway.response import ResponseRequest, new_id
-from metronome.serving.gateway.responses import cancel_response, commit_turn, tick_events
+from metronome.serving.gateway.responses import cancel_response, commit_turn, speech_events, tick_events
 from metronome.serving.gateway.session_update import SessionChange, apply_update, read_update, session_view
 from metronome.serving.metrics import GatewayMetrics
 from metronome.serving.proto import worker_pb2 as pb
@@ -60,7 +60,7 @@ class Gateway:
     def __init__(self, config: GatewayConfig, resolve: Resolver = resolve_dns) -> None:
         self.config = config
         self.metrics = GatewayMetrics(config.budget_ms)
-        self.pool = WorkerPool(config, self.metrics, self._deliver, self._worker_failed, resolve)
+        self.pool = WorkerPool(config, self.metrics, self._deliver, self._worker_failed, self._deliver_speech, resolve)
         self.http = HttpEndpoints(config, self.metrics, self._health)
         self.connections: set[Connection] = set()
         self._tasks: set[asyncio.Task] = set()  # strong references to the per-connection awaits
@@ -406,6 +406,11 @@ class Gateway:
         session.send_all(tick_events(session, out, report, self.pool.budget_ms, error))
         if error is not None and code in OVERSIZED and session.strike():
             self._abuse(session)
+
+    @staticmethod
+    def _deliver_speech(handle: WorkerHandle, session: ClientSession, out: pb.SessionOutput) -> None:
+        """Speech the worker finished between ticks: the answer's audio events, at once."""
+        session.send_all(speech_events(session, out))
 
     def _worker_failed(self, handle: WorkerHandle, session: ClientSession, code: str) -> None:
         what = "shut down (drained)" if code == "worker_draining" else "stopped and is being restarted"

@@ -142,6 +142,16 @@ def answer_events(session: ClientSession, out: pb.SessionOutput, events: list[di
         events += finish_response(session, "incomplete" if cut else "completed", "max_output_tokens" if cut else None)
 
 
+def speech_events(session: ClientSession, out: pb.SessionOutput) -> list[dict[str, Any]]:
+    """Speech of the open answer that the worker sent between ticks; dropped while a cancel is on its way (the
+    answer is closed for the client already)."""
+    if session.response is None or session.cancelling:
+        return []
+    events: list[dict[str, Any]] = []
+    answer_events(session, out, events)
+    return events
+
+
 def start_response(session: ClientSession) -> list[dict[str, Any]]:
     """Open the session's next answer, with the cap and modalities response.create asked for, if any."""
     asked = session.next_response or ResponseRequest()

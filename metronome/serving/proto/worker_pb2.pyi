@@ -135,7 +135,7 @@ class SessionOutput(_message.Message):
     def __init__(self, sid: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., error: _Optional[str] = ..., preempted: _Optional[bool] = ..., transcript: _Optional[str] = ..., input_dbfs: _Optional[float] = ..., input_clipping: _Optional[float] = ..., audio_pcm16: _Optional[bytes] = ..., audio_sample_rate: _Optional[int] = ..., error_code: _Optional[str] = ..., speech_started_ms: _Optional[int] = ..., speech_stopped_ms: _Optional[int] = ..., cancelled: _Optional[bool] = ..., input_tokens: _Optional[int] = ..., audio_transcript: _Optional[str] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("outputs", "gpu_ms", "in_flight", "frontend_ms", "prefill_ms", "decode_ms", "kv_blocks_used", "kv_blocks_total", "worker_ms", "draining")
+    __slots__ = ("outputs", "gpu_ms", "in_flight", "frontend_ms", "prefill_ms", "decode_ms", "kv_blocks_used", "kv_blocks_total", "worker_ms", "draining", "speech_only")
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     GPU_MS_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,7 @@ class StepResponse(_message.Message):
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     WORKER_MS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    SPEECH_ONLY_FIELD_NUMBER: _ClassVar[int]
     outputs: _containers.RepeatedCompositeFieldContainer[SessionOutput]
     gpu_ms: float
     in_flight: int
@@ -156,7 +157,8 @@ class StepResponse(_message.Message):
     kv_blocks_total: int
     worker_ms: float
     draining: bool
-    def __init__(self, outputs: _Optional[_Iterable[_Union[SessionOutput, _Mapping]]] = ..., gpu_ms: _Optional[float] = ..., in_flight: _Optional[int] = ..., frontend_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., worker_ms: _Optional[float] = ..., draining: _Optional[bool] = ...) -> None: ...
+    speech_only: bool
+    def __init__(self, outputs: _Optional[_Iterable[_Union[SessionOutput, _Mapping]]] = ..., gpu_ms: _Optional[float] = ..., in_flight: _Optional[int] = ..., frontend_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., worker_ms: _Optional[float] = ..., draining: _Optional[bool] = ..., speech_only: _Optional[bool] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

@@ -49,7 +49,7 @@ class WorkerStub:
                 request_serializer=metronome_dot_serving_dot_proto_dot_worker__pb2.StepRequest.SerializeToString,
                 response_deserializer=metronome_dot_serving_dot_proto_dot_worker__pb2.StepResponse.FromString,
                 _registered_method=True)
-        self.StreamStep = channel.stream_unary(
+        self.StreamStep = channel.stream_stream(
                 '/metronome.worker.v1.Worker/StreamStep',
                 request_serializer=metronome_dot_serving_dot_proto_dot_worker__pb2.StepRequest.SerializeToString,
                 response_deserializer=metronome_dot_serving_dot_proto_dot_worker__pb2.StepResponse.FromString,
@@ -95,6 +95,10 @@ class WorkerServicer:
         does not name is dropped, as is audio at a sample rate other than the last message's for it and
         audio before an entry with clear_audio.
         The streamed total is bounded like one Step request (RESOURCE_EXHAUSTED beyond it).
+        The tick's StepResponse comes last. Before it, while the input streams in, the worker may send speech
+        that was ready between ticks (speech_only: outputs with audio, its rate and transcript only), for the
+        sessions of this gateway's previous tick and made after that tick's answer; a gateway hands it out
+        after that answer.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -124,7 +128,7 @@ def add_WorkerServicer_to_server(servicer, server):
                     request_deserializer=metronome_dot_serving_dot_proto_dot_worker__pb2.StepRequest.FromString,
                     response_serializer=metronome_dot_serving_dot_proto_dot_worker__pb2.StepResponse.SerializeToString,
             ),
-            'StreamStep': grpc.stream_unary_rpc_method_handler(
+            'StreamStep': grpc.stream_stream_rpc_method_handler(
                     servicer.StreamStep,
                     request_deserializer=metronome_dot_serving_dot_proto_dot_worker__pb2.StepRequest.FromString,
                     response_serializer=metronome_dot_serving_dot_proto_dot_worker__pb2.StepResponse.SerializeToString,
@@ -237,7 +241,7 @@ class Worker:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.stream_unary(
+        return grpc.experimental.stream_stream(
             request_iterator,
             target,
             '/metronome.worker.v1.Worker/StreamStep',

@@ -10,8 +10,10 @@ StreamStep (what the gateway uses) is a tick whose input is sent as it arrives: 
 message's bytes by session (``StreamedTick``) while the engine thread still runs the previous tick, so
 the tick's critical path keeps only the last message's transfer and the join. An adapter that hears early
 (the cascade) gets each message's audio as it comes, on the engine thread between ticks, in order with the
-same gateway's ticks: its VAD finds the end of an utterance without waiting for the tick. Only an unexpected
-exception fails an RPC (``INTERNAL``); the worker stays up.
+same gateway's ticks: its VAD finds the end of an utterance without waiting for the tick. Speech an adapter
+finishes between ticks (the cascade's synthesis thread) goes out on the open StreamStep as soon as it is ready,
+ahead of that tick's own answer, instead of waiting for the tick. Only an unexpected exception fails an RPC
+(``INTERNAL``); the worker stays up.
 
 Typed text and instructions are counted in tokens on a thread of their own before the engine thread
 sees them (``budget.py``): over the limit, they are refused there. With ``WorkerConfig.auth_token`` set,
@@ -37,7 +39,7 @@ import logging
 import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1.health import aio as grpc_health   # the asyncio servicer
@@ -64,6 +66,21 @@ class _Opening:
     counted: bool = True
 
 
+@dataclass
+class _SpeechOut:
+    """A StreamStep's speech sent between ticks: ``wake`` is set when speech may be ready (or the stream named
+    new sessions), ``sids`` are the sessions the stream carried input for."""
+
+    wake: asyncio.Event
+    sids: set[str] = field(default_factory=set)
+
+    def add(self, sids) -> None:
+        before = len(self.sids)
+        self.sids.update(sids)
+        if len(self.sids) > before:
+            self.wake.set()   # speech already ready for them goes at once
+
+
 class WorkerService(worker_pb2_grpc.WorkerServicer):
     """The RPC handlers: every call into the tick core goes through ``executor`` (one thread)."""
 
@@ -80,6 +97,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self._opening = 0
         self._opening_lock = threading.Lock()
         self._streams: dict[str, asyncio.Future] = {}   # peer -> its latest StreamStep, done once its tick is queued
+        self._speech_waiters: set[asyncio.Event] | None = None   # open StreamSteps' wake-ups (``listen_for_speech``)
 
     @property
     def engine(self) -> Engine:
@@ -152,34 +170,85 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         """One tick whose input arrives over the frame period; the last message is the Step request proper.
 
         With an adapter that hears early, each message is handed to the engine thread as it comes (``hear``),
-        after the same gateway's previous tick was queued there: audio stays in the order it was sent."""
+        after the same gateway's previous tick was queued there: audio stays in the order it was sent. Speech
+        the adapter finishes while the input streams in goes out at once (``speech_only`` answers), for the
+        sessions this stream carries input for; the tick's own answer comes last."""
         streamed = StreamedTick(heard=self.adapter.hears_early)
-        previous, queued = self._in_turn(context.peer()) if streamed.heard else (None, None)
+        speech = _SpeechOut(asyncio.Event()) if self._speech_waiters is not None else None
+        previous, queued = self._in_turn(context.peer()) if streamed.heard or speech else (None, None)
+        reading = asyncio.ensure_future(self._read_tick(request_iterator, context, streamed, previous, speech))
         try:
-            last = None
-            async for message in request_iterator:
-                if last is not None and streamed.add(last) > self.config.max_message_bytes:
-                    log.warning("a streamed tick passed %d bytes; its input is dropped", self.config.max_message_bytes)
-                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                        f"the tick's streamed input exceeds {self.config.max_message_bytes} bytes")
-                # Each message's text is counted as it arrives, while the tick's later input still streams in:
-                # only text in the tick's last message is counted on the tick's critical path.
-                await self.budget.charge(streamed.text_tokens, ((inp.sid, inp.text) for inp in message.sessions))
-                if streamed.heard:
-                    if previous is not None:
-                        await asyncio.shield(previous)
-                        previous = None
-                    self._executor.submit(self._hear, message)
-                last = message
-            if last is None:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a StreamStep needs at least its last message")
-            if previous is not None:
-                await asyncio.shield(previous)
-            return self._observed(await self._timed(context, "StreamStep", last, streamed, streamed.text_tokens,
-                                                    queued))
+            if speech is not None:
+                await self._send_speech(reading, context, speech, previous)
+            last = await reading
+            await context.write(self._observed(await self._timed(context, "StreamStep", last, streamed,
+                                                                 streamed.text_tokens, queued)))
         finally:
+            reading.cancel()
             if queued is not None and not queued.done():
                 queued.set_result(None)
+
+    async def _read_tick(self, request_iterator, context, streamed: StreamedTick, previous: asyncio.Future | None,
+                         speech: _SpeechOut | None) -> pb.StepRequest:
+        """A StreamStep's messages, filed (and heard, for an adapter that hears early) as they come; returns the
+        last, once the same gateway's previous tick is queued on the engine thread."""
+        last = None
+        async for message in request_iterator:
+            if last is not None and streamed.add(last) > self.config.max_message_bytes:
+                log.warning("a streamed tick passed %d bytes; its input is dropped", self.config.max_message_bytes)
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"the tick's streamed input exceeds {self.config.max_message_bytes} bytes")
+            # Each message's text is counted as it arrives, while the tick's later input still streams in:
+            # only text in the tick's last message is counted on the tick's critical path.
+            await self.budget.charge(streamed.text_tokens, ((inp.sid, inp.text) for inp in message.sessions))
+            if streamed.heard:
+                if previous is not None:
+                    await asyncio.shield(previous)
+                    previous = None
+                self._executor.submit(self._hear, message)
+            if speech is not None and not (message.tick or message.tokens_per_tick):
+                # A piece the gateway streamed ahead (the tick's last message names the tick and what to decode):
+                # its sessions' speech may go now. The tick hands out the rest itself.
+                speech.add(inp.sid for inp in message.sessions)
+            last = message
+        if last is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a StreamStep needs at least its last message")
+        if previous is not None:
+            await asyncio.shield(previous)
+        return last
+
+    async def _send_speech(self, reading: asyncio.Future, context, speech: _SpeechOut,
+                           previous: asyncio.Future | None) -> None:
+        """Until the tick's input is all in: speech ready for the sessions that sent input on this stream, sent
+        as it comes. It is taken on the engine thread after the gateway's previous tick was queued there, so it
+        follows that tick's answer."""
+        self._speech_waiters.add(speech.wake)
+        try:
+            while not reading.done():
+                woken = asyncio.ensure_future(speech.wake.wait())
+                await asyncio.wait((reading, woken), return_when=asyncio.FIRST_COMPLETED)
+                woken.cancel()
+                if not speech.wake.is_set():
+                    continue
+                speech.wake.clear()
+                if previous is not None:
+                    await asyncio.shield(previous)
+                    previous = None
+                taken = await self._on_engine_thread(context, "StreamStep", self.core.take_speech, list(speech.sids))
+                if taken.outputs:
+                    await context.write(taken)
+        finally:
+            self._speech_waiters.discard(speech.wake)
+
+    def listen_for_speech(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Have the adapter wake the open StreamSteps (on ``loop``) when speech is ready between ticks."""
+        self._speech_waiters = set()
+
+        def wake_all() -> None:
+            for wake in self._speech_waiters:
+                wake.set()
+
+        self.adapter.on_speech_ready(lambda: loop.call_soon_threadsafe(wake_all))
 
     def _in_turn(self, peer: str) -> tuple[asyncio.Future | None, asyncio.Future]:
         """The future of the peer's previous StreamStep (done once its tick is queued on the engine thread) and
@@ -290,6 +359,8 @@ async def serve_worker(config: WorkerConfig, *, engine: Engine | None = None,
         if adapter is None:
             adapter = await loop.run_in_executor(executor, make_adapter, config, engine)
         service = WorkerService(engine, adapter, config, executor)
+        if adapter.output_sample_rate:
+            service.listen_for_speech(loop)
         size = config.max_message_bytes
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", size),
                                           ("grpc.max_send_message_length", size)],

@@ -421,6 +421,19 @@ class TickCore:
                                kv_blocks_used=stats.kv_blocks_used, kv_blocks_total=stats.kv_blocks_total,
                                worker_ms=(perf_counter() - t0) * 1e3)
 
+    def take_speech(self, sids) -> pb.StepResponse:
+        """Speech ready now for the open ones of ``sids`` (between ticks), as outputs with only their audio; a
+        session with none is left out. What this takes, the next tick does not hand out again."""
+        outputs = []
+        for sid in sids:
+            if sid not in self._sessions:
+                continue
+            audio, spoken = self.adapter.take_spoken(sid)
+            if audio:
+                outputs.append(pb.SessionOutput(sid=sid, audio_pcm16=audio, audio_transcript=spoken,
+                                                audio_sample_rate=self.adapter.output_sample_rate))
+        return pb.StepResponse(outputs=outputs, speech_only=True)
+
     def _run_engine(self, jobs: list[_Job]) -> tuple[float, float]:
         """Feed every job's pieces, right-aligned so all decodes share the final engine step.
 

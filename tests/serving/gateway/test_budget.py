@@ -41,7 +41,7 @@ class FixedBudgetWorker(pb_grpc.WorkerServicer):
         last = None
         async for message in request_iterator:
             last = message
-        return await self.Step(last, context)
+        await context.write(await self.Step(last, context))
 
 
 @pytest.fixture

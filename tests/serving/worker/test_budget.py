@@ -12,6 +12,7 @@ from metronome.serving.proto import worker_pb2 as pb
 from metronome.serving.proto import worker_pb2_grpc
 from metronome.serving.worker import serve_worker
 from metronome.serving.worker.budget import InputBudget, batch_counter
+from tests.serving.stream_step import tick_answer
 from tests.serving.test_worker import by_sid, config, open_sessions, pcm, tone
 
 # About 3 tokens per word with the SmolLM2 tokenizer: far over the 256-token limit of these workers.
@@ -66,7 +67,7 @@ async def test_text_over_the_limit_never_reaches_the_engine_thread(worker, stub,
         await call.write(pb.StepRequest(sessions=[pb.SessionInput(sid="abuser", text=half, sample_rate=16000)]))
     await call.write(pb.StepRequest(tick=2, tokens_per_tick=2, sessions=[pb.SessionInput(sid="abuser", sample_rate=16000)]))
     await call.done_writing()
-    out = by_sid(await call)["abuser"]
+    out = by_sid(await tick_answer(call))["abuser"]
     assert out.error_code == "input_too_large" and seen == ["hi"]
     # The session lives on: a short message next tick goes through.
     out = by_sid(await stub.Step(pb.StepRequest(tick=3, tokens_per_tick=2, sessions=[
@@ -115,7 +116,7 @@ async def test_a_worker_with_a_token_refuses_calls_without_it(chat_checkpoint):
                 call = stub.StreamStep(metadata=metadata)
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
                     await call.done_writing()
-                    await call
+                    await tick_answer(call)
                 assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert handle.service.engine.stats().sessions == 0
             reply = await stub.OpenSession(pb.OpenSessionRequest(sid="x"), metadata=(("authorization", "Bearer s3cret"),))
