@@ -192,6 +192,14 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                          speech: _SpeechOut | None) -> pb.StepRequest:
         """A StreamStep's messages, filed (and heard, for an adapter that hears early) as they come; returns the
         last, once the same gateway's previous tick is queued on the engine thread."""
+        try:
+            return await self._read_messages(request_iterator, context, streamed, previous, speech)
+        finally:
+            if speech is not None:
+                speech.wake.set()   # the tick's input is in (or lost): no more speech goes ahead of it
+
+    async def _read_messages(self, request_iterator, context, streamed: StreamedTick,
+                             previous: asyncio.Future | None, speech: _SpeechOut | None) -> pb.StepRequest:
         last = None
         async for message in request_iterator:
             if last is not None and streamed.add(last) > self.config.max_message_bytes:
@@ -224,12 +232,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         follows that tick's answer."""
         self._speech_waiters.add(speech.wake)
         try:
-            while not reading.done():
-                woken = asyncio.ensure_future(speech.wake.wait())
-                await asyncio.wait((reading, woken), return_when=asyncio.FIRST_COMPLETED)
-                woken.cancel()
-                if not speech.wake.is_set():
-                    continue
+            while True:
+                await speech.wake.wait()   # set also once the input is all in (``_read_tick``)
+                if reading.done():
+                    return
                 speech.wake.clear()
                 if previous is not None:
                     await asyncio.shield(previous)
