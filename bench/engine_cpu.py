@@ -41,6 +41,7 @@ the load average is recorded and a warning printed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import multiprocessing as mp
@@ -245,7 +246,7 @@ class ArmProcess:
         return self._answer()
 
     def close(self) -> None:
-        if self.process.is_alive():
+        with contextlib.suppress(BrokenPipeError, OSError):   # it may have died since: nothing to tell it
             self.conn.send(None)
         self.process.join(timeout=30)
 

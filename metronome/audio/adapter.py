@@ -163,6 +163,8 @@ class InteractionAdapter(ABC):
     # The adapter takes a session's audio as it streams in (``hear``), not in ``TickAudio.pcm`` at the tick: its
     # speech front end works beside the tick, so audio heard sooner is answered sooner.
     hears_early: bool = False
+    # Speech is made beside the tick and may be ready between ticks (``on_speech_ready``): the worker sends it then.
+    speaks_between_ticks: bool = False
 
     def hear(self, session_id: str, pcm: np.ndarray, *, clear: bool = False,
              turn_detection: TurnDetection | None = None) -> str | None:

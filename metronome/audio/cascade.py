@@ -184,6 +184,7 @@ class CascadeAdapter(InteractionAdapter):
         self._speech_ready: Callable[[], None] | None = None
         if speech is not None:
             self.output_sample_rate = speech_rate or speech.output_rate
+            self.speaks_between_ticks = True   # the synthesis threads finish pieces while no tick runs
 
     def shutdown(self) -> None:
         """Stop the speech front end's threads (the adapter is not used after this)."""
@@ -257,8 +258,8 @@ class CascadeAdapter(InteractionAdapter):
                 self._steer_speech(state, new, tick, transcript, barge_in)
             cap = self.max_tokens_per_tick
             if cap is not None and self.speech is not None and new.responding and not new.response_tokens:
-                # The answer's first tick decodes the speech's whole first piece (its words, and the next token,
-                # which shows the last word is whole): otherwise the first audio waits for one tick more.
+                # The answer's first tick decodes the speech's first piece whole (a common word is one token: its
+                # words, and the next token, which shows the last word ended): else the first audio waits a tick.
                 cap = max(cap, self.speech.policy.first_words + 1)
             asked = tick.max_tokens if cap is None else min(tick.max_tokens, cap)
             max_new, stops, ends = decode_budget(new, asked, self._response_cap(tick), self.stop_token_ids)
@@ -394,6 +395,8 @@ class CascadeAdapter(InteractionAdapter):
         state = self._sessions.get(session_id)
         if state is None or state.speech is None:
             return []
+        if state.turn_detection.interrupt_response and self.frontend.speech_started(session_id):
+            return []   # the user spoke over the answer: the next tick cuts it, none of it goes out meanwhile
         chunks = state.speech.take()
         if state.speech.done:
             state.speech = None

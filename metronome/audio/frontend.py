@@ -242,6 +242,12 @@ class SpeechFrontend:
             stream = self._streams.get(sid)
             return stream is not None and (stream.submitted > 0 or stream.unheard > 0)
 
+    def speech_started(self, sid: str) -> bool:
+        """Has the VAD heard this session's speech begin since the last ``take`` (not yet taken)?"""
+        with self._lock:
+            heard = self._ready.get(sid)
+            return heard is not None and heard.started
+
     def take(self, sids: list[str]) -> dict[str, Heard]:
         """What is ready for these sessions (only those with something), each handed out once."""
         with self._lock:

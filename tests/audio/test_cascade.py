@@ -272,6 +272,30 @@ def test_a_spoken_answers_first_tick_decodes_its_first_speech_piece_whole(engine
             speech.close()
 
 
+def test_speech_ready_between_ticks_is_held_once_the_user_speaks_over_the_answer(engine, adapter):
+    """The VAD heard the user start speaking during a spoken answer: its ready speech is no longer handed out,
+    and the next tick cuts the answer (barge-in) with none of it sent."""
+    from metronome.audio.tts import SpeechSynthesizer, load_voice
+
+    speech = SpeechSynthesizer(load_voice("espeak"))
+    paced = CascadeAdapter(engine.tokenizer, vad=adapter.vad, asr=adapter.asr, speech=speech, max_tokens_per_tick=2)
+    ready = threading.Event()
+    paced.on_speech_ready(ready.set)
+    c = Conversation(engine, paced, "held", tokens=25)
+    try:
+        c.tick(text="Tell me a long story about a dragon.", new_turn=True)
+        assert ready.wait(30) and paced.speaking(c.sid)
+        paced.hear(c.sid, trim(synth("Wait, wait, stop there please.")))   # no pause after it: no turn yet
+        assert paced.frontend.wait_idle(60)
+        assert paced.take_spoken(c.sid) == (b"", "")
+        prepared, _ = c.tick()
+        assert prepared.cancelled and not paced.speaking(c.sid) and paced.take_spoken(c.sid)[0] == b""
+    finally:
+        c.close()
+        paced.shutdown()
+        speech.close()
+
+
 def test_typed_text_waits_for_response_create(conv):
     """conversation.item.create adds a user turn; as in OpenAI's API only response.create answers it."""
     c = conv(tokens=2)

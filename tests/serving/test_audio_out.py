@@ -131,6 +131,7 @@ class SpeaksBetweenTicks(HiddenToAudio):
     waits until the client has that audio (at most 30 s, then it notes that it waited out)."""
 
     name = "speaks-between-ticks"
+    speaks_between_ticks = True
 
     def __init__(self) -> None:
         super().__init__()

@@ -82,7 +82,7 @@ def test_the_wire_encoded_step_request_equals_the_protobuf_one():
         ("sid", 1), ("new_turn", 2), ("audio_pcm16", 3), ("sample_rate", 4), ("text", 5), ("cancel", 6),
         ("max_tokens", 7), ("clear_audio", 8), ("max_output_tokens", 9), ("turn_detection", 10)]
     assert [(f.name, f.number) for f in pb.StepRequest.DESCRIPTOR.fields] == [
-        ("sessions", 1), ("tokens_per_tick", 2), ("tick", 3)]
+        ("sessions", 1), ("tokens_per_tick", 2), ("tick", 3), ("speech_ahead", 4)]
 
     def sessions():
         a = make(buffered_s=30.0)                      # 1 MB of audio: multi-byte length varints
@@ -102,10 +102,10 @@ def test_the_wire_encoded_step_request_equals_the_protobuf_one():
                                                create_response=False)
         return [a, b, c]
 
-    for tokens, tick in ((25, 1), (0, 0), (300, 2**40)):
-        wire = step_request_wire([s.take_tick_wire() for s in sessions()], tokens, tick)
+    for tokens, tick, ahead in ((25, 1, False), (0, 0, True), (300, 2**40, False)):
+        wire = step_request_wire([s.take_tick_wire() for s in sessions()], tokens, tick, speech_ahead=ahead)
         expected = pb.StepRequest(sessions=[s.take_tick_input() for s in sessions()], tokens_per_tick=tokens,
-                                  tick=tick)
+                                  tick=tick, speech_ahead=ahead)
         assert pb.StepRequest.FromString(wire) == expected
         assert expected.sessions[0].turn_detection.prefix_padding_ms == 0          # given, though zero
         assert expected.sessions[0].turn_detection.HasField("prefix_padding_ms")
@@ -129,9 +129,9 @@ def test_streamed_pieces_carry_input_without_controls_and_still_count_against_th
     assert s.take_stream_wire() is None               # nothing buffered: nothing to stream
     s.new_turn = s.cancel = True
     assert s.append_audio(b"\x01\x00" * 100) and s.append_text("hey")
-    piece = pb.StepRequest.FromString(step_request_wire([s.take_stream_wire()], 0, 0))
+    piece = pb.StepRequest.FromString(step_request_wire([s.take_stream_wire()], 0, 0, speech_ahead=True))
     assert piece == pb.StepRequest(sessions=[pb.SessionInput(sid="s", audio_pcm16=b"\x01\x00" * 100,
-                                                             sample_rate=16000, text="hey")])
+                                                             sample_rate=16000, text="hey")], speech_ahead=True)
     assert not s.append_audio(b"\x02\x00" * 61)       # 200 streamed + 122 > 320: the tick's bound holds
     assert s.append_audio(b"\x02\x00" * 60) and not s.append_text("123456") and s.append_text("12345")
     last = pb.StepRequest.FromString(step_request_wire([s.take_tick_wire()], 4, 9)).sessions[0]

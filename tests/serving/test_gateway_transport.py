@@ -732,8 +732,8 @@ async def test_a_worker_without_stream_step_gets_one_step_a_tick():
 
 class SpeechAheadWorker(RecordingWorker):
     """Answers its first tick with text, held back until the next tick's stream has sent that answer's speech
-    ahead (``speech_only``, at its first message): a gateway that handed speech out as it came would have it
-    before the answer it belongs to."""
+    ahead (``speech_only``, at its first message, which the gateway marks ``speech_ahead``): a gateway that
+    handed speech out as it came would have it before the answer it belongs to."""
 
     SPEECH = b"\x01\x02" * 240
 
@@ -746,7 +746,7 @@ class SpeechAheadWorker(RecordingWorker):
         self.streams += 1
         stream, last = self.streams, None
         async for message in request_iterator:
-            if stream == 2 and not self.speech_sent.is_set():
+            if stream == 2 and message.speech_ahead and not self.speech_sent.is_set():   # the gateway takes it
                 await context.write(pb.StepResponse(speech_only=True, outputs=[
                     pb.SessionOutput(sid=inp.sid, audio_pcm16=self.SPEECH, audio_sample_rate=24000,
                                      audio_transcript="Hi.") for inp in message.sessions]))

@@ -302,7 +302,7 @@ async def test_streamed_audio_is_heard_before_the_tick_and_after_the_previous_ti
                     yield message
 
             ticks = [asyncio.ensure_future(tick_answer(stub.StreamStep(messages(q)))) for q in queues[:1]]
-            await queues[0].put(pb.StepRequest(sessions=[
+            await queues[0].put(pb.StepRequest(speech_ahead=True, sessions=[
                 pb.SessionInput(sid="s", audio_pcm16=pcm(tone(0.1)), sample_rate=16000)]))
             await until(lambda: ("hear", "s", 1600, False) in adapter.calls)   # the tick is still open
             assert not any(call[0] == "prepare" for call in adapter.calls)
@@ -328,6 +328,7 @@ class SpeakingEnergyAdapter(EnergyTokenAdapter):
     ``say`` (from any thread) makes a session's audio ready and tells the worker."""
 
     output_sample_rate = 24000
+    speaks_between_ticks = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -379,7 +380,7 @@ async def test_speech_finished_between_ticks_goes_out_at_once_after_the_previous
                 return not any(wake.is_set() for wake in service._speech_waiters)
 
             first = stub.StreamStep(messages(queues[0]))
-            await queues[0].put(pb.StepRequest(sessions=[
+            await queues[0].put(pb.StepRequest(speech_ahead=True, sessions=[
                 pb.SessionInput(sid="s", audio_pcm16=pcm(tone(0.1)), sample_rate=16000)]))
             await until(lambda: len(service._speech_waiters) == 1)
             await asyncio.to_thread(adapter.say, "s", b"\x01\x00" * 10)
@@ -388,7 +389,7 @@ async def test_speech_finished_between_ticks_goes_out_at_once_after_the_previous
                                           for o in ahead.outputs] == [("s", b"\x01\x00" * 10, "words", 24000)]
             await asyncio.to_thread(adapter.say, "t", b"\x02\x00" * 20)   # this stream has no input for "t"
             second = stub.StreamStep(messages(queues[1]))
-            await queues[1].put(pb.StepRequest(sessions=[
+            await queues[1].put(pb.StepRequest(speech_ahead=True, sessions=[
                 pb.SessionInput(sid="t", audio_pcm16=pcm(tone(0.1)), sample_rate=16000)]))
             await until(lambda: len(service._speech_waiters) == 2)
             await until(noticed)   # the next stream has "t", and waits for this tick to be queued
@@ -408,6 +409,39 @@ async def test_speech_finished_between_ticks_goes_out_at_once_after_the_previous
             assert rest == [] and by_sid(answer)["t"].audio_pcm16 == b"" and not by_sid(answer)["t"].error
             assert adapter.calls == [("take", "s", 20), ("prepare", ("s", "t")), ("take", "t", 40),
                                      ("take", "t", 60), ("prepare", ("t",))]
+    finally:
+        await handle.stop(0)
+
+
+async def test_a_stream_that_did_not_ask_for_speech_ahead_gets_its_one_answer_with_the_speech(engine,
+                                                                                               chat_checkpoint):
+    """A gateway that reads one answer per StreamStep (it never marks a message ``speech_ahead``) is sent no
+    ``speech_only``: speech ready between ticks waits for the tick's answer."""
+    cfg = config(chat_checkpoint)
+    adapter = SpeakingEnergyAdapter.from_context(adapter_context(cfg, engine))
+    handle = await serve_worker(cfg, engine=engine, adapter=adapter)
+    try:
+        async with grpc.aio.insecure_channel(handle.address) as channel:
+            await open_sessions(worker_pb2_grpc.WorkerStub(channel), "free_running", "s")
+            one_answer = channel.stream_unary("/metronome.worker.v1.Worker/StreamStep",
+                                              request_serializer=pb.StepRequest.SerializeToString,
+                                              response_deserializer=pb.StepResponse.FromString)
+            queue = asyncio.Queue()
+
+            async def messages():
+                while (message := await queue.get()) is not None:
+                    yield message
+
+            call = one_answer(messages(), timeout=30)
+            await queue.put(pb.StepRequest(sessions=[
+                pb.SessionInput(sid="s", audio_pcm16=pcm(tone(0.1)), sample_rate=16000)]))
+            await until(lambda: len(handle.service._speech_waiters) == 1)
+            await asyncio.to_thread(adapter.say, "s", b"\x01\x00" * 10)
+            await queue.put(pb.StepRequest(tick=1, tokens_per_tick=2, sessions=[pb.SessionInput(sid="s")]))
+            await queue.put(None)
+            answer = await call
+            assert not answer.speech_only and by_sid(answer)["s"].audio_pcm16 == b"\x01\x00" * 10
+            assert adapter.calls == [("prepare", ("s",)), ("take", "s", 20)]
     finally:
         await handle.stop(0)
 

@@ -59,13 +59,16 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
-def step_request_wire(entries: list[list[bytes]], tokens_per_tick: int, tick: int) -> bytes:
+def step_request_wire(entries: list[list[bytes]], tokens_per_tick: int, tick: int, *,
+                      speech_ahead: bool = False) -> bytes:
     """A serialised ``StepRequest`` from ``take_tick_wire`` entries (send it with an identity serializer)."""
     parts = [part for entry in entries for part in entry]
     if tokens_per_tick:
         parts += [b"\x10", _varint(tokens_per_tick)]
     if tick:
         parts += [b"\x18", _varint(tick)]
+    if speech_ahead:
+        parts.append(b"\x20\x01")
     return b"".join(parts)
 
 

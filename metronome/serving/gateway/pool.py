@@ -291,7 +291,7 @@ class WorkerPool:
             # first by B plus a late previous tick.
             handle.stream = self._open_stream(handle, self.budget_ms / 1000.0 + 2 * self.config.step_timeout_s)
         try:
-            await handle.stream.rpc.write(step_request_wire(entries, 0, 0))
+            await handle.stream.rpc.write(step_request_wire(entries, 0, 0, speech_ahead=True))
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
             # The call ended early (the worker refused the input, or went away). Writing on would only
             # overwrite its status; the tick sends its last message on a new call and reports the loss.

@@ -87,14 +87,16 @@ class TurnDetection(_message.Message):
     def __init__(self, server_vad: _Optional[bool] = ..., threshold: _Optional[float] = ..., prefix_padding_ms: _Optional[int] = ..., silence_duration_ms: _Optional[int] = ..., create_response: _Optional[bool] = ..., interrupt_response: _Optional[bool] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("sessions", "tokens_per_tick", "tick")
+    __slots__ = ("sessions", "tokens_per_tick", "tick", "speech_ahead")
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_TICK_FIELD_NUMBER: _ClassVar[int]
     TICK_FIELD_NUMBER: _ClassVar[int]
+    SPEECH_AHEAD_FIELD_NUMBER: _ClassVar[int]
     sessions: _containers.RepeatedCompositeFieldContainer[SessionInput]
     tokens_per_tick: int
     tick: int
-    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInput, _Mapping]]] = ..., tokens_per_tick: _Optional[int] = ..., tick: _Optional[int] = ...) -> None: ...
+    speech_ahead: bool
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInput, _Mapping]]] = ..., tokens_per_tick: _Optional[int] = ..., tick: _Optional[int] = ..., speech_ahead: _Optional[bool] = ...) -> None: ...
 
 class SessionOutput(_message.Message):
     __slots__ = ("sid", "tokens", "text", "finished", "error", "preempted", "transcript", "input_dbfs", "input_clipping", "audio_pcm16", "audio_sample_rate", "error_code", "speech_started_ms", "speech_stopped_ms", "cancelled", "input_tokens", "audio_transcript")

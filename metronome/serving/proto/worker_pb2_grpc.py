@@ -96,9 +96,10 @@ class WorkerServicer:
         audio before an entry with clear_audio.
         The streamed total is bounded like one Step request (RESOURCE_EXHAUSTED beyond it).
         The tick's StepResponse comes last. Before it, while the input streams in, the worker may send speech
-        that was ready between ticks (speech_only: outputs with audio, its rate and transcript only), for the
-        sessions of this gateway's previous tick and made after that tick's answer; a gateway hands it out
-        after that answer.
+        that was ready between ticks (speech_only: outputs with audio, its rate and transcript only) for the
+        sessions whose input this stream carried in messages marked speech_ahead; it was made after this
+        gateway's previous tick's answer, and a gateway hands it out after that answer. A stream with no
+        message marked speech_ahead gets its one StepResponse only.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -38,6 +38,7 @@ import asyncio
 import logging
 import signal
 import threading
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -74,7 +75,7 @@ class _SpeechOut:
     wake: asyncio.Event
     sids: set[str] = field(default_factory=set)
 
-    def add(self, sids) -> None:
+    def add(self, sids: Iterable[str]) -> None:
         before = len(self.sids)
         self.sids.update(sids)
         if len(self.sids) > before:
@@ -177,14 +178,18 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         speech = _SpeechOut(asyncio.Event()) if self._speech_waiters is not None else None
         previous, queued = self._in_turn(context.peer()) if streamed.heard or speech else (None, None)
         reading = asyncio.ensure_future(self._read_tick(request_iterator, context, streamed, previous, speech))
+        speaking = asyncio.ensure_future(self._send_speech(reading, context, speech, previous)) if speech else None
         try:
-            if speech is not None:
-                await self._send_speech(reading, context, speech, previous)
             last = await reading
-            await context.write(self._observed(await self._timed(context, "StreamStep", last, streamed,
-                                                                 streamed.text_tokens, queued)))
+            # Queued (and timed) at once: a take of speech in flight was queued on the engine thread before it.
+            timed = await self._timed(context, "StreamStep", last, streamed, streamed.text_tokens, queued)
+            if speaking is not None:
+                await speaking   # its answers go ahead of the tick's
+            await context.write(self._observed(timed))
         finally:
             reading.cancel()
+            if speaking is not None:
+                speaking.cancel()
             if queued is not None and not queued.done():
                 queued.set_result(None)
 
@@ -214,9 +219,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                     await asyncio.shield(previous)
                     previous = None
                 self._executor.submit(self._hear, message)
-            if speech is not None and not (message.tick or message.tokens_per_tick):
-                # A piece the gateway streamed ahead (the tick's last message names the tick and what to decode):
-                # its sessions' speech may go now. The tick hands out the rest itself.
+            if speech is not None and message.speech_ahead and not (message.tick or message.tokens_per_tick):
+                # A piece streamed ahead by a gateway that takes speech before the tick's answer: its sessions'
+                # speech may go now. The tick hands out the rest itself.
                 speech.add(inp.sid for inp in message.sessions)
             last = message
         if last is None:
@@ -240,7 +245,14 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 if previous is not None:
                     await asyncio.shield(previous)
                     previous = None
-                taken = await self._on_engine_thread(context, "StreamStep", self.core.take_speech, list(speech.sids))
+                # Checked again with no await until the take is queued: once the tick is queued, its answer
+                # hands out the speech (a take behind it would send audio out of order).
+                if reading.done():
+                    return
+                if not speech.sids:
+                    continue
+                taken = await self._on_engine_thread(context, "StreamStep", self.core.speech_between_ticks,
+                                                     list(speech.sids))
                 if taken.outputs:
                     await context.write(taken)
         finally:
@@ -365,7 +377,7 @@ async def serve_worker(config: WorkerConfig, *, engine: Engine | None = None,
         if adapter is None:
             adapter = await loop.run_in_executor(executor, make_adapter, config, engine)
         service = WorkerService(engine, adapter, config, executor)
-        if adapter.output_sample_rate:
+        if adapter.speaks_between_ticks:
             service.listen_for_speech(loop)
         size = config.max_message_bytes
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", size),

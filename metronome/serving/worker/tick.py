@@ -421,7 +421,7 @@ class TickCore:
                                kv_blocks_used=stats.kv_blocks_used, kv_blocks_total=stats.kv_blocks_total,
                                worker_ms=(perf_counter() - t0) * 1e3)
 
-    def take_speech(self, sids) -> pb.StepResponse:
+    def speech_between_ticks(self, sids: list[str]) -> pb.StepResponse:
         """Speech ready now for the open ones of ``sids`` (between ticks), as outputs with only their audio; a
         session with none is left out. What this takes, the next tick does not hand out again."""
         outputs = []

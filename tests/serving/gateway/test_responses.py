@@ -8,7 +8,7 @@ import json
 from metronome.serving.gateway.client_session import ClientSession
 from metronome.serving.gateway.handle import TickReport
 from metronome.serving.gateway.response import ResponseRequest
-from metronome.serving.gateway.responses import cancel_response, commit_turn, tick_events
+from metronome.serving.gateway.responses import cancel_response, commit_turn, speech_events, tick_events
 from metronome.serving.proto import worker_pb2 as pb
 
 REPORT = TickReport(tick=1, latency_ms=5.0, drift_ms=0.0, deadline_met=True, batch=1)
@@ -89,6 +89,22 @@ def test_cancel_ends_the_answer_and_nothing_more_of_it_is_sent():
     assert kinds(tick(s, cancelled=True)) == []
     assert kinds(tick(s, tokens=[9], text="Hi"))[0] == "response.created"
     assert cancel_response(session()) == []                     # nothing to cancel: nothing to end
+
+
+def test_speech_sent_between_ticks_joins_the_open_answer_only():
+    def ahead(s):
+        return speech_events(s, pb.SessionOutput(sid="s", audio_pcm16=b"\x02\x00" * 4, audio_sample_rate=24000,
+                                                 audio_transcript="Once upon a time."))
+
+    s = session()
+    assert ahead(s) == []                                       # no answer open: nothing to join
+    tick(s, tokens=[1], text="Once")
+    spoken = ahead(s)
+    assert kinds(spoken) == ["response.output_audio.delta", "response.output_audio_transcript.delta"]
+    assert base64.b64decode(spoken[0]["delta"]) == b"\x02\x00" * 4
+    assert spoken[1]["delta"] == "Once upon a time." and spoken[0]["response_id"] == s.response.id
+    cancel_response(s)
+    assert ahead(s) == []                                       # cancelled: the client has its response.done
 
 
 def test_an_answer_cut_at_its_cap_ends_incomplete_and_text_mode_sends_no_audio():
