@@ -396,7 +396,9 @@ class CascadeAdapter(InteractionAdapter):
         if state is None or state.speech is None:
             return []
         if state.turn_detection.interrupt_response and self.frontend.speech_started(session_id):
-            return []   # the user spoke over the answer: the next tick cuts it, none of it goes out meanwhile
+            # Between ticks, the user spoke over the answer: none of it goes out until the next tick, whose
+            # ``prepare`` takes that news first and cuts the answer (or, with no cut, ends the hold).
+            return []
         chunks = state.speech.take()
         if state.speech.done:
             state.speech = None

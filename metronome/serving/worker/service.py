@@ -254,7 +254,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 taken = await self._on_engine_thread(context, "StreamStep", self.core.speech_between_ticks,
                                                      list(speech.sids))
                 if taken.outputs:
-                    await context.write(taken)
+                    try:
+                        await context.write(taken)
+                    except BaseException:
+                        # Taken from the adapter, so the next tick will not send it again.
+                        log.warning("speech ready between ticks for %d sessions was lost with its stream",
+                                    len(taken.outputs))
+                        raise
         finally:
             self._speech_waiters.discard(speech.wake)
 
