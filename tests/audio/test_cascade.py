@@ -296,6 +296,31 @@ def test_speech_ready_between_ticks_is_held_once_the_user_speaks_over_the_answer
         speech.close()
 
 
+def test_speech_ready_between_ticks_still_flows_while_the_user_talks_when_speech_does_not_interrupt(engine, adapter):
+    """``interrupt_response`` False: the user speaking over a spoken answer neither holds its speech nor cuts it."""
+    from metronome.audio.adapter import TurnDetection
+    from metronome.audio.tts import SpeechSynthesizer, load_voice
+
+    speech = SpeechSynthesizer(load_voice("espeak"))
+    paced = CascadeAdapter(engine.tokenizer, vad=adapter.vad, asr=adapter.asr, speech=speech, max_tokens_per_tick=2)
+    ready = threading.Event()
+    paced.on_speech_ready(ready.set)
+    c = Conversation(engine, paced, "talked-over", tokens=25)
+    try:
+        assert paced.set_turn_detection(c.sid, TurnDetection(interrupt_response=False)) is None
+        c.tick(text="Tell me a long story about a dragon.", new_turn=True)
+        assert ready.wait(30) and paced.speaking(c.sid)
+        paced.hear(c.sid, trim(synth("Wait, wait, stop there please.")))   # no pause after it: no turn yet
+        assert paced.frontend.wait_idle(60) and paced.frontend.speech_started(c.sid)
+        assert paced.take_spoken(c.sid)[0]                    # the ready speech goes out between ticks
+        prepared, _ = c.tick()
+        assert not prepared.cancelled and paced.speaking(c.sid)
+    finally:
+        c.close()
+        paced.shutdown()
+        speech.close()
+
+
 def test_typed_text_waits_for_response_create(conv):
     """conversation.item.create adds a user turn; as in OpenAI's API only response.create answers it."""
     c = conv(tokens=2)
