@@ -272,32 +272,11 @@ def test_a_spoken_answers_first_tick_decodes_its_first_speech_piece_whole(engine
             speech.close()
 
 
-def test_speech_ready_between_ticks_is_held_once_the_user_speaks_over_the_answer(engine, adapter):
-    """The VAD heard the user start speaking during a spoken answer: its ready speech is no longer handed out,
-    and the next tick cuts the answer (barge-in) with none of it sent."""
-    from metronome.audio.tts import SpeechSynthesizer, load_voice
-
-    speech = SpeechSynthesizer(load_voice("espeak"))
-    paced = CascadeAdapter(engine.tokenizer, vad=adapter.vad, asr=adapter.asr, speech=speech, max_tokens_per_tick=2)
-    ready = threading.Event()
-    paced.on_speech_ready(ready.set)
-    c = Conversation(engine, paced, "held", tokens=25)
-    try:
-        c.tick(text="Tell me a long story about a dragon.", new_turn=True)
-        assert ready.wait(30) and paced.speaking(c.sid)
-        paced.hear(c.sid, trim(synth("Wait, wait, stop there please.")))   # no pause after it: no turn yet
-        assert paced.frontend.wait_idle(60)
-        assert paced.take_spoken(c.sid) == (b"", "")
-        prepared, _ = c.tick()
-        assert prepared.cancelled and not paced.speaking(c.sid) and paced.take_spoken(c.sid)[0] == b""
-    finally:
-        c.close()
-        paced.shutdown()
-        speech.close()
-
-
-def test_speech_ready_between_ticks_still_flows_while_the_user_talks_when_speech_does_not_interrupt(engine, adapter):
-    """``interrupt_response`` False: the user speaking over a spoken answer neither holds its speech nor cuts it."""
+@pytest.mark.parametrize("interrupts", [True, False], ids=["interrupt_response", "no_interrupt"])
+def test_speech_ready_between_ticks_while_the_user_speaks_over_the_answer(engine, adapter, interrupts):
+    """The VAD heard the user start speaking during a spoken answer. With ``interrupt_response`` its ready speech
+    is no longer handed out and the next tick cuts the answer (barge-in) with none of it sent; without, the
+    speech goes on between ticks and the answer is not cut."""
     from metronome.audio.adapter import TurnDetection
     from metronome.audio.tts import SpeechSynthesizer, load_voice
 
@@ -307,14 +286,18 @@ def test_speech_ready_between_ticks_still_flows_while_the_user_talks_when_speech
     paced.on_speech_ready(ready.set)
     c = Conversation(engine, paced, "talked-over", tokens=25)
     try:
-        assert paced.set_turn_detection(c.sid, TurnDetection(interrupt_response=False)) is None
+        assert paced.set_turn_detection(c.sid, TurnDetection(interrupt_response=interrupts)) is None
         c.tick(text="Tell me a long story about a dragon.", new_turn=True)
         assert ready.wait(30) and paced.speaking(c.sid)
         paced.hear(c.sid, trim(synth("Wait, wait, stop there please.")))   # no pause after it: no turn yet
         assert paced.frontend.wait_idle(60) and paced.frontend.speech_started(c.sid)
-        assert paced.take_spoken(c.sid)[0]                    # the ready speech goes out between ticks
+        between = paced.take_spoken(c.sid)
         prepared, _ = c.tick()
-        assert not prepared.cancelled and paced.speaking(c.sid)
+        if interrupts:
+            assert between == (b"", "")
+            assert prepared.cancelled and not paced.speaking(c.sid) and paced.take_spoken(c.sid)[0] == b""
+        else:
+            assert between[0] and not prepared.cancelled and paced.speaking(c.sid)
     finally:
         c.close()
         paced.shutdown()
