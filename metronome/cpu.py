@@ -7,7 +7,9 @@ Two decisions are made here, once, at start-up:
   alone torch emulates bf16, slower than float32).
 * ``ThreadPlan``: the engine (torch intra-op threads), the ASR (CTranslate2), the VAD (onnxruntime) and the
   gateway each get a fixed share of the cores, so a busy front end never makes torch's threads wait for
-  a core; ``quiet_thread_env`` makes idle OpenMP threads sleep instead of spinning at barriers.
+  a core; ``quiet_thread_env`` makes idle OpenMP threads sleep instead of spinning at barriers. Where
+  speech and the tick still meet on a core (the voice threads outnumber the ASR's share), the speech threads
+  run at a higher nice value (``lower_thread_priority``), so the tick, which has a deadline, goes first.
 
 Torch-free at import: the gateway and ``metronome.config`` import this module.
 
@@ -17,14 +19,15 @@ Torch-free at import: the gateway and ``metronome.config`` import this module.
 >>> auto_dtype("cpu", CpuCapability("AMD EPYC", frozenset({"avx2"}), cores=2))
 'float32'
 >>> ThreadPlan.for_box(2, speech=True)
-ThreadPlan(cores=2, workers=1, worker=1, asr=1, vad=1, gateway=0)
+ThreadPlan(cores=2, workers=1, worker=1, asr=1, vad=1, gateway=0, speech_nice=5)
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
-from typing import MutableMapping
+from typing import Callable, MutableMapping, TypeVar
 
 # Flags (as /proc/cpuinfo spells them) under which oneDNN runs bf16 matrix products in hardware.
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")
@@ -33,6 +36,11 @@ BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 QUIET_THREAD_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
 # How ``serve`` hands each worker process its share (the worker reads it back with ``ThreadPlan.from_env``).
 PLAN_ENV = "METRONOME_THREAD_PLAN"
+# How much lower the speech threads (VAD, ASR, speech out) run than the engine's tick: a nice value's weight
+# is ~1.25x the next one's, so at +5 the tick gets ~3/4 of a core it shares with one of them.
+SPEECH_NICE = 5
+
+T = TypeVar("T")
 
 
 def triton_interpreted() -> bool:
@@ -121,6 +129,7 @@ class ThreadPlan:
     asr: int
     vad: int
     gateway: int
+    speech_nice: int = 0   # the speech threads' nice value above the engine's (``lower_thread_priority``)
 
     @classmethod
     def for_box(cls, cores: int, speech: bool = True, workers: int = 1) -> ThreadPlan:
@@ -129,7 +138,8 @@ class ThreadPlan:
         asr = min(4, max(1, cores // 4)) if speech else 0
         per_worker = max(1, (cores - gateway) // workers)
         asr = min(asr, max(1, per_worker // 2)) if speech else 0
-        return cls(cores, workers, max(1, per_worker - asr), asr, 1 if speech else 0, gateway)
+        return cls(cores, workers, max(1, per_worker - asr), asr, 1 if speech else 0, gateway,
+                   SPEECH_NICE if speech else 0)
 
     @classmethod
     def for_this_process(cls, speech: bool = True, environ: MutableMapping[str, str] | None = None) -> ThreadPlan:
@@ -155,8 +165,9 @@ class ThreadPlan:
         gateway = f"gateway {self.gateway}" if self.gateway else "gateway shares"
         per = " per worker" if self.workers > 1 else ""
         wait = os.environ.get("OMP_WAIT_POLICY", "unset")
+        nice = f"; speech threads at nice +{self.speech_nice}" if self.asr and self.speech_nice else ""
         return (f"threads on {self.cores} cores{per}: engine {self.worker} (torch, OMP_WAIT_POLICY={wait}), "
-                f"{front}, {gateway}")
+                f"{front}, {gateway}{nice}")
 
     def apply_to_torch(self) -> None:
         """Give torch the engine's share (inter-op: one thread, the engine is single-threaded by design)."""
@@ -167,6 +178,41 @@ class ThreadPlan:
             torch.set_num_interop_threads(1)
         except RuntimeError:  # only settable before the first inter-op work; one is the default use here
             pass
+
+
+def lower_thread_priority(nice: int) -> None:
+    """Raise the calling thread's nice value by ``nice`` (at most to 19). On Linux the nice value is the
+    thread's own and the threads it starts inherit it; elsewhere, or where the OS refuses, nothing changes."""
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError:
+        pass
+
+
+def start_at_lower_priority(build: Callable[[], T], nice: int) -> T:
+    """``build()`` run on a short-lived thread at ``nice`` above this one: threads that a library starts while
+    it loads (CTranslate2's workers) run at that priority from then on."""
+    if nice <= 0:
+        return build()
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        lower_thread_priority(nice)
+        try:
+            result.append(build())
+        except BaseException as exc:  # handed to the caller's thread
+            error.append(exc)
+
+    thread = threading.Thread(target=run, name="load-at-lower-priority")
+    thread.start()
+    thread.join()
+    if error:
+        raise error[0]
+    return result[0]
 
 
 def startup_line(device: str, dtype: str, plan: ThreadPlan | None) -> str:

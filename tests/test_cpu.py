@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import threading
+
 import pytest
 
-from metronome.cpu import PLAN_ENV, ThreadPlan, quiet_thread_env
+from metronome.cpu import PLAN_ENV, ThreadPlan, lower_thread_priority, quiet_thread_env, start_at_lower_priority
+
+needs_thread_nice = pytest.mark.skipif(not hasattr(os, "getpriority") or not os.uname().sysname == "Linux",
+                                       reason="a nice value per thread is Linux's")
+
+
+def _nice() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
 
 @pytest.mark.parametrize("cores", [1, 2, 3, 4, 6, 8, 12, 16, 64, 128])
@@ -22,6 +32,48 @@ def test_shares_never_oversubscribe_a_box_of_two_or_more_cores(cores, speech, wo
 def test_the_speech_front_end_takes_cores_from_the_engine_only_when_it_exists():
     assert ThreadPlan.for_box(2, speech=True).worker == 1
     assert ThreadPlan.for_box(2, speech=False).worker == 2
+
+
+def test_speech_yields_to_the_tick_only_where_there_is_speech():
+    assert ThreadPlan.for_box(2, speech=True).speech_nice > 0
+    assert ThreadPlan.for_box(2, speech=False).speech_nice == 0
+    assert ThreadPlan.from_env("cores=2 workers=1 worker=1 asr=1 vad=1 gateway=0").speech_nice == 0   # an older serve's
+
+
+@needs_thread_nice
+def test_threads_a_library_starts_while_it_loads_keep_the_lower_priority():
+    """As CTranslate2's worker thread does: started inside ``build``, it runs on at the lowered priority, and
+    the caller's own priority is untouched."""
+    base, release, seen = _nice(), threading.Event(), []
+
+    def build() -> threading.Thread:
+        worker = threading.Thread(target=lambda: (release.wait(10), seen.append(_nice())))
+        worker.start()
+        return worker
+
+    worker = start_at_lower_priority(build, 3)
+    release.set()
+    worker.join(10)
+    assert seen == [min(19, base + 3)] and _nice() == base
+
+
+@needs_thread_nice
+def test_lowering_a_thread_leaves_the_others_alone():
+    base, seen = _nice(), []
+
+    def lowered() -> None:
+        lower_thread_priority(2)
+        seen.append(_nice())
+
+    t = threading.Thread(target=lowered)
+    t.start()
+    t.join(10)
+    assert seen == [min(19, base + 2)] and _nice() == base
+
+
+def test_a_load_that_fails_raises_in_the_callers_thread():
+    with pytest.raises(ValueError, match="no such model"):
+        start_at_lower_priority(lambda: (_ for _ in ()).throw(ValueError("no such model")), 3)
 
 
 def test_a_worker_reads_back_the_plan_serve_gave_it():

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from metronome.audio.pcm import resample
-from metronome.cpu import ThreadPlan
+from metronome.cpu import ThreadPlan, start_at_lower_priority
 
 SAMPLE_RATE = 16000
 MAX_UTTERANCE_S = 30.0          # Whisper's input window; longer clips would be truncated
@@ -78,12 +78,15 @@ class WhisperAsr:
         except ImportError as e:  # pragma: no cover - depends on the environment
             raise RuntimeError("speech recognition needs the `faster-whisper` package (pip install faster-whisper)") from e
         self.model_dir = Path(model_dir) if model_dir is not None else whisper_model_dir()
-        threads = cpu_threads or ThreadPlan.for_this_process(speech=True).asr
+        plan = ThreadPlan.for_this_process(speech=True)
+        threads = cpu_threads or plan.asr
         t0 = time.perf_counter()
         # A local directory never touches the hub; local_files_only guards against a typo'd path being
-        # taken for a hub model name.
-        self._model = WhisperModel(str(self.model_dir), device=device, compute_type=compute_type,
-                                   cpu_threads=threads, num_workers=1, local_files_only=True)
+        # taken for a hub model name. CTranslate2 starts its worker thread here: at the speech threads' priority.
+        self._model = start_at_lower_priority(
+            lambda: WhisperModel(str(self.model_dir), device=device, compute_type=compute_type, cpu_threads=threads,
+                                 num_workers=1, local_files_only=True),
+            plan.speech_nice if device == "cpu" else 0)
         self._pipeline = BatchedInferencePipeline(self._model)
         self.load_s = time.perf_counter() - t0
         self.batch_size = batch_size

@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from metronome.audio.vad import SAMPLE_RATE, SileroVad, Utterance, VadConfig, VadEvents, VadStream
+from metronome.cpu import ThreadPlan, lower_thread_priority
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +186,7 @@ class SpeechFrontend:
         self._stopping = False
         self._vad_jobs: queue.SimpleQueue[list[tuple[_Stream, np.ndarray, bool]] | _Configure | None] = \
             queue.SimpleQueue()
+        self._nice = ThreadPlan.for_this_process(speech=True).speech_nice   # the tick goes first on a shared core
         self._threads = [threading.Thread(target=self._vad_loop, name="frontend-vad", daemon=True),
                          threading.Thread(target=self._asr_loop, name="frontend-asr", daemon=True)]
         for t in self._threads:
@@ -275,6 +277,7 @@ class SpeechFrontend:
 
     # ------------------------------------------------------------------ VAD thread
     def _vad_loop(self) -> None:
+        lower_thread_priority(self._nice)
         while (job := self._vad_jobs.get()) is not None:
             try:
                 if isinstance(job, _Configure):
@@ -458,6 +461,7 @@ class SpeechFrontend:
 
     # ------------------------------------------------------------------ ASR thread
     def _asr_loop(self) -> None:
+        lower_thread_priority(self._nice)
         while True:
             with self._lock:
                 self._lock.wait_for(lambda: self._asr_queue or self._guesses or self._stopping)

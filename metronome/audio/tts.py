@@ -44,6 +44,7 @@ import numpy as np
 from metronome.audio import espeak
 from metronome.audio.pcm import check_sample_rate, encode_pcm16, resample
 from metronome.audio.sentences import CutPolicy, SentenceCutter
+from metronome.cpu import ThreadPlan, lower_thread_priority
 
 log = logging.getLogger(__name__)
 
@@ -119,9 +120,10 @@ class DeadlineQueue:
     """Worker threads that run submitted jobs earliest deadline first (ties: first submitted first).
 
     ``submit`` returns a ``Future``; cancelling it before it starts drops the job. ``close`` stops the
-    threads and cancels what has not started."""
+    threads and cancels what has not started. ``nice``: the threads' nice value above their creator's."""
 
-    def __init__(self, workers: int, name: str) -> None:
+    def __init__(self, workers: int, name: str, nice: int = 0) -> None:
+        self._nice = nice
         self._heap: list[tuple[float, int, Future, Callable[[], bytes]]] = []
         self._order = itertools.count()
         self._cond = threading.Condition()
@@ -150,6 +152,7 @@ class DeadlineQueue:
             t.join()
 
     def _run(self) -> None:
+        lower_thread_priority(self._nice)
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._heap or self._closed)
@@ -179,7 +182,8 @@ class SpeechSynthesizer:
         self.voice = voice
         self.policy = policy or CutPolicy()
         self.output_rate = output_rate
-        self._queue = DeadlineQueue(workers, "tts")
+        # Speech beside the tick yields to it (``ThreadPlan.speech_nice``): the tick has a deadline.
+        self._queue = DeadlineQueue(workers, "tts", ThreadPlan.for_this_process(speech=True).speech_nice)
 
     def open(self, output_rate: int | None = None, on_ready: Callable[[], None] | None = None) -> "SpeechStream":
         """A stream for one answer at ``output_rate`` (the synthesizer's default when None).
