@@ -72,13 +72,12 @@ def measure(config: str, neighbour: bool, checkpoint: str, args) -> dict:
 
     cores = usable_cores()
     env = {k: v for k, v in os.environ.items() if k not in QUIET_THREAD_ENV}
-    threads = cores
+    plan = ThreadPlan.for_box(cores, speech=True)
+    threads = plan.worker if config in ("plan", "plan-nice") else cores
     if config in ("passive", "plan", "plan-nice"):
         env.update(QUIET_THREAD_ENV)
-    if config in ("plan", "plan-nice"):
-        threads = ThreadPlan.for_box(cores, speech=True).worker
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    nice = ThreadPlan.for_box(cores, speech=True).speech_nice if config == "plan-nice" else 0
+    nice = plan.speech_nice if config == "plan-nice" else 0
     others = [subprocess.Popen([sys.executable, "-c", NEIGHBOUR], preexec_fn=(lambda: os.nice(nice)) if nice else None)
               for _ in range(args.neighbours if neighbour else 0)]
     try:

@@ -25,7 +25,9 @@ ThreadPlan(cores=2, workers=1, worker=1, asr=1, vad=1, gateway=0, speech_nice=5)
 from __future__ import annotations
 
 import os
+import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, MutableMapping, TypeVar
 
@@ -180,39 +182,33 @@ class ThreadPlan:
             pass
 
 
+def thread_nice() -> int | None:
+    """The calling thread's nice value, where the OS keeps one per thread (Linux; elsewhere a thread id is no
+    ``PRIO_PROCESS`` target): None elsewhere."""
+    if sys.platform != "linux":
+        return None
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
 def lower_thread_priority(nice: int) -> None:
-    """Raise the calling thread's nice value by ``nice`` (at most to 19). On Linux the nice value is the
-    thread's own and the threads it starts inherit it; elsewhere, or where the OS refuses, nothing changes."""
-    if nice <= 0 or not hasattr(os, "setpriority"):
+    """Raise the calling thread's nice value by ``nice`` (at most to 19); the threads it starts inherit it.
+    Where the OS keeps no nice value per thread, or refuses, nothing changes."""
+    current = thread_nice()
+    if nice <= 0 or current is None:
         return
-    tid = threading.get_native_id()
     try:
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, current + nice))
     except OSError:
         pass
 
 
 def start_at_lower_priority(build: Callable[[], T], nice: int) -> T:
     """``build()`` run on a short-lived thread at ``nice`` above this one: threads that a library starts while
-    it loads (CTranslate2's workers) run at that priority from then on."""
+    it loads (CTranslate2's workers) run at that priority from then on. What ``build`` raises, this raises."""
     if nice <= 0:
         return build()
-    result: list[T] = []
-    error: list[BaseException] = []
-
-    def run() -> None:
-        lower_thread_priority(nice)
-        try:
-            result.append(build())
-        except BaseException as exc:  # handed to the caller's thread
-            error.append(exc)
-
-    thread = threading.Thread(target=run, name="load-at-lower-priority")
-    thread.start()
-    thread.join()
-    if error:
-        raise error[0]
-    return result[0]
+    with ThreadPoolExecutor(1, "load-at-lower-priority", initializer=lower_thread_priority, initargs=(nice,)) as pool:
+        return pool.submit(build).result()
 
 
 def startup_line(device: str, dtype: str, plan: ThreadPlan | None) -> str:

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import threading
 
 import pytest
 
-from metronome.cpu import PLAN_ENV, ThreadPlan, lower_thread_priority, quiet_thread_env, start_at_lower_priority
+from metronome.cpu import (PLAN_ENV, ThreadPlan, lower_thread_priority, quiet_thread_env, start_at_lower_priority,
+                           thread_nice)
 
-needs_thread_nice = pytest.mark.skipif(not hasattr(os, "getpriority") or not os.uname().sysname == "Linux",
-                                       reason="a nice value per thread is Linux's")
-
-
-def _nice() -> int:
-    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+needs_thread_nice = pytest.mark.skipif(thread_nice() is None, reason="this OS keeps no nice value per thread")
 
 
 @pytest.mark.parametrize("cores", [1, 2, 3, 4, 6, 8, 12, 16, 64, 128])
@@ -44,31 +39,31 @@ def test_speech_yields_to_the_tick_only_where_there_is_speech():
 def test_threads_a_library_starts_while_it_loads_keep_the_lower_priority():
     """As CTranslate2's worker thread does: started inside ``build``, it runs on at the lowered priority, and
     the caller's own priority is untouched."""
-    base, release, seen = _nice(), threading.Event(), []
+    base, release, seen = thread_nice(), threading.Event(), []
 
     def build() -> threading.Thread:
-        worker = threading.Thread(target=lambda: (release.wait(10), seen.append(_nice())))
+        worker = threading.Thread(target=lambda: (release.wait(10), seen.append(thread_nice())))
         worker.start()
         return worker
 
     worker = start_at_lower_priority(build, 3)
     release.set()
     worker.join(10)
-    assert seen == [min(19, base + 3)] and _nice() == base
+    assert seen == [min(19, base + 3)] and thread_nice() == base
 
 
 @needs_thread_nice
 def test_lowering_a_thread_leaves_the_others_alone():
-    base, seen = _nice(), []
+    base, seen = thread_nice(), []
 
     def lowered() -> None:
         lower_thread_priority(2)
-        seen.append(_nice())
+        seen.append(thread_nice())
 
     t = threading.Thread(target=lowered)
     t.start()
     t.join(10)
-    assert seen == [min(19, base + 2)] and _nice() == base
+    assert seen == [min(19, base + 2)] and thread_nice() == base
 
 
 def test_a_load_that_fails_raises_in_the_callers_thread():

@@ -3,7 +3,6 @@ where its timing matters (a gate the test opens), so every wait is an event, nev
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from contextlib import contextmanager
@@ -17,9 +16,10 @@ from metronome.audio.frontend import SpeechFrontend
 from metronome.audio.sentences import CutPolicy
 from metronome.audio.tts import SpeechSynthesizer
 from metronome.audio.vad import SileroVad, VadConfig
-from metronome.cpu import PLAN_ENV, ThreadPlan
+from metronome.cpu import PLAN_ENV, ThreadPlan, thread_nice
 from tests.audio.speech import silence, synth, trim
 from tests.audio.test_tts import ScriptedVoice
+from tests.test_cpu import needs_thread_nice
 
 QUESTION = "What is the capital of France?"
 TOKENS = 4
@@ -35,12 +35,11 @@ class GatedAsr:
         self.entered = threading.Event()
         self.batches: list[int] = []
         self.threads: set[int] = set()
-        self.nice: set[int] = set()    # the calling threads' nice values (Linux)
+        self.nice: set[int | None] = set()    # the calling threads' nice values
 
     def transcribe_batch(self, utterances, sample_rate=16000):
         self.threads.add(threading.get_ident())
-        if hasattr(os, "getpriority"):
-            self.nice.add(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        self.nice.add(thread_nice())
         self.batches.append(len(utterances))
         self.entered.set()
         assert self.gate.wait(30)
@@ -188,7 +187,7 @@ def test_the_front_end_ignores_unknown_sessions_and_stops_cleanly(vad):
     front.shutdown()
 
 
-@pytest.mark.skipif(not hasattr(os, "getpriority") or os.uname().sysname != "Linux", reason="a nice value per thread is Linux's")
+@needs_thread_nice
 def test_whisper_runs_below_the_ticks_priority_by_the_plans_nice(vad, spoken, monkeypatch):
     monkeypatch.setenv(PLAN_ENV, ThreadPlan(2, 1, 1, 1, 1, 0, speech_nice=3).to_env())
     asr = GatedAsr()
@@ -197,7 +196,7 @@ def test_whisper_runs_below_the_ticks_priority_by_the_plans_nice(vad, spoken, mo
         front.open("a")
         front.submit([("a", spoken, False)])
         assert front.wait_idle(30) and front.take(["a"])["a"].transcripts == [QUESTION]
-        assert asr.nice == {min(19, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + 3)}
+        assert asr.nice == {min(19, thread_nice() + 3)}
     finally:
         front.shutdown()
 

@@ -6,7 +6,6 @@ tiny.en; the streaming mechanics run with a scripted voice whose timing the test
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -19,7 +18,9 @@ import pytest
 from metronome.audio.pcm import decode_pcm16
 from metronome.audio.sentences import CutPolicy
 from metronome.audio.tts import REALTIME_RATE, DeadlineQueue, SpeechSynthesizer, load_voice
+from metronome.cpu import thread_nice
 from tests.audio.test_asr import word_error_rate
+from tests.test_cpu import needs_thread_nice
 
 needs_espeak = pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="espeak-ng is not installed")
 
@@ -325,12 +326,11 @@ def test_an_answers_first_words_go_before_the_later_sentences_of_another():
     assert voice.calls == [long_first, "Paris is the capital.", "There was a horse.", "It was white."]
 
 
-@pytest.mark.skipif(not hasattr(os, "getpriority") or os.uname().sysname != "Linux", reason="a nice value per thread is Linux's")
+@needs_thread_nice
 def test_speech_is_made_at_the_queues_lower_priority():
     """The synthesis threads run below the tick's priority (``ThreadPlan.speech_nice``), not the caller's."""
-    nice = lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())  # noqa: E731
     queue = DeadlineQueue(1, "test-tts", nice=4)
     try:
-        assert queue.submit(nice, 0.0).result(10) == min(19, nice() + 4)
+        assert queue.submit(thread_nice, 0.0).result(10) == min(19, thread_nice() + 4)
     finally:
         queue.close()

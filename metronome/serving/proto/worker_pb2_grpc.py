@@ -97,9 +97,9 @@ class WorkerServicer:
         The streamed total is bounded like one Step request (RESOURCE_EXHAUSTED beyond it).
         The tick's StepResponse comes last. Before it, while the input streams in, the worker may send speech
         that was ready between ticks (speech_only: outputs with audio, its rate and transcript only) for the
-        sessions whose input this stream carried in messages marked speech_ahead; it was made after this
-        gateway's previous tick's answer, and a gateway hands it out after that answer. A stream with no
-        message marked speech_ahead gets its one StepResponse only.
+        sessions whose input this stream carried in messages marked speech_ahead; it is taken on the engine
+        thread after this gateway's previous tick ran there, and a gateway hands it out after that tick's
+        answer. A stream with no message marked speech_ahead gets its one StepResponse only.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
