@@ -103,6 +103,9 @@ def load_library(directory: Path | None = None) -> NativeLibrary:
     cdll.metronome_scatter_rows.restype = ctypes.c_int
     cdll.metronome_scatter_rows.argtypes = ([ctypes.c_int] * 2 + [ctypes.c_long, ctypes.c_void_p] + [ctypes.c_long] * 2
                                             + [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p])
+    cdll.metronome_copy_rows.restype = ctypes.c_int
+    cdll.metronome_copy_rows.argtypes = ([ctypes.c_long] * 2 + [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p] * 2
+                                         + [ctypes.c_int])
     cdll.metronome_skinny_linear.restype = ctypes.c_int
     cdll.metronome_skinny_linear.argtypes = (
         [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 3 + [ctypes.c_long, ctypes.c_int])

@@ -88,6 +88,26 @@ class CpuDecodeKernel:
         return True
 
 
+    def copy_rows_(self, src: torch.Tensor, src_index: torch.Tensor, dest: torch.Tensor,
+                   dest_index: torch.Tensor) -> bool:
+        """``dest[dest_index[i]] = src[src_index[i]]`` for ``src`` [R, width] and ``dest`` [R', width] (both
+        contiguous, one dtype): the decode window's rows gathered out of the paged cache. False (nothing written)
+        where it does not apply: other layouts, indices that are not int64 of one length. ``IndexError`` for an
+        index outside its tensor, as ``index_select``."""
+        if not (src.dtype == dest.dtype and src.device.type == dest.device.type == "cpu" == src_index.device.type
+                == dest_index.device.type and src.dim() == dest.dim() == 2 and src.shape[1] == dest.shape[1]
+                and src.is_contiguous() and dest.is_contiguous() and src_index.dtype == dest_index.dtype == torch.int64
+                and src_index.is_contiguous() and dest_index.is_contiguous()
+                and src_index.shape == dest_index.shape == (src_index.numel(),)
+                and not (torch.is_grad_enabled() and dest.requires_grad)):
+            return False
+        if self.library.cdll.metronome_copy_rows(
+                src_index.numel(), src.shape[1] * src.element_size(), src.data_ptr(), src.shape[0],
+                src_index.data_ptr(), dest.data_ptr(), dest.shape[0], dest_index.data_ptr(), torch.get_num_threads()):
+            raise IndexError(f"a row index is outside the {src.shape[0]} rows read or the {dest.shape[0]} written")
+        return True
+
+
 def load_kernel(directory: Path | None = None) -> CpuDecodeKernel:
     """The kernel for this CPU (``native.load_library``); raises ``native.KernelBuildError``."""
     return CpuDecodeKernel(load_library(directory))

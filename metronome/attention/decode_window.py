@@ -49,6 +49,10 @@ class DecodeRoundPlan:
     gather_slots: torch.Tensor | None  # [rows, columns] the cache slot of each column (0, the null block, padding)
     mask: torch.Tensor             # [rows, 1, 1, width] bool, True = attend
     width: int                     # columns attended
+    # With the C kernel, the gather as row copies of the live columns: cache rows [slot * kv_heads + head] to
+    # buffer rows [(row * kv_heads + head) * columns + column] (the columns past them are masked).
+    gather_from: torch.Tensor | None = None
+    gather_to: torch.Tensor | None = None
 
 
 class DecodeWindow:
@@ -114,7 +118,7 @@ class DecodeWindow:
             self._grow(self._rows_for(n), need)
         cols, device = self.cols_cap, self.device
 
-        gather_rows = gather_slots = None
+        gather_rows = gather_slots = gather_from = gather_to = None
         if fresh is not None:   # whole rows: the columns past the live keys read the null block (zeros)
             gather_rows = torch.tensor(gather, device=device)
             width = fresh.token.shape[1]
@@ -123,6 +127,11 @@ class DecodeWindow:
             self.fill[gather] = fresh.count
             gather_slots = torch.zeros(len(gather), cols, dtype=torch.long, device=device)
             gather_slots[:, :width] = fresh.slots
+            if self.kernel is not None:
+                heads = torch.arange(self.kv_heads, device=device)[None, :, None]
+                gather_from = (fresh.slots[:, None, :] * self.kv_heads + heads).flatten()
+                gather_to = ((gather_rows[:, None, None] * self.kv_heads + heads) * cols
+                             + torch.arange(width, device=device)).flatten()
         append = np.setdiff1d(np.arange(n), gather, assume_unique=True)
         columns = self.fill[append]
         on = lambda a: torch.from_numpy(a).to(device)  # noqa: E731  (host plans, the device indexes)
@@ -139,7 +148,7 @@ class DecodeWindow:
         if meta.window is not None:
             mask &= (tokens < meta.sinks) | (tokens >= t - meta.window)
         return DecodeRoundPlan(meta, self, append_q, append_at, gather_rows, gather_slots,
-                               mask[:, None, None, :], width)
+                               mask[:, None, None, :], width, gather_from, gather_to)
 
     def _arrange(self, session_ids: list[int]) -> list[int]:
         """Put the rows in ``session_ids`` order (compacting away sessions that left); returns the new rows
@@ -216,6 +225,9 @@ class DecodeWindow:
         if plan.gather_rows is not None:
             rows, slots = plan.gather_slots.shape
             for buf, cache in ((k_buf, k_cache), (v_buf, v_cache)):
+                if plan.gather_from is not None and kernel.copy_rows_(
+                        cache.view(-1, head_dim), plan.gather_from, buf.view(-1, head_dim), plan.gather_to):
+                    continue
                 gathered = cache.view(-1, kv_heads, head_dim).index_select(0, plan.gather_slots.flatten())
                 buf.index_copy_(0, plan.gather_rows, gathered.view(rows, slots, kv_heads, head_dim).transpose(1, 2))
         n, heads = query.shape[:2]

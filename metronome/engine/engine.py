@@ -32,7 +32,7 @@ from metronome.engine.scheduler import InvariantError, Scheduler
 from metronome.engine.session import Session, SessionStatus
 from metronome.errors import ConfigError, MetronomeError
 from metronome.models.cpu_layer_ops import CpuLayerOps, use_layer_ops_
-from metronome.models.cpu_linear import kernel_linears_, pack_linears_, packable
+from metronome.models.cpu_linear import PackedLinear, kernel_linears_, pack_linears_, packable
 from metronome.models.fp8 import check_fp8_device, quantize_decoder_
 from metronome.models.llama import LlamaFamilyForCausalLM
 from metronome.models.loader import load_model, load_tokenizer
@@ -167,7 +167,11 @@ class Engine:
                                   f"({read_capability().describe()})")
             return
         count = pack_linears_(self.model.model.layers)
-        log.info("packed %d linear weights (%s) for oneDNN", count, dtype)
+        head = ""
+        if hasattr(self.model, "packed_head"):   # a copy beside a tied embedding, which the lookup still reads
+            self.model.packed_head = PackedLinear(self.model.head_weight())
+            head = " and the logits' head"
+        log.info("packed %d linear weights%s (%s) for oneDNN", count, head, dtype)
 
     def _kernel_cpu_linears(self, library: NativeLibrary | None) -> None:
         if library is None:    # auto, and the kernels could not be built (logged): aten

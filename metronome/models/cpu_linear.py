@@ -41,14 +41,15 @@ def packable(dtype: torch.dtype) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """``nn.Linear``'s product with the weight in oneDNN's packed layout; the plain weight is dropped."""
+    """``F.linear(x, weight, bias)`` with ``weight`` [out, in] in oneDNN's packed layout (a copy: the caller drops
+    the plain weight, or keeps it where something else reads it, as a tied embedding)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach()
+        self.out_features, self.in_features = weight.shape
+        weight = weight.detach()
         self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, ROWS_HINT), persistent=False)
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach(), persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -66,7 +67,7 @@ def pack_linears_(layers: nn.Module) -> int:
     targets = [(parent, name, child) for parent in layers.modules() for name, child in parent.named_children()
                if type(child) is nn.Linear]
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child))
+        setattr(parent, name, PackedLinear(child.weight, child.bias))
     return len(targets)
 
 

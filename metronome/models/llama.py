@@ -174,6 +174,8 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.rotary: Rotary | None = None
         # Metronome's C kernels when the engine gives the logits' few-row products to them (``cpu_linear``).
         self.cpu_kernels: NativeLibrary | None = None
+        # The head's weight packed for oneDNN, where the engine packs the decoder's bf16 weights (``cpu_linear``).
+        self.packed_head: nn.Module | None = None
 
     def fuse_projections(self) -> None:
         """Call once after the checkpoint is loaded (names mirror transformers' until then)."""
@@ -196,14 +198,21 @@ class LlamaFamilyForCausalLM(nn.Module):
             x = layer(x, rope, kv, attention, plan)
         return self.model.norm(x)
 
+    def head_weight(self) -> torch.Tensor:
+        """The logits' weight [vocab, hidden]: the embedding's where the checkpoint ties them."""
+        return self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
+        weight = self.head_weight()
         logits = None
-        if hidden.device.type == "cpu" and self.cpu_kernels is not None:
+        if hidden.device.type == "cpu" and self.packed_head is not None:
+            logits = self.packed_head(hidden)
+        elif hidden.device.type == "cpu" and self.cpu_kernels is not None:
             logits = skinny_linear(hidden, weight, None, self.cpu_kernels)
         if logits is None and hidden.device.type == "cpu":
-            # vocab-major product: ~1.5x faster than F.linear for few rows on the CPU BLAS here.
-            logits = (weight @ hidden.t()).t()
+            # vocab-major product: ~1.5x faster than F.linear for few rows on the CPU BLAS here; its rows made
+            # contiguous, since top-k and argmax over a strided row take several times as long.
+            logits = (weight @ hidden.t()).t().contiguous()
         elif logits is None:
             logits = F.linear(hidden, weight)
         return exact_top(logits, hidden, weight) if logits.dtype in (torch.bfloat16, torch.float16) else logits

@@ -183,6 +183,34 @@ def test_scatter_refuses_what_it_does_not_take_and_checks_the_index(kernel):
     assert torch.equal(dest, torch.zeros(4, 8))                                           # nothing written
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("count", [0, 1, 37, 5000])
+def test_copied_rows_match_index_select_then_index_copy(kernel, dtype, count):
+    """Rows gathered by one index and placed by another (repeated sources, any order; 5,000 rows of 512 bytes
+    run on the threads): as torch's index_select then index_copy_."""
+    gen = torch.Generator().manual_seed(count)
+    src = torch.randn(6000, 128, generator=gen).to(dtype)
+    src_index = torch.randint(0, 6000, (count,), generator=gen)
+    dest_index = torch.randperm(7000, generator=gen)[:count]
+    dest, ref = torch.zeros(7000, 128, dtype=dtype), torch.zeros(7000, 128, dtype=dtype)
+    assert kernel.copy_rows_(src, src_index, dest, dest_index)
+    ref.index_copy_(0, dest_index, src.index_select(0, src_index))
+    assert torch.equal(dest, ref)
+
+
+def test_copy_refuses_what_it_does_not_take_and_checks_both_indices(kernel):
+    src, dest, two = torch.randn(3, 8), torch.zeros(4, 8), torch.tensor([0, 1])
+    assert not kernel.copy_rows_(src, two, dest.double(), two)                            # dtypes differ
+    assert not kernel.copy_rows_(src, two.int(), dest, two)                               # index dtype
+    assert not kernel.copy_rows_(src, two, dest, torch.tensor([0]))                       # lengths differ
+    assert not kernel.copy_rows_(src, two, torch.zeros(8, 4).t(), two)                    # strided destination
+    assert not kernel.copy_rows_(src, two, torch.zeros(4, 6), two)                        # widths differ
+    for src_index, dest_index in ((torch.tensor([0, 3]), two), (two, torch.tensor([-1, 0]))):
+        with pytest.raises(IndexError):
+            kernel.copy_rows_(src, src_index, dest, dest_index)
+    assert torch.equal(dest, torch.zeros(4, 8))                                           # nothing written
+
+
 def test_write_kv_with_the_kernel_takes_an_empty_round(kernel):
     from metronome.attention.metadata import write_kv
 

@@ -29,7 +29,7 @@ def test_packed_product_matches_float64(shape, bias):
     x = torch.randn(shape)
     ref = torch.nn.functional.linear(x.double(), linear.weight.double(),
                                      None if linear.bias is None else linear.bias.double())
-    out = PackedLinear(linear)(x)
+    out = PackedLinear(linear.weight, linear.bias)(x)
     assert out.shape == ref.shape and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
@@ -40,7 +40,7 @@ def test_packed_bf16_product_within_bf16_rounding():
     linear = nn.Linear(256, 96, bias=False).to(torch.bfloat16)
     x = torch.randn(9, 256, dtype=torch.bfloat16)
     ref = x.double() @ linear.weight.double().t()
-    out = PackedLinear(linear)(x).double()
+    out = PackedLinear(linear.weight, linear.bias)(x).double()
     assert ((out - ref).norm() / ref.norm()).item() < 2 ** -7
 
 
@@ -194,3 +194,19 @@ def test_cpu_linear_setting_is_checked(llama):
     if not packable(torch.bfloat16):
         with pytest.raises(ConfigError, match="cannot pack"):
             Engine(EngineConfig(model=llama[0], dtype="bfloat16", cpu_linear="packed", **SMALL))
+
+
+@pytest.mark.skipif(not packable(torch.bfloat16), reason="this CPU has no bf16 instructions for oneDNN to pack")
+@pytest.mark.parametrize("family", ["llama", "llama-tied"])
+def test_bf16_engine_packs_the_head_and_its_logits_match_float64(checkpoints, family):
+    """The logits' product goes through a packed copy of the head (the embedding's, where tied, which the lookup
+    still reads); the logits are within bf16 rounding of float64 and their argmax is float64's."""
+    engine = Engine(EngineConfig(model=checkpoints[family][0], dtype="bfloat16", **SMALL))
+    model = engine.model
+    assert isinstance(model.packed_head, PackedLinear) and model.head_weight().dtype == torch.bfloat16
+    hidden = torch.randn(6, model.spec.hidden_size, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    with torch.no_grad():
+        logits = model.compute_logits(hidden).double()
+    ref = hidden.double() @ model.head_weight().double().t()
+    assert ((logits - ref).norm() / ref.norm()).item() < 2 ** -7
+    assert torch.equal(logits.argmax(-1), ref.argmax(-1))
