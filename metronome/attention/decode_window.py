@@ -231,7 +231,6 @@ class DecodeWindow:
                 gathered = cache.view(-1, kv_heads, head_dim).index_select(0, plan.gather_slots.flatten())
                 buf.index_copy_(0, plan.gather_rows, gathered.view(rows, slots, kv_heads, head_dim).transpose(1, 2))
         n, heads = query.shape[:2]
-        k, v = k_buf[:n, :, :plan.width], v_buf[:n, :, :plan.width]
         # The query heads that share a KV head (GQA's repeat_interleave order) stand as that head's query rows:
         # each KV head is read once, where SDPA's enable_gqa on the CPU expands K/V per query head first.
         grouped = query.view(n, kv_heads, heads // kv_heads, head_dim)
@@ -239,6 +238,7 @@ class DecodeWindow:
             scale = self.scale if self.scale is not None else head_dim ** -0.5
             o = self.kernel(grouped, k_buf, v_buf, plan.mask.view(n, plan.width), scale)
         else:
+            k, v = k_buf[:n, :, :plan.width], v_buf[:n, :, :plan.width]
             o = F.scaled_dot_product_attention(grouped, k.to(query.dtype), v.to(query.dtype), attn_mask=plan.mask,
                                                scale=self.scale)
         return o.reshape(n, heads, head_dim)

@@ -22,10 +22,15 @@ from metronome.native import NativeLibrary
 
 
 def _plain(*tensors: torch.Tensor) -> bool:
-    """CPU tensors of one dtype the kernels take, outside autograd."""
+    """CPU tensors of one dtype the kernels take, outside autograd. (Called for every norm of every layer of a
+    decode round: a loop, not generators.)"""
     dtype = tensors[0].dtype
-    return (dtype in DTYPES and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors)
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
+    if dtype not in DTYPES:
+        return False
+    for t in tensors:
+        if t.dtype != dtype or not t.is_cpu:
+            return False
+    return not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors)
 
 
 @dataclass(frozen=True)
@@ -37,13 +42,13 @@ class CpuLayerOps:
         dim = x.shape[-1]
         if not _plain(x, weight) or weight.shape != (dim,) or not weight.is_contiguous() or x.numel() == 0:
             return None
-        rows = x.reshape(-1, dim)
+        rows = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, dim)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         out = torch.empty(rows.shape, dtype=x.dtype)
         self.library.cdll.metronome_rms_norm(rows.shape[0], dim, DTYPES[x.dtype], rows.data_ptr(), rows.stride(0),
                                              weight.data_ptr(), eps, out.data_ptr(), dim, torch.get_num_threads())
-        return out.view(x.shape)
+        return out if out.dim() == x.dim() else out.view(x.shape)
 
     def rope_qk_(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
         """Rotate ``q`` [T, heads, dim] and ``k`` [T, kv_heads, dim] in place by the float32 tables ``cos``/``sin``
@@ -55,7 +60,7 @@ class CpuLayerOps:
                 and all(x.stride(2) == 1 and x.stride(1) >= dim and x.stride(0) >= x.shape[1] * x.stride(1)
                         for x in (q, k))   # rows apart: each is rotated once
                 and cos.shape == sin.shape and cos.dtype == sin.dtype == torch.float32
-                and cos.device.type == sin.device.type == "cpu" and cos.is_contiguous() and sin.is_contiguous()):
+                and cos.is_cpu and sin.is_cpu and cos.is_contiguous() and sin.is_contiguous()):
             return False
         for x in (q, k):
             self.library.cdll.metronome_rope(tokens, x.shape[1], dim, DTYPES[x.dtype], x.data_ptr(), x.stride(0),
@@ -67,13 +72,13 @@ class CpuLayerOps:
         dim = gate_up.shape[-1] // 2
         if not _plain(gate_up) or gate_up.shape[-1] % 2 or gate_up.numel() == 0:
             return None
-        rows = gate_up.reshape(-1, 2 * dim)
+        rows = gate_up if gate_up.dim() == 2 and gate_up.stride(-1) == 1 else gate_up.reshape(-1, 2 * dim)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         out = torch.empty(rows.shape[0], dim, dtype=gate_up.dtype)
         self.library.cdll.metronome_silu_mul(rows.shape[0], dim, DTYPES[gate_up.dtype], rows.data_ptr(),
                                              rows.stride(0), out.data_ptr(), dim, torch.get_num_threads())
-        return out.view(*gate_up.shape[:-1], dim)
+        return out if gate_up.dim() == 2 else out.view(*gate_up.shape[:-1], dim)
 
 
 def use_layer_ops_(model: nn.Module, ops: CpuLayerOps | None) -> int:
