@@ -168,9 +168,10 @@ class Engine:
             return
         count = pack_linears_(self.model.model.layers)
         head = ""
-        if hasattr(self.model, "packed_head"):   # a copy beside a tied embedding, which the lookup still reads
-            self.model.packed_head = PackedLinear(self.model.head_weight())
-            head = " and the logits' head"
+        if hasattr(self.model, "packed_head"):   # a copy: the embedding lookup and the exact top-k read the plain one
+            weight = self.model.head_weight()
+            self.model.packed_head = PackedLinear(weight)
+            head = f" and a copy of the logits' head ({weight.numel() * weight.element_size() / 2**20:.0f} MiB)"
         log.info("packed %d linear weights%s (%s) for oneDNN", count, head, dtype)
 
     def _kernel_cpu_linears(self, library: NativeLibrary | None) -> None:
