@@ -49,8 +49,9 @@ class DecodeRoundPlan:
     gather_slots: torch.Tensor | None  # [rows, columns] the cache slot of each column (0, the null block, padding)
     mask: torch.Tensor             # [rows, 1, 1, width] bool, True = attend
     width: int                     # columns attended
-    # With the C kernel, the gather as row copies of the live columns: cache rows [slot * kv_heads + head] to
-    # buffer rows [(row * kv_heads + head) * columns + column] (the columns past them are masked).
+    # With the C kernel, the gather as row copies: cache rows [slot * kv_heads + head] to buffer rows
+    # [(row * kv_heads + head) * columns + column], the padding from the null block as above (a masked column still
+    # meets its value with weight 0, so a stale non-finite value left by a row's earlier session would show).
     gather_from: torch.Tensor | None = None
     gather_to: torch.Tensor | None = None
 
@@ -129,9 +130,9 @@ class DecodeWindow:
             gather_slots[:, :width] = fresh.slots
             if self.kernel is not None:
                 heads = torch.arange(self.kv_heads, device=device)[None, :, None]
-                gather_from = (fresh.slots[:, None, :] * self.kv_heads + heads).flatten()
+                gather_from = (gather_slots[:, None, :] * self.kv_heads + heads).flatten()
                 gather_to = ((gather_rows[:, None, None] * self.kv_heads + heads) * cols
-                             + torch.arange(width, device=device)).flatten()
+                             + torch.arange(cols, device=device)).flatten()
         append = np.setdiff1d(np.arange(n), gather, assume_unique=True)
         columns = self.fill[append]
         on = lambda a: torch.from_numpy(a).to(device)  # noqa: E731  (host plans, the device indexes)

@@ -244,3 +244,25 @@ def test_sessions_joining_one_at_a_time_regrow_the_rows_a_few_times(grows):
         run_rounds(sim, [joined] * 2, window=window)
     rows = sorted({r for r, _ in grows})
     assert rows[-1] >= 16 and len(rows) <= 5     # 4, 8, 12, 20 rather than 1, 2, ..., 16
+
+
+@pytest.mark.parametrize("attend", ["sdpa", "kernel"])
+def test_a_rows_earlier_values_never_reach_its_next_session(attend, tmp_path):
+    """A masked column still meets its value (with weight 0), so a row's columns past its session's keys must hold
+    finite values whatever the row held before: here every buffer is filled with NaN between two steps, and the
+    next step's rows, gathered anew, must attend as the oracle does."""
+    kernel = None
+    if attend == "kernel":
+        if find_compiler() is None:
+            pytest.skip("no C compiler to build the CPU attention kernel with")
+        kernel = load_kernel(tmp_path)
+        if not kernel.supports(torch.float32, DIM):
+            pytest.skip(f"head dim {DIM} is not a multiple of this CPU's vector width {kernel.vector_width}")
+    sim = PagedSim(sinks=4, window=None, block_size=4, dtype=torch.float32)
+    sim.prefill(1, 60)
+    sim.prefill(2, 3)
+    window = run_rounds(sim, [[1, 2]] * 3, window=DecodeWindow(sim.caches, HEADS, kernel=kernel))
+    for k, v in window.buffers:
+        k.fill_(float("nan"))
+        v.fill_(float("nan"))
+    run_rounds(sim, [[2, 1]] * 3, window=window)    # session 2's row now holds far fewer keys than the width
