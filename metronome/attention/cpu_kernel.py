@@ -87,7 +87,6 @@ class CpuDecodeKernel:
             raise IndexError(f"a row index is outside the {dest.shape[0]} rows written to")
         return True
 
-
     def copy_rows_(self, src: torch.Tensor, src_index: torch.Tensor, dest: torch.Tensor,
                    dest_index: torch.Tensor) -> bool:
         """``dest[dest_index[i]] = src[src_index[i]]`` for ``src`` [R, width] and ``dest`` [R', width] (both

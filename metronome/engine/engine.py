@@ -154,6 +154,8 @@ class Engine:
     def _pack_cpu_linears(self, choice: str, dtype: torch.dtype, cpu_kernels: NativeLibrary | None) -> None:
         """The decoder's products on the CPU (``EngineConfig.cpu_linear``): bf16 weights packed for oneDNN,
         float32 products of few rows through the C kernels (``cpu_kernels``), or aten's ``F.linear``."""
+        if hasattr(self.model, "packed_head"):   # a model handed in again: no head packed by an earlier engine
+            self.model.packed_head = None
         if choice == "aten":
             return
         if choice == "kernel" or (choice == "auto" and dtype == torch.float32):

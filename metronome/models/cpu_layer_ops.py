@@ -23,7 +23,7 @@ from metronome.native import NativeLibrary
 
 def _plain(*tensors: torch.Tensor) -> bool:
     """CPU tensors of one dtype the kernels take, outside autograd. (Called for every norm of every layer of a
-    decode round: a loop, not generators.)"""
+    decode round: plain loops, and the autograd check only when grad is on.)"""
     dtype = tensors[0].dtype
     if dtype not in DTYPES:
         return False

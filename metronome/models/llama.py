@@ -174,7 +174,8 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.rotary: Rotary | None = None
         # Metronome's C kernels when the engine gives the logits' few-row products to them (``cpu_linear``).
         self.cpu_kernels: NativeLibrary | None = None
-        # The head's weight packed for oneDNN, where the engine packs the decoder's bf16 weights (``cpu_linear``).
+        # The head's weight packed for oneDNN, where the engine packs the decoder's bf16 weights (``cpu_linear``): a
+        # copy made at load, as the packed layers are, so it does not follow later changes to the plain weight.
         self.packed_head: nn.Module | None = None
 
     def fuse_projections(self) -> None:

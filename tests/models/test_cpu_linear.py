@@ -210,3 +210,6 @@ def test_bf16_engine_packs_the_head_and_its_logits_match_float64(checkpoints, fa
     ref = hidden.double() @ model.head_weight().double().t()
     assert ((logits - ref).norm() / ref.norm()).item() < 2 ** -7
     assert torch.equal(logits.argmax(-1), ref.argmax(-1))
+    again = Engine(EngineConfig(model=checkpoints[family][0], dtype="bfloat16", cpu_linear="aten", **SMALL),
+                   model=model)
+    assert again.model.packed_head is None       # a model handed to an engine that packs nothing: the plain head
