@@ -9,6 +9,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#define PARALLEL_BYTES (1L << 20)   /* below this a copy runs on one thread: waking the others costs more */
+
 /* dst row index[t * heads + h] = src row (t, h) at t * token_stride + h * head_stride, for t < tokens, h < heads;
    rows of row_bytes, strides in bytes. Returns 0, or 1 (nothing written) when an index is outside [0, dst_rows). */
 int metronome_scatter_rows(int tokens, int heads, long row_bytes, const char *src, long token_stride,
@@ -28,7 +30,7 @@ int metronome_copy_rows(long count, long row_bytes, const char *src, long src_ro
                         char *dst, long dst_rows, const int64_t *dst_index, int threads) {
     for (long i = 0; i < count; i++)
         if (src_index[i] < 0 || src_index[i] >= src_rows || dst_index[i] < 0 || dst_index[i] >= dst_rows) return 1;
-    #pragma omp parallel for num_threads(threads) if (count * row_bytes >= (1L << 20)) schedule(static)
+    #pragma omp parallel for num_threads(threads) if (count * row_bytes >= PARALLEL_BYTES) schedule(static)
     for (long i = 0; i < count; i++)
         memcpy(dst + dst_index[i] * row_bytes, src + src_index[i] * row_bytes, (size_t)row_bytes);
     return 0;

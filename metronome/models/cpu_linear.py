@@ -52,13 +52,12 @@ class PackedLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.is_contiguous():   # the decoder's packed tokens: no reshapes (four calls a layer a round)
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        rows = x.reshape(-1, self.in_features)
+        # The decoder's packed tokens are 2-D already: no reshapes (four calls a layer a round).
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if not rows.is_contiguous():
             rows = rows.contiguous()
         out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

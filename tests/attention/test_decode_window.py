@@ -265,4 +265,4 @@ def test_a_rows_earlier_values_never_reach_its_next_session(attend, tmp_path):
     for k, v in window.buffers:
         k.fill_(float("nan"))
         v.fill_(float("nan"))
-    run_rounds(sim, [[2, 1]] * 3, window=window)    # session 2's row now holds far fewer keys than the width
+    run_rounds(sim, [[2, 1]] * 3, window=window)    # sid 2's row holds far fewer keys than the width
