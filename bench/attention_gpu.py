@@ -11,7 +11,7 @@ Figures: docs/benchmarks/gpu.md (attention kernel).
 What one run measures, in bf16, for every (model, mode, N):
 
 * models (query heads / KV heads x head_dim): SmolLM2-135M 9/3x64, Qwen2.5-7B 28/4x128,
-  Qwen3-30B-A3B 32/4x128; sinks S = 16, window W = 1024, block size 16;
+  Qwen3-30B-A3B 32/4x128 (and Moshi-7B 32/32x128 with ``--models``); sinks S = 16, window W = 1024, block size 16;
 * N in {1, 16, 64, 256, 512} sessions, each well past the window (4096 + 0..15 tokens old, so windows end
   mid-block), modes: decode (1 query token per session) and prefill chunks of 26 and 50 tokens;
 * **triton**: ``paged_attention_triton`` over a paged pool (physical blocks shuffled; the slots after each
@@ -55,7 +55,9 @@ MODELS = {  # name: (query heads, kv heads, head_dim)
     "smollm2-135m": (9, 3, 64),
     "qwen2.5-7b": (28, 4, 128),
     "qwen3-30b-a3b": (32, 4, 128),
+    "moshi-7b": (32, 32, 128),   # no GQA: one query row per program in decode
 }
+DEFAULT_MODELS = "smollm2-135m,qwen2.5-7b,qwen3-30b-a3b"
 MODES = {"decode": 1, "prefill26": 26, "prefill50": 50}
 
 
@@ -63,7 +65,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=type(
         "Formatter", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter), {}))
     p.add_argument("--out", default="results/attention_gpu.json", help="raw JSON results")
-    p.add_argument("--models", default=",".join(MODELS), help=f"comma list of {list(MODELS)}")
+    p.add_argument("--models", default=DEFAULT_MODELS, help=f"comma list of {list(MODELS)}")
     p.add_argument("--sessions", default="1,16,64,256,512", help="comma list of N")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {list(MODES)}")
     p.add_argument("--sinks", type=int, default=16, help="sink tokens S")
@@ -90,6 +92,9 @@ def parse_args(argv=None):
     p.add_argument("--cpu-smoke", action="store_true",
                    help="no GPU: tiny shapes through the Triton interpreter (checks this script only)")
     p.add_argument("--seed", type=int, default=0, help="random inputs' seed")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                   help="the paged pool's element type: auto (the compute dtype) or fp8 (E4M3, a scale per head; "
+                        "SDPA and flex read the dequantised keys in bf16)")
     return p.parse_args(argv)
 
 
@@ -120,6 +125,7 @@ class SessionSets:
     k_c: list             # [n, KVH, L, D]
     v_c: list
     o_c: list
+    kv_scale: object      # [2, KVH] float32 scales of an E4M3 pool (None otherwise)
     live_keys: int        # keys per session (S + W + q)
     kv_bytes: int         # live K/V bytes of one set (what one call must read)
     qo_bytes: int         # Q read + O written of one set
@@ -153,12 +159,22 @@ def build_sets(shape: Shape, n_sets: int, args, device, dtype, plan_kw):
     v_cache = torch.randn((num_blocks, bs, kvh, d), generator=gdev, device=device, dtype=dtype)
     k_cache[0] = 0
     v_cache[0] = 0
+    kv_scale = None
+    if args.kv_cache_dtype == "fp8":
+        from metronome.attention.fp8 import head_scales
+
+        kv_scale = torch.stack([head_scales(c.view(-1, kvh, d)) for c in (k_cache, v_cache)]).contiguous()
     # NaN in every slot after a session's last token: reading outside the live set poisons the output.
     last_phys = table[torch.arange(m), n_live - 1].long()
     j = torch.arange(bs)[None, :]
     tail = (last_phys[:, None] * bs + j)[j >= ((ctx - 1) % bs + 1)[:, None]].to(device)
     k_cache.view(-1, kvh, d)[tail] = float("nan")
     v_cache.view(-1, kvh, d)[tail] = float("nan")
+    if kv_scale is not None:   # the pool holds E4M3 codes; the contiguous copies below, their values
+        from metronome.attention.fp8 import to_e4m3
+
+        codes = [to_e4m3(c, sc[:, None]) for c, sc in ((k_cache, kv_scale[0]), (v_cache, kv_scale[1]))]
+        k_cache, v_cache = ((c.float() * sc[:, None]).to(dtype) for c, sc in zip(codes, kv_scale))
     table_d, wf_d, ctx_d = table.to(device), wf.to(device), ctx.to(device)
 
     # Contiguous copies of the live keys, token order: sinks, then [first_query - W, ctx).
@@ -181,7 +197,9 @@ def build_sets(shape: Shape, n_sets: int, args, device, dtype, plan_kw):
     query = torch.randn((m * q, heads, d), generator=gdev, device=device, dtype=dtype)
     q_all = query.view(m, q, heads, d).transpose(1, 2).contiguous()
 
-    sets = SessionSets([], [], [], [], [], k_cache, v_cache, [], [], [], [], live,
+    if kv_scale is not None:
+        k_cache, v_cache = codes
+    sets = SessionSets([], [], [], [], [], k_cache, v_cache, [], [], [], [], kv_scale, live,
                        shape.n * live * kvh * d * 2 * k_cache.element_size(),
                        2 * shape.n * q * heads * d * query.element_size())
     n = shape.n
@@ -352,7 +370,7 @@ def run_shape(shape: Shape, args, device, dtype, timer: Timer, plan_kw, flex_sta
 
     def triton_call(s, plans):
         return lambda: paged_attention_triton(sets.queries[s], sets.k_cache, sets.v_cache, sets.metas[s],
-                                              scale, plans[s], out=sets.outs[s])
+                                              scale, plans[s], out=sets.outs[s], kv_scale=sets.kv_scale)
 
     # ---- correctness on set 0 (first 64 sessions) against fp32 SDPA with the explicit mask
     check_n = min(shape.n, 64)

@@ -238,6 +238,36 @@ class Arm:
         self.engine.close()
 
 
+def kernel_group(name: str) -> str:
+    """A kernel's name for the profile's split, without its argument list: torch's elementwise kernels keep
+    their template arguments, which name the operation (``CUDAFunctor_add<c10::BFloat16>``)."""
+    name = name.removeprefix("void ").replace("(anonymous namespace)::", "").split("(")[0]
+    return name[:140] if name.startswith("at::native::") else name.split("<")[0][:100]
+
+
+def profile_ticks(arm: Arm, n: int, ticks: int, top: int = 25) -> dict:
+    """``ticks`` ticks under the torch profiler: device time per kernel family (graph replays included),
+    against the ticks' wall time, so a part that waits on the host shows as wall time no kernel fills."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if arm.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        walls = [arm.tick(n)["tick_ms"] for _ in range(ticks)]
+    families: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = families.setdefault(kernel_group(event.name), [0.0, 0])
+            entry[0] += event.time_range.elapsed_us() / 1e3 / ticks
+            entry[1] += 1
+    kernels = sorted(({"kernel": k, "ms_per_tick": round(v[0], 3), "launches_per_tick": v[1] // ticks}
+                      for k, v in families.items()), key=lambda r: -r["ms_per_tick"])
+    busy = sum(r["ms_per_tick"] for r in kernels)
+    print(f"profile at N = {n}: tick {statistics.median(walls):.1f} ms (under the profiler), kernels {busy:.1f} ms")
+    for r in kernels[:top]:
+        print(f"  {r['ms_per_tick']:9.3f} ms {r['launches_per_tick']:6d}x  {r['kernel']}")
+    return {"tick_ms": walls, "kernel_ms_per_tick": busy, "kernels": kernels[:top]}
+
+
 def sweep(arm: Arm, spec: ModelBench, args, results: dict) -> None:
     """Grow the sessions through ``args.sessions``; per N, median tick and split after the warm-up."""
     limit, rows = results["limit_ms"], results[spec.rows_key]
@@ -251,8 +281,11 @@ def sweep(arm: Arm, spec: ModelBench, args, results: dict) -> None:
         medians = {f"{spec.prefix}{key}": statistics.median(t[key] for t in ticks)
                    for key in arm.medians or [key for _, key in arm.columns]}
         row = {"N": n, **medians, **arm.row_extra(n, ticks), "ticks": ticks}
+        if n in args.profile_list:
+            row["profile"] = profile_ticks(arm, n, args.ticks)
         rows.append(row)
-        print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items() if k != "ticks"}),
+        print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()
+                          if k not in ("ticks", "profile")}),
               flush=True)
         if row[f"{spec.prefix}tick_ms"] > args.stop_factor * limit:
             break
@@ -843,6 +876,8 @@ def parse(argv=None) -> argparse.Namespace:
                         "default 16,64,256,1024,4096, smoke 4,16")
     p.add_argument("--tune-moe", action="store_true", help="qwen3_omni: only sweep the grouped GEMM's tiles")
     p.add_argument("--tune-tokens", default="16,64,256,1024,4096,16384", help="qwen3_omni: T for --tune-moe")
+    p.add_argument("--profile", default="",
+                   help="N at which to profile --ticks more ticks (comma list): device time per kernel family")
     p.add_argument("--out", default=argparse.SUPPRESS, help="raw JSON; default $OUT/models_<model>.json (OUT=./out)")
     args = p.parse_args(argv)
     bench = MODELS[args.model]
@@ -858,6 +893,7 @@ def parse(argv=None) -> argparse.Namespace:
         if not hasattr(args, key):
             setattr(args, key, value)
     args.session_list = ints(args.sessions)
+    args.profile_list = ints(args.profile) if args.profile else []
     args.device = args.device or ("cpu" if args.smoke else "cuda")
     args.dtype = "float32" if args.smoke else "bfloat16"
     args.torch_dtype = getattr(torch, args.dtype)

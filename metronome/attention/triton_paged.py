@@ -52,7 +52,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import globaltimer, smid
 
-from metronome.attention.metadata import PagedAttentionMetadata, write_kv
+from metronome.attention.e4m3_triton import e4m3_grid
+from metronome.attention.metadata import PagedAttentionMetadata
 from metronome.cpu import triton_interpreted
 
 LOG2E = 1.4426950408889634
@@ -173,6 +174,10 @@ def _paged_attn_fwd(
                 mask=row_valid[:, None] & d_valid[None, :], other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
+    elif KV_FP8 and not IEEE:
+        # E4M3 widens to fp16 in one conversion per pair, to bf16 in more: 16-bit queries and tiles multiply
+        # in fp16 (queries stay far inside its range; the scores accumulate in float32 either way).
+        q = q.to(tl.float16)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -241,6 +246,43 @@ def _paged_attn_fwd(
     if TIMELINE:
         tl.debug_barrier()   # every warp's stores issued: the end stamp covers the whole program
         _record_end(timeline_row, tl.maximum(hi - lo, 0))
+
+
+@triton.jit
+def _write_kv(K, V, KC, VC, SLOTS, KV_SCALE, stride_kt, stride_vt, ROW: tl.constexpr, HEAD_D: tl.constexpr,
+              KV_HEADS: tl.constexpr, BLOCK: tl.constexpr, KV_FP8: tl.constexpr):
+    """One token's keys and values (``ROW = KV heads x head_dim`` each) into its cache slot; E4M3 caches get
+    ``x / scale`` of each head rounded onto the grid, as ``attention/fp8.to_e4m3`` writes them."""
+    t = tl.program_id(0)
+    slot = tl.load(SLOTS + t).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < ROW
+    k = tl.load(K + t * stride_kt + offs, mask=mask, other=0.0)
+    v = tl.load(V + t * stride_vt + offs, mask=mask, other=0.0)
+    if KV_FP8:
+        head = offs // HEAD_D
+        k = e4m3_grid(tl.math.div_rn(k.to(tl.float32), tl.load(KV_SCALE + head, mask=mask, other=1.0)))
+        v = e4m3_grid(tl.math.div_rn(v.to(tl.float32), tl.load(KV_SCALE + KV_HEADS + head, mask=mask, other=1.0)))
+    tl.store(KC + slot * ROW + offs, k.to(KC.dtype.element_ty), mask=mask)
+    tl.store(VC + slot * ROW + offs, v.to(VC.dtype.element_ty), mask=mask)
+
+
+def write_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor, kv_scale: torch.Tensor | None = None) -> None:
+    """``metadata.write_kv`` in one launch (torch takes two scatters, and four more kernels a side for E4M3):
+    the new tokens' keys/values [T, KV heads, head_dim] into their slots of the paged caches."""
+    tokens, kv_heads, head_dim = key.shape
+    if tokens == 0:
+        return
+    kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if kv_fp8 != (kv_scale is not None) or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("write_kv_triton: contiguous caches, and scales exactly when they are E4M3")
+    key, value = (x if x.stride(2) == 1 and x.stride(1) == head_dim else x.contiguous() for x in (key, value))
+    row = kv_heads * head_dim
+    _write_kv[(tokens,)](key, value, k_cache, v_cache, slot_mapping, kv_scale if kv_fp8 else slot_mapping,
+                         key.stride(0), value.stride(0), ROW=row, HEAD_D=head_dim, KV_HEADS=kv_heads,
+                         BLOCK=_next_pow2(row), KV_FP8=kv_fp8,
+                         **({"num_warps": max(1, min(8, _next_pow2(row) // 256))} if key.is_cuda else {}))
 
 
 @triton.jit
@@ -551,8 +593,8 @@ class TritonPagedAttention:
         about a second on an H200; inside a served tick that was a one-off tick of 1.4 s
         (docs/experiments/admission-gpu-short).
 
-        Attends over cache block ``block`` only (the runner's scratch block) and writes nothing to the
-        caches (``kv_scale``: an E4M3 cache's scales). Returns the ``(BLOCK_M, split, num_stages)`` triples
+        Reads and writes cache block ``block`` only (the runner's scratch block; ``kv_scale``: an E4M3 cache's
+        scales): the K/V write kernel is compiled by writing zeros to its first slot. Returns the ``(BLOCK_M, split, num_stages)`` triples
         launched, e.g. ``{(16, False, 3), (16, True, 3), (16, False, 2), (64, False, 3), (64, True, 3)}``.
 
         On a GPU it also settles the single-buffered decode launch's register cap, unless one was given: where
@@ -592,6 +634,9 @@ class TritonPagedAttention:
                     self.options["max_registers"] = SINGLE_BUFFERED_MAX_REGISTERS
                     plan.max_registers = SINGLE_BUFFERED_MAX_REGISTERS
                     paged_attention_triton(query, k_cache, v_cache, meta, self.scale, plan, kv_scale=kv_scale)
+        zeros = torch.zeros((1, kv_heads, head_dim), dtype=dtype, device=dev)
+        write_kv_triton(zeros, zeros, k_cache, v_cache,
+                        torch.full((1,), block * block_size, dtype=torch.long, device=dev), kv_scale)
         return launched
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -601,7 +646,7 @@ class TritonPagedAttention:
             if plan.plan is None:
                 plan.plan = self._plan(plan.meta, k_cache.shape[2])
             plan = plan.plan
-        write_kv(key, value, k_cache, v_cache, plan.meta.slot_mapping, kv_scale)
+        write_kv_triton(key, value, k_cache, v_cache, plan.meta.slot_mapping, kv_scale)
         return paged_attention_triton(query, k_cache, v_cache, plan.meta, self.scale, plan, kv_scale=kv_scale)
 
 

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from metronome.models.fp8_triton import e4m3_grid
+from metronome.attention.e4m3_triton import e4m3_grid
 
 
 @triton.jit

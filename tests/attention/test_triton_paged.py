@@ -171,9 +171,11 @@ def test_backend_writes_new_keys_then_attends():
 
 
 @pytest.mark.parametrize("heads, kv_heads, sinks, window", [(4, 2, 4, 32), (7, 1, 0, None), (8, 8, 16, 64)])
-def test_warm_up_launches_every_variant_a_plan_can_use_and_leaves_the_caches_alone(heads, kv_heads, sinks, window):
+def test_warm_up_launches_every_variant_a_plan_can_use_and_touches_only_the_scratch_block(heads, kv_heads, sinks,
+                                                                                         window):
     """The start-up warm-up compiles each (BLOCK_M, split) variant once: the set it launches must cover every
-    plan of mixed decode/prefill batches, and it may read only the scratch block."""
+    plan of mixed decode/prefill batches, and it may read and write only the scratch block (the K/V write
+    kernel is compiled by writing zeros there)."""
     bs, head_dim, num_blocks = 16, 16, 12
     gen = torch.Generator().manual_seed(0)
     k_cache, v_cache = (torch.randn((num_blocks + 1, bs, kv_heads, head_dim), generator=gen).to(DEVICE)
@@ -188,7 +190,8 @@ def test_warm_up_launches_every_variant_a_plan_can_use_and_leaves_the_caches_alo
     if DEVICE == "cpu":   # the interpreter compiles nothing, so no register count can ask for a cap
         assert attention.options["max_registers"] is None
     for a, b in zip(before, (k_cache, v_cache)):
-        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+        assert torch.equal(a[:num_blocks], b[:num_blocks])
+        assert (b[num_blocks, 0] == 0).all()
     # Whatever a forward's batch looks like, its launches are variants the warm-up compiled.
     seen = set()
     for seed in range(12):
@@ -274,3 +277,37 @@ def test_warm_up_caps_single_buffered_decode_registers_only_where_ptxas_takes_mo
     assert attention.options["max_registers"] == expected_cap and plan.max_registers == expected_cap
     _check(outs[0], meta, query, k_cache, v_cache, dense, seqs, 16, 1024)
     torch.testing.assert_close(outs[0], outs[1], atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn],
+                         ids=["float32", "bfloat16", "e4m3"])
+def test_kv_write_kernel_stores_what_the_torch_scatter_stores(cache_dtype):
+    """The one-launch K/V write against ``metadata.write_kv`` (torch's scatter, ``to_e4m3`` for E4M3): the same
+    bytes in every slot, from keys and values that are column slices of one fused projection's output (rows
+    not contiguous), E4M3 values past the scale saturating, and no other slot touched."""
+    from metronome.attention.metadata import write_kv
+    from metronome.attention.triton_paged import write_kv_triton
+
+    tokens, kv_heads, head_dim, blocks, bs = 7, 3, 16, 5, 4
+    gen = torch.Generator().manual_seed(3)
+    dtype = torch.float32 if cache_dtype == torch.float32 else torch.bfloat16
+    qkv = torch.randn(tokens, (4 + 2 * kv_heads) * head_dim, generator=gen).to(DEVICE, dtype)
+    key = qkv[:, 4 * head_dim:(4 + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    value = qkv[:, (4 + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
+    kv_scale = None
+    if cache_dtype == torch.float8_e4m3fn:
+        kv_scale = torch.tensor([[0.01, 0.02, 0.03], [0.015, 0.004, 0.02]], device=DEVICE)
+        key[0, 1, 0] = 1e4   # 448 x its scale at most
+    slots = torch.randperm(blocks * bs, generator=gen)[:tokens].to(DEVICE)
+    caches = [[torch.randn(blocks, bs, kv_heads, head_dim, generator=gen).to(DEVICE, cache_dtype)
+               for _ in range(2)] for _ in range(2)]
+    caches[1] = [c.clone() for c in caches[0]]
+    write_kv(key, value, *caches[0], slots, kv_scale)
+    write_kv_triton(key, value, *caches[1], slots, kv_scale)
+    for want, got in zip(*caches):
+        assert torch.equal(want.view(torch.uint8), got.view(torch.uint8))
+    if kv_scale is not None:
+        assert caches[1][0].view(-1, kv_heads, head_dim)[slots[0], 1, 0].float() == 448
+    with pytest.raises(ValueError, match="scales"):
+        write_kv_triton(key, value, *caches[1], slots, None if kv_scale is not None else torch.ones(2, kv_heads))
+

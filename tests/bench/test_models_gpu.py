@@ -73,3 +73,26 @@ def test_every_model_runs_its_smoke_shape_and_writes_its_rows(tmp_path, capsys, 
     if model == "moshi":
         # every session spoke one 80-ms frame of PCM16 at 24 kHz each measured tick
         assert all(t["audio_bytes"] == 2 * 1920 for r in written[rows_key] for t in r["ticks"])
+
+
+def test_profile_adds_the_profiled_ticks_at_the_chosen_n_only(tmp_path):
+    out = tmp_path / "raw.json"
+    main(["--model", "moshi", "--smoke", "--sessions", "1,2", "--profile", "2", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert "profile" not in rows[0]
+    profile = rows[1]["profile"]
+    assert len(profile["tick_ms"]) == 1 and profile["tick_ms"][0] > 0
+    assert profile["kernels"] == [] and profile["kernel_ms_per_tick"] == 0   # the CPU launches no kernels
+
+
+def test_kernel_names_keep_what_tells_torchs_elementwise_kernels_apart():
+    from bench.models_gpu import kernel_group
+
+    add = ("void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFloat16>, "
+           "std::array<char*, 3ul> >(int, at::native::CUDAFunctor_add<c10::BFloat16>, std::array<char*, 3ul>)")
+    copy = "void at::native::vectorized_elementwise_kernel<8, at::native::bfloat16_copy_kernel_cuda(int)"
+    assert "CUDAFunctor_add" in kernel_group(add) and kernel_group(add) != kernel_group(copy)
+    assert kernel_group("_paged_attn_fwd") == "_paged_attn_fwd"
+    softmax = "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float>(float*, float const*, int)"
+    assert kernel_group(softmax) == "at::native::cunn_SoftMaxForward<4, float>"
+    assert kernel_group("void cutlass::Kernel2<cutlass_80_tensorop_s16816gemm>(Params)") == "cutlass::Kernel2"
