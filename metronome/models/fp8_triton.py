@@ -28,7 +28,7 @@ from metronome.cpu import triton_interpreted
 
 ROW_BLOCK = 1024   # elements of a row one program of the split sum takes at once
 # The row quantiser takes a row of up to this many elements in one load (the second pass then reads it from
-# cache): looping over 1,024-element pieces chained eight dependent loads, 17 us a call for 256 rows of 3,584.
+# cache) rather than looping over 1,024-element pieces: two dependent loads a row instead of eight at 3,584.
 QUANT_ROW_MAX_BLOCK = 16384
 _MAX = tl.constexpr(E4M3_MAX)
 
