@@ -344,10 +344,12 @@ def engine_plan_kw(shape: Shape, plan_kw: dict, args, device, dtype) -> dict:
     if device.type != "cuda" or plan_kw.get("max_registers") is not None:
         return plan_kw
     attention = TritonPagedAttention(shape.heads, num_kv_heads=shape.kv_heads, **plan_kw)
+    fp8 = args.kv_cache_dtype == "fp8"   # the cap of the kernel that reads E4M3 pages, as the engine's would be
     scratch = [torch.zeros((2, args.block_size, shape.kv_heads, shape.head_dim), dtype=dtype, device=device)
-               for _ in range(2)]
+               .to(torch.float8_e4m3fn if fp8 else dtype) for _ in range(2)]
     attention.warm_up(*scratch, block_size=args.block_size, sinks=args.sinks, window=args.window,
-                      sink_blocks=-(-args.sinks // args.block_size), block=1, dtype=dtype)
+                      sink_blocks=-(-args.sinks // args.block_size), block=1, dtype=dtype,
+                      kv_scale=torch.ones((2, shape.kv_heads), device=device) if fp8 else None)
     return {**plan_kw, "max_registers": attention.options["max_registers"]}
 
 

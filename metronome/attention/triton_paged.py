@@ -23,7 +23,9 @@ Design
   ``context_len`` are never read (masked loads), then a token-granular per-row mask applies
   ``j <= t`` and ``j < S or j >= t - W``.
 * **Online softmax** in base 2 (``exp2``, scores pre-scaled by ``scale * log2(e)``), fp32 accumulators,
-  ``tl.dot`` on the input dtype (bf16/fp16 tensor cores; fp32 in IEEE precision).
+  ``tl.dot`` on the input dtype (bf16/fp16 tensor cores; fp32 in IEEE precision), and in fp16 over E4M3
+  pages (each tile widened by one conversion per pair; the key and value scales fold into the scores and
+  the output). New keys and values go in by one launch a layer (``write_kv_triton``).
 * **Split-KV (flash-decoding).** When a launch has fewer than ``target_programs`` (default 1 × SMs)
   (item, KV head) programs, its tile list is cut into ``num_splits`` contiguous chunks (a pure
   function of the host lists: ``min(max_splits, ceil(target / programs), max_tiles // 2)``); each
@@ -176,8 +178,8 @@ def _paged_attn_fwd(
         q = q.to(tl.float32)
     elif KV_FP8 and not IEEE:
         # E4M3 widens to fp16 in one conversion per pair, to bf16 in more: 16-bit queries and tiles multiply
-        # in fp16 (queries stay far inside its range; the scores accumulate in float32 either way).
-        q = q.to(tl.float16)
+        # in fp16 (the scores accumulate in float32 either way). A query past fp16's range saturates, not inf.
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -253,7 +255,7 @@ def _write_kv(K, V, KC, VC, SLOTS, KV_SCALE, stride_kt, stride_vt, ROW: tl.const
               KV_HEADS: tl.constexpr, BLOCK: tl.constexpr, KV_FP8: tl.constexpr):
     """One token's keys and values (``ROW = KV heads x head_dim`` each) into its cache slot; E4M3 caches get
     ``x / scale`` of each head rounded onto the grid, as ``attention/fp8.to_e4m3`` writes them."""
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)
     slot = tl.load(SLOTS + t).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < ROW
@@ -275,8 +277,11 @@ def write_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tenso
     if tokens == 0:
         return
     kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
-    if kv_fp8 != (kv_scale is not None) or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("write_kv_triton: contiguous caches, and scales exactly when they are E4M3")
+    if kv_fp8 != (kv_scale is not None) or (kv_fp8 and (kv_scale.shape != (2, kv_heads) or not kv_scale.is_contiguous()
+                                                         or kv_scale.dtype != torch.float32)):
+        raise ValueError("E4M3 caches need their contiguous float32 scales [2, KV heads]; other caches none")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("write_kv_triton writes contiguous caches")
     key, value = (x if x.stride(2) == 1 and x.stride(1) == head_dim else x.contiguous() for x in (key, value))
     row = kv_heads * head_dim
     _write_kv[(tokens,)](key, value, k_cache, v_cache, slot_mapping, kv_scale if kv_fp8 else slot_mapping,
@@ -594,8 +599,8 @@ class TritonPagedAttention:
         (docs/experiments/admission-gpu-short).
 
         Reads and writes cache block ``block`` only (the runner's scratch block; ``kv_scale``: an E4M3 cache's
-        scales): the K/V write kernel is compiled by writing zeros to its first slot. Returns the ``(BLOCK_M, split, num_stages)`` triples
-        launched, e.g. ``{(16, False, 3), (16, True, 3), (16, False, 2), (64, False, 3), (64, True, 3)}``.
+        scales): the K/V write kernel is compiled by writing zeros to its first slot. Returns the
+        ``(BLOCK_M, split, num_stages)`` triples launched, e.g. ``{(16, False, 3), (16, True, 3), (16, False, 2), (64, False, 3), (64, True, 3)}``.
 
         On a GPU it also settles the single-buffered decode launch's register cap, unless one was given: where
         ptxas compiled that kernel past ``SINGLE_BUFFERED_MAX_REGISTERS``, ``options["max_registers"]`` caps it

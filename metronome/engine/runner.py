@@ -95,7 +95,11 @@ class ModelRunner:
         self.kv_dtype = kv_dtype(config)
         self.kv_scales = None
         if self.kv_dtype == E4M3:
-            self.kv_scales = torch.ones((self.spec.num_layers, 2, self.spec.num_kv_heads), device=self.device)
+            # Each layer's [2, KV heads] starts 16 bytes aligned: Triton specialises pointers on that, and a layer
+            # whose scales did not would compile kernel variants of its own in the first tick, not the warm-up.
+            per_layer = 2 * self.spec.num_kv_heads
+            self.kv_scales = torch.ones((self.spec.num_layers, -(-per_layer // 4) * 4), device=self.device)[
+                :, :per_layer].unflatten(1, (2, self.spec.num_kv_heads))
         self.kv_calibrated = self.kv_scales is None
         for layer in range(self.spec.num_layers):
             k, v = (torch.empty(shape, dtype=self.kv_dtype, device=self.device) for _ in range(2))

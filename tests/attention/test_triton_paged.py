@@ -310,4 +310,3 @@ def test_kv_write_kernel_stores_what_the_torch_scatter_stores(cache_dtype):
         assert caches[1][0].view(-1, kv_heads, head_dim)[slots[0], 1, 0].float() == 448
     with pytest.raises(ValueError, match="scales"):
         write_kv_triton(key, value, *caches[1], slots, None if kv_scale is not None else torch.ones(2, kv_heads))
-

@@ -59,6 +59,19 @@ def test_pool_holds_twice_the_blocks_at_the_same_memory(llama, monkeypatch):
     assert fp8.capacity == fp8.kv_blocks_total // fp8.blocks_per_session >= 2 * bf16.capacity
 
 
+def test_each_layers_scales_start_16_bytes_aligned(tmp_path):
+    """Three KV heads give 6 scales (24 bytes) a layer: packed end to end, every other layer's would start 8 bytes
+    off the alignment Triton specialises pointers on, and compile kernels of its own in the first tick."""
+    from tests.conftest import make_checkpoint
+
+    make_checkpoint(tmp_path, "llama", num_attention_heads=6, num_key_value_heads=3, hidden_size=96)
+    runner = make_engine(str(tmp_path)).runner
+    assert runner.kv_scales.shape == (2, 2, 3)
+    for layer in range(2):
+        scales = runner.kv_caches[layer][2]
+        assert scales.is_contiguous() and scales.shape == (2, 3) and scales.data_ptr() % 16 == 0
+
+
 def test_first_forward_calibrates_the_scales(llama):
     path, _ = llama
     engine = make_engine(path)
