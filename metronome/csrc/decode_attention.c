@@ -3,8 +3,9 @@
    The query heads that share a KV head are that head's rows (GQA), so each key and value is read from
    memory once. Work is split over (session, KV head) units; each unit reads its keys, then its values, in
    tiles that stay in L1, with the scores of all its keys in a per-thread buffer between the two passes.
-   bfloat16 inputs are widened to float32 a tile at a time (the scores come straight from bfloat16 with
-   AVX512-BF16's pair products where the CPU has them); sums and the softmax are float32.
+   The scores come straight from bfloat16 keys with AVX512-BF16's pair products where the CPU has them, and
+   bfloat16 values are widened in registers, once for three (AVX2: two) rows of the group; other bfloat16
+   inputs are widened to float32 a tile at a time. Sums and the softmax are float32.
 
    Built by metronome/native.py with -O3 -march=native -fopenmp. */
 #include <stdint.h>
@@ -122,6 +123,38 @@ static void scores_f32(int group, int dim, int width, int bf16, const void *q, l
     }
 }
 
+/* bfloat16 values widened in registers: a bf16 is the top half of its float32. */
+typedef uint16_t vu16_unaligned __attribute__((vector_size(VL * 2), aligned(2), may_alias));
+typedef uint32_t vu32 __attribute__((vector_size(VL * 4)));
+static inline vf widen_bf16(const uint16_t *p) {
+    return (vf)(__builtin_convertvector(*(const vu16_unaligned *)p, vu32) << 16);
+}
+
+/* Rows of the group whose four output vectors stay in registers together over a tile of bf16 values: 3 x 4
+   accumulators fit AVX-512's 32 registers beside the widened values, 2 x 4 fit AVX2's 16. */
+#define VALUE_ROWS (VL == 16 ? 3 : 2)
+
+/* acc[r, e : e + 4 VL] += sum_j p[r, j] v[j, e : e + 4 VL] for `rows` (<= VALUE_ROWS) rows over `count` bf16 value
+   rows: each value is widened once, in registers, for all the rows (the float32 path widens a tile into memory
+   first and reads it back per row, which held the value pass to ~15 GB/s). */
+static inline __attribute__((always_inline)) void values_bf16(const int rows, int count, int dim, int e,
+                                                              const float *p, long p_stride, const uint16_t *vt,
+                                                              float *acc) {
+    vf a[VALUE_ROWS][4];
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < 4; c++) a[r][c] = LOAD(acc + (long)r * dim + e + c * VL);
+    for (int j = 0; j < count; j++) {
+        const uint16_t *row = vt + (long)j * dim + e;
+        vf w0 = widen_bf16(row), w1 = widen_bf16(row + VL), w2 = widen_bf16(row + 2 * VL), w3 = widen_bf16(row + 3 * VL);
+        for (int r = 0; r < rows; r++) {
+            float pr = p[r * p_stride + j];
+            a[r][0] += pr * w0; a[r][1] += pr * w1; a[r][2] += pr * w2; a[r][3] += pr * w3;
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < 4; c++) STORE(acc + (long)r * dim + e + c * VL, a[r][c]);
+}
+
 /* One (session, KV head): `group` query rows at q_at, keys and values at kv_at, `width` keys under `mask`. */
 static void attend_unit(int group, int dim, int width, int bf16, const void *q, long q_at, const void *k,
                         const void *v, long kv_at, const uint8_t *mask, void *out, float scale, float *work) {
@@ -154,6 +187,24 @@ static void attend_unit(int group, int dim, int width, int bf16, const void *q, 
     }
     /* outputs: four vectors of a row at a time over a tile's keys, even and odd keys in separate sums */
     memset(acc, 0, sizeof(float) * group * dim);
+    if (bf16 && dim % (4 * VL) == 0) {
+        const uint16_t *vb = (const uint16_t *)v + kv_at;
+        for (int j0 = 0; j0 < width; j0 += TILE) {
+            int count = width - j0 < TILE ? width - j0 : TILE;
+            for (int e = 0; e < dim; e += 4 * VL) {
+                int i = 0;
+                for (; i + VALUE_ROWS <= group; i += VALUE_ROWS)
+                    values_bf16(VALUE_ROWS, count, dim, e, scores + (size_t)i * width + j0, width,
+                                vb + (long)j0 * dim, acc + i * dim);
+                if (group - i == 2)
+                    values_bf16(2, count, dim, e, scores + (size_t)i * width + j0, width, vb + (long)j0 * dim,
+                                acc + i * dim);
+                else if (group - i == 1)
+                    values_bf16(1, count, dim, e, scores + (size_t)i * width + j0, width, vb + (long)j0 * dim,
+                                acc + i * dim);
+            }
+        }
+    } else
     for (int j0 = 0; j0 < width; j0 += TILE) {
         int count = width - j0 < TILE ? width - j0 : TILE;
         const float *vt = rows_f32(v, bf16, kv_at + (long)j0 * dim, count, dim, tile);
