@@ -135,8 +135,8 @@ static inline vf widen_bf16(const uint16_t *p) {
 #define VALUE_ROWS (VL == 16 ? 3 : 2)
 
 /* acc[r, e : e + 4 VL] += sum_j p[r, j] v[j, e : e + 4 VL] for `rows` (<= VALUE_ROWS) rows over `count` bf16 value
-   rows: each value is widened once, in registers, for all the rows (the float32 path widens a tile into memory
-   first and reads it back per row, which held the value pass to ~15 GB/s). */
+   rows: each value is widened once, in registers, for all the rows (widening a tile into memory first and
+   reading it back per row made the value pass the slower half of the kernel). */
 static inline __attribute__((always_inline)) void values_bf16(const int rows, int count, int dim, int e,
                                                               const float *p, long p_stride, const uint16_t *vt,
                                                               float *acc) {
@@ -185,7 +185,7 @@ static void attend_unit(int group, int dim, int width, int bf16, const void *q, 
         #pragma omp simd
         for (int j = 0; j < width; j++) si[j] *= inv;
     }
-    /* outputs: four vectors of a row at a time over a tile's keys, even and odd keys in separate sums */
+    /* outputs: the values weighted by the softmax */
     memset(acc, 0, sizeof(float) * group * dim);
     if (bf16 && dim % (4 * VL) == 0) {
         const uint16_t *vb = (const uint16_t *)v + kv_at;
@@ -204,36 +204,38 @@ static void attend_unit(int group, int dim, int width, int bf16, const void *q, 
                                 acc + i * dim);
             }
         }
-    } else
-    for (int j0 = 0; j0 < width; j0 += TILE) {
-        int count = width - j0 < TILE ? width - j0 : TILE;
-        const float *vt = rows_f32(v, bf16, kv_at + (long)j0 * dim, count, dim, tile);
-        for (int i = 0; i < group; i++) {
-            const float *pi = scores + (size_t)i * width + j0;
-            float *ai = acc + i * dim;
-            int e = 0;
-            for (; e + 4 * VL <= dim; e += 4 * VL) {
-                vf a0 = LOAD(ai + e), a1 = LOAD(ai + e + VL), a2 = LOAD(ai + e + 2 * VL), a3 = LOAD(ai + e + 3 * VL);
-                vf b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
-                int j = 0;
-                for (; j + 2 <= count; j += 2) {
-                    const float *v0 = vt + (long)j * dim + e, *v1 = v0 + dim;
-                    float p0 = pi[j], p1 = pi[j + 1];
-                    a0 += p0 * LOAD(v0); a1 += p0 * LOAD(v0 + VL); a2 += p0 * LOAD(v0 + 2 * VL); a3 += p0 * LOAD(v0 + 3 * VL);
-                    b0 += p1 * LOAD(v1); b1 += p1 * LOAD(v1 + VL); b2 += p1 * LOAD(v1 + 2 * VL); b3 += p1 * LOAD(v1 + 3 * VL);
+    } else {
+        /* four vectors of a row at a time over a tile's keys, even and odd keys in separate sums */
+        for (int j0 = 0; j0 < width; j0 += TILE) {
+            int count = width - j0 < TILE ? width - j0 : TILE;
+            const float *vt = rows_f32(v, bf16, kv_at + (long)j0 * dim, count, dim, tile);
+            for (int i = 0; i < group; i++) {
+                const float *pi = scores + (size_t)i * width + j0;
+                float *ai = acc + i * dim;
+                int e = 0;
+                for (; e + 4 * VL <= dim; e += 4 * VL) {
+                    vf a0 = LOAD(ai + e), a1 = LOAD(ai + e + VL), a2 = LOAD(ai + e + 2 * VL), a3 = LOAD(ai + e + 3 * VL);
+                    vf b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+                    int j = 0;
+                    for (; j + 2 <= count; j += 2) {
+                        const float *v0 = vt + (long)j * dim + e, *v1 = v0 + dim;
+                        float p0 = pi[j], p1 = pi[j + 1];
+                        a0 += p0 * LOAD(v0); a1 += p0 * LOAD(v0 + VL); a2 += p0 * LOAD(v0 + 2 * VL); a3 += p0 * LOAD(v0 + 3 * VL);
+                        b0 += p1 * LOAD(v1); b1 += p1 * LOAD(v1 + VL); b2 += p1 * LOAD(v1 + 2 * VL); b3 += p1 * LOAD(v1 + 3 * VL);
+                    }
+                    for (; j < count; j++) {
+                        const float *v0 = vt + (long)j * dim + e;
+                        float p0 = pi[j];
+                        a0 += p0 * LOAD(v0); a1 += p0 * LOAD(v0 + VL); a2 += p0 * LOAD(v0 + 2 * VL); a3 += p0 * LOAD(v0 + 3 * VL);
+                    }
+                    STORE(ai + e, a0 + b0); STORE(ai + e + VL, a1 + b1);
+                    STORE(ai + e + 2 * VL, a2 + b2); STORE(ai + e + 3 * VL, a3 + b3);
                 }
-                for (; j < count; j++) {
-                    const float *v0 = vt + (long)j * dim + e;
-                    float p0 = pi[j];
-                    a0 += p0 * LOAD(v0); a1 += p0 * LOAD(v0 + VL); a2 += p0 * LOAD(v0 + 2 * VL); a3 += p0 * LOAD(v0 + 3 * VL);
+                for (; e < dim; e += VL) {
+                    vf a0 = LOAD(ai + e);
+                    for (int j = 0; j < count; j++) a0 += pi[j] * LOAD(vt + (long)j * dim + e);
+                    STORE(ai + e, a0);
                 }
-                STORE(ai + e, a0 + b0); STORE(ai + e + VL, a1 + b1);
-                STORE(ai + e + 2 * VL, a2 + b2); STORE(ai + e + 3 * VL, a3 + b3);
-            }
-            for (; e < dim; e += VL) {
-                vf a0 = LOAD(ai + e);
-                for (int j = 0; j < count; j++) a0 += pi[j] * LOAD(vt + (long)j * dim + e);
-                STORE(ai + e, a0);
             }
         }
     }
