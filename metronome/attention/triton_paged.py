@@ -269,6 +269,16 @@ def _write_kv(K, V, KC, VC, SLOTS, KV_SCALE, stride_kt, stride_vt, ROW: tl.const
     tl.store(VC + slot * ROW + offs, v.to(VC.dtype.element_ty), mask=mask)
 
 
+def _is_e4m3(cache: torch.Tensor, kv_scale: torch.Tensor | None, kv_heads: int) -> bool:
+    """Whether ``cache`` holds E4M3 codes; raises unless ``kv_scale`` is then their contiguous float32 [2, KV heads]
+    scales, and otherwise None."""
+    kv_fp8 = cache.dtype == torch.float8_e4m3fn
+    if kv_fp8 != (kv_scale is not None) or (kv_fp8 and (kv_scale.shape != (2, kv_heads) or not kv_scale.is_contiguous()
+                                                         or kv_scale.dtype != torch.float32)):
+        raise ValueError("E4M3 caches need their contiguous float32 scales [2, KV heads]; other caches none")
+    return kv_fp8
+
+
 def write_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     slot_mapping: torch.Tensor, kv_scale: torch.Tensor | None = None) -> None:
     """``metadata.write_kv`` in one launch (torch takes two scatters, and four more kernels a side for E4M3):
@@ -276,10 +286,7 @@ def write_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tenso
     tokens, kv_heads, head_dim = key.shape
     if tokens == 0:
         return
-    kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
-    if kv_fp8 != (kv_scale is not None) or (kv_fp8 and (kv_scale.shape != (2, kv_heads) or not kv_scale.is_contiguous()
-                                                         or kv_scale.dtype != torch.float32)):
-        raise ValueError("E4M3 caches need their contiguous float32 scales [2, KV heads]; other caches none")
+    kv_fp8 = _is_e4m3(k_cache, kv_scale, kv_heads)
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("write_kv_triton writes contiguous caches")
     key, value = (x if x.stride(2) == 1 and x.stride(1) == head_dim else x.contiguous() for x in (key, value))
@@ -494,10 +501,7 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         query = query.contiguous()
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("the caches' last dimension must be contiguous")
-    kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
-    if kv_fp8 != (kv_scale is not None) or (kv_fp8 and (kv_scale.shape != (2, kv_heads) or not kv_scale.is_contiguous()
-                                                         or kv_scale.dtype != torch.float32)):
-        raise ValueError("E4M3 caches need their contiguous float32 scales [2, KV heads]; other caches none")
+    kv_fp8 = _is_e4m3(k_cache, kv_scale, kv_heads)
     if out is None:
         out = torch.empty((t, heads, head_dim), dtype=query.dtype, device=query.device)
     if t == 0:
