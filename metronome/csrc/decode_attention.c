@@ -191,18 +191,15 @@ static void attend_unit(int group, int dim, int width, int bf16, const void *q, 
         const uint16_t *vb = (const uint16_t *)v + kv_at;
         for (int j0 = 0; j0 < width; j0 += TILE) {
             int count = width - j0 < TILE ? width - j0 : TILE;
-            for (int e = 0; e < dim; e += 4 * VL) {
-                int i = 0;
-                for (; i + VALUE_ROWS <= group; i += VALUE_ROWS)
-                    values_bf16(VALUE_ROWS, count, dim, e, scores + (size_t)i * width + j0, width,
-                                vb + (long)j0 * dim, acc + i * dim);
-                if (group - i == 2)
-                    values_bf16(2, count, dim, e, scores + (size_t)i * width + j0, width, vb + (long)j0 * dim,
-                                acc + i * dim);
-                else if (group - i == 1)
-                    values_bf16(1, count, dim, e, scores + (size_t)i * width + j0, width, vb + (long)j0 * dim,
-                                acc + i * dim);
-            }
+            const uint16_t *vt = vb + (long)j0 * dim;
+            for (int e = 0; e < dim; e += 4 * VL)
+                for (int i = 0; i < group; i += VALUE_ROWS) {
+                    const float *pi = scores + (size_t)i * width + j0;
+                    /* each call with a constant row count, so that its sums stay in registers */
+                    if (group - i >= VALUE_ROWS) values_bf16(VALUE_ROWS, count, dim, e, pi, width, vt, acc + i * dim);
+                    else if (group - i == 2) values_bf16(2, count, dim, e, pi, width, vt, acc + i * dim);
+                    else values_bf16(1, count, dim, e, pi, width, vt, acc + i * dim);
+                }
         }
     } else {
         /* four vectors of a row at a time over a tile's keys, even and odd keys in separate sums */
