@@ -22,6 +22,7 @@ from metronome.attention.fp8 import E4M3, E4M3_MAX, CalibratingAttention
 from metronome.attention.metadata import PagedAttentionMetadata
 from metronome.attention.reference import TorchPagedAttention
 from metronome.config import EngineConfig
+from metronome.device_copy import to_device
 from metronome.engine.blocks import blocks_per_session
 from metronome.engine.policy import retention_for
 from metronome.engine.request import ForwardPlan, ForwardResult, ForwardSegment, RebasePlan
@@ -273,11 +274,8 @@ class ModelRunner:
         return ForwardResult(hidden, tuple(rows))
 
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` on the runner's device without a blocking copy: a CPU tensor goes through pinned
-        memory on CUDA (a copy from pageable memory may first wait for the GPU's queued work)."""
-        if self.device.type == "cuda" and tensor.device.type == "cpu":
-            return tensor.pin_memory().to(self.device, non_blocking=True)
-        return tensor.to(self.device, non_blocking=True)
+        """``tensor`` on the runner's device without a blocking copy (``device_copy.to_device``)."""
+        return to_device(tensor, self.device)
 
     # ------------------------------------------------------------------ rebase
     @torch.inference_mode()

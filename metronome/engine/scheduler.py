@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 import numbers
-from itertools import count
+from bisect import bisect_right
+from itertools import accumulate, count
 from typing import Sequence
 
 import torch
@@ -106,8 +107,9 @@ class Scheduler:
         """Check every input; the accepted ones run in input order, the others are refused with a reason."""
         admitted: dict[int, ScheduledInput] = {}
         errors = []
+        nonfinite = self._nonfinite_embeds(inputs)
         for i, inp in enumerate(inputs):
-            error = self._validate(inp, admitted)
+            error = self._validate(inp, admitted, i in nonfinite)
             if error:
                 errors.append((i, error))
                 log.warning("step input for session %s refused: %s", inp.session_id, error)
@@ -115,7 +117,23 @@ class Scheduler:
                 admitted[inp.session_id] = ScheduledInput(i, self.sessions[inp.session_id], inp)
         return StepPlan(tuple(admitted.values()), tuple(errors))
 
-    def _validate(self, inp: StepInput, seen) -> str | None:
+    def _nonfinite_embeds(self, inputs: Sequence[StepInput]) -> set[int]:
+        """The indices of the inputs whose embeds hold a NaN or an infinity: one check and one transfer per
+        device for the whole step (a check per input would wait on the device once per session)."""
+        by_device: dict[torch.device, list[int]] = {}
+        for i, inp in enumerate(inputs):
+            e = inp.embeds
+            if isinstance(e, torch.Tensor) and e.dim() == 2 and e.shape[0] > 0 and e.shape[1] == self.hidden_size:
+                by_device.setdefault(e.device, []).append(i)
+        bad: set[int] = set()
+        for group in by_device.values():
+            rows = torch.cat([inputs[i].embeds for i in group])
+            bad_rows = (~torch.isfinite(rows).all(dim=1)).nonzero().flatten().tolist()
+            ends = list(accumulate(len(inputs[i].embeds) for i in group))
+            bad.update(group[bisect_right(ends, r)] for r in bad_rows)
+        return bad
+
+    def _validate(self, inp: StepInput, seen, nonfinite: bool) -> str | None:
         session = self.sessions.get(inp.session_id)
         if session is None:
             return f"unknown session {inp.session_id}"
@@ -146,7 +164,7 @@ class Scheduler:
                 return f"embeds must be a tensor of shape [n, {self.hidden_size}], got {shape}"
             if e.shape[0] == 0:
                 return "embeds must have at least one row (send embeds=None for no new input)"
-            if not torch.isfinite(e).all():
+            if nonfinite:
                 return "embeds contain NaN or infinite values"
             n = int(e.shape[0])
         if n > self.max_chunk_tokens:

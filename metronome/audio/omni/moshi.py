@@ -47,6 +47,7 @@ from metronome.audio.adapter import AdapterContext, InteractionAdapter, Prepared
 from metronome.audio.detokenize import IncrementalDetokenizer
 from metronome.audio.omni.moshi_heads import DepthTransformer, MoshiHeads, Sampling, load_heads
 from metronome.audio.omni.moshi_mimi import MimiCodec, MimiStreamState
+from metronome.device_copy import to_device
 from metronome.errors import ConfigError, ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -163,7 +164,7 @@ class MoshiAdapter(InteractionAdapter):
             sess.user_prev = u
             sess.fed = True
         with torch.no_grad():
-            text = self.embed(torch.tensor([sess.text for sess in sessions], dtype=torch.long, device=self.device))
+            text = self.embed(to_device([sess.text for sess in sessions], self.device, torch.long))
             return text.to(self.dtype) + self.heads.audio_embeds(columns).to(self.dtype)
 
     # ------------------------------------------------------------------------------ output

@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from metronome.device_copy import to_device
+
 
 @dataclass(frozen=True)
 class MimiParts:
@@ -172,7 +174,7 @@ class MimiCodec:
     def _rows(self, states: list[MimiStreamState]) -> torch.Tensor:
         if any(s.closed for s in states):
             raise ValueError("a closed Mimi stream cannot be used")
-        return torch.tensor([s.slot for s in states], dtype=torch.long, device=self.device)
+        return to_device([s.slot for s in states], self.device, torch.long)
 
     def _gather(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
         return {k: v.index_select(0, rows) for k, v in self.pool.items()}
@@ -187,8 +189,8 @@ class MimiCodec:
         """pcm [N, frame_size] (24 kHz) for N streams → codes [N, num_codebooks, 1]; advances the states."""
         if pcm.shape != (len(states), self.frame_size):
             raise ValueError(f"encode takes one frame of {self.frame_size} samples per stream, got {tuple(pcm.shape)}")
-        fresh = torch.tensor([not s.started for s in states], device=self.device)
-        codes = self._encode(pcm.to(self.device, torch.float32), fresh, self._rows(states))[0].clone()
+        fresh = to_device([not s.started for s in states], self.device, torch.bool)
+        codes = self._encode(to_device(pcm, self.device, torch.float32), fresh, self._rows(states))[0].clone()
         for s in states:
             s.started = True
         return codes
