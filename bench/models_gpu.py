@@ -802,22 +802,22 @@ class MoshiArm(Arm):
         start = mark(self.device)
         prepared = a.prepare(audio)
         prepared_at = mark(self.device)
-        t1 = time.perf_counter()
         outs = self.engine.step([StepInput(s, embeds=p.embeds, return_hidden=True)
                                  for s, p in zip(self.sids[:n], prepared)])
-        t2 = time.perf_counter()
+        stepped_at = mark(self.device)
         if any(o.error or o.hidden is None for o in outs):
             raise RuntimeError(f"a session failed: {[o.error for o in outs if o.error][:3]}")
         a.on_hidden([(name, o.hidden) for name, o in zip(names, outs)])
+        done_at = mark(self.device)
         sync(self.device)
         t3 = time.perf_counter()
         spoken = [len(a.take_audio(name)) for name in names]
         for name in names:
             a.on_output(name, [], False)
         return {"tick_ms": (t3 - t0) * 1e3, "encoder_ms": span_ms(start, prepared_at),
-                "mimi_encode_ms": self.timers["encode"].take_ms(), "prefill_ms": self.engine.last_timing.prefill_ms,
-                "step_ms": (t2 - t1) * 1e3, "depth_ms": self.timers["depth"].take_ms(),
-                "mimi_decode_ms": self.timers["decode"].take_ms(), "heads_ms": (t3 - t2) * 1e3,
+                "mimi_encode_ms": self.timers["encode"].take_ms(), "prefill_ms": span_ms(prepared_at, stepped_at),
+                "engine_step_ms": self.engine.last_timing.prefill_ms, "depth_ms": self.timers["depth"].take_ms(),
+                "mimi_decode_ms": self.timers["decode"].take_ms(), "heads_ms": span_ms(stepped_at, done_at),
                 "audio_bytes": spoken[0]}
 
 
