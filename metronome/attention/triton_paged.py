@@ -64,6 +64,10 @@ LOG2E = 1.4426950408889634
 DECODE_BLOCK_M = 16      # rows (tokens x GQA heads) of a decode program: the tl.dot minimum
 PREFILL_BLOCK_M = 64     # rows of a prefill program
 BLOCK_N = 64             # keys per tile (4 blocks of 16)
+# Decode over E4M3 pages: a 64-key tile is half the bytes of a bf16 one and its wait no shorter, so a program
+# walking its window tile by tile is bound by the tiles' latency; 128 keys put twice the bytes in flight
+# (docs/benchmarks/gpu.md#attention-over-e4m3-pages). Prefill keeps 64: its tiles have more rows to multiply.
+E4M3_DECODE_BLOCK_N = 128
 MAX_SPLITS = 16
 MIN_TILES_PER_SPLIT = 2
 DEFAULT_SMS = 132        # H200; used when no CUDA device can be asked
@@ -359,6 +363,7 @@ class TritonLaunch:
     workspace: dict = field(default_factory=dict)   # (dtype-independent) split partials, per head_dim
     num_stages: int = 3                              # software-pipeline depth (choose_stages)
     decode: bool = False                             # the launch of query tiles that fit a decode program
+    block_n: int = BLOCK_N                           # keys per tile
 
 
 @dataclass
@@ -419,9 +424,10 @@ def plan_triton(meta: PagedAttentionMetadata, num_heads: int, num_kv_heads: int,
                 target_programs: int | None = None, max_splits: int = MAX_SPLITS,
                 min_tiles_per_split: int = MIN_TILES_PER_SPLIT, force_splits: int | None = None,
                 decode_block_m: int = DECODE_BLOCK_M, prefill_block_m: int = PREFILL_BLOCK_M,
-                block_n: int = BLOCK_N, num_warps: int | None = None,
+                block_n: int = BLOCK_N, decode_block_n: int | None = None, num_warps: int | None = None,
                 num_stages: int | None = None, max_registers: int | None = None) -> TritonPlan:
-    """Launch plan of one forward, from the metadata's host lists (shared by every layer)."""
+    """Launch plan of one forward, from the metadata's host lists (shared by every layer). ``decode_block_n``:
+    the decode launch's keys per tile (None: ``block_n``, as the prefill launch)."""
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     g = num_heads // num_kv_heads
@@ -430,6 +436,7 @@ def plan_triton(meta: PagedAttentionMetadata, num_heads: int, num_kv_heads: int,
     bm_large = max(prefill_block_m, _next_pow2(g))
     groups: dict[int, list[list[int]]] = {bm_small: [], bm_large: []}
     tiles: dict[int, int] = {bm_small: 0, bm_large: 0}
+    widths = {bm_large: block_n, bm_small: decode_block_n or block_n}   # bm_small wins where the two are equal
     start = 0
     for b, (qlen, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
         bm = bm_small if qlen * g <= bm_small else bm_large
@@ -438,7 +445,7 @@ def plan_triton(meta: PagedAttentionMetadata, num_heads: int, num_kv_heads: int,
         for off in range(0, qlen, per_tile):
             n_q = min(per_tile, qlen - off)
             groups[bm].append([b, start + off, n_q, first + off])
-            tiles[bm] = max(tiles[bm], live_tiles(first + off, n_q, meta.sinks, meta.window, block_n))
+            tiles[bm] = max(tiles[bm], live_tiles(first + off, n_q, meta.sinks, meta.window, widths[bm]))
         start += qlen
     device = meta.query_start.device
     launches = []
@@ -452,7 +459,7 @@ def plan_triton(meta: PagedAttentionMetadata, num_heads: int, num_kv_heads: int,
                                    max_splits=max_splits, min_tiles_per_split=min_tiles_per_split)
         stages = choose_stages(len(items) * num_kv_heads * splits, num_sms, decode=bm == bm_small)
         launches.append(TritonLaunch(bm, _to_device(items, device), len(items), splits, tiles[bm], num_stages=stages,
-                                     decode=bm == bm_small))
+                                     decode=bm == bm_small, block_n=widths[bm]))
     return TritonPlan(meta, num_heads, num_kv_heads, block_n, launches, num_warps, num_stages, max_registers)
 
 
@@ -515,7 +522,7 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if tables.dtype != torch.int32 or tables.stride(-1) != 1:
         tables = tables.to(torch.int32).contiguous()
     window = meta.window if meta.window is not None else 0
-    common = dict(G=g, BLOCK_N=plan.block_n, BLOCK_D=block_d, HEAD_D=head_dim, BLOCK_SIZE=meta.block_size,
+    common = dict(G=g, BLOCK_D=block_d, HEAD_D=head_dim, BLOCK_SIZE=meta.block_size,
                   HAS_WINDOW=meta.window is not None, KV_I64=kv_i64, DOT_F32=interp,
                   IEEE=query.dtype == torch.float32, KV_FP8=kv_fp8)
     if timelines is not None:
@@ -549,7 +556,7 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             tables.stride(0),
             qk_scale, meta.sinks, window, meta.sink_blocks, ln.num_splits,
-            BLOCK_M=ln.block_m, SPLIT=split, TIMELINE=timelines is not None, **common, **cfg)
+            BLOCK_M=ln.block_m, BLOCK_N=ln.block_n, SPLIT=split, TIMELINE=timelines is not None, **common, **cfg)
         if kernels is not None:
             kernels.append(kernel)
         if split:
@@ -572,8 +579,9 @@ class TritonPagedAttention:
     def __init__(self, num_heads: int, scale: float | None = None, num_kv_heads: int | None = None, *,
                  num_sms: int | None = None, target_programs: int | None = None, max_splits: int = MAX_SPLITS,
                  force_splits: int | None = None, decode_block_m: int = DECODE_BLOCK_M,
-                 prefill_block_m: int = PREFILL_BLOCK_M, block_n: int = BLOCK_N, num_warps: int | None = None,
-                 num_stages: int | None = None, max_registers: int | None = None) -> None:
+                 prefill_block_m: int = PREFILL_BLOCK_M, block_n: int = BLOCK_N, decode_block_n: int | None = None,
+                 num_warps: int | None = None, num_stages: int | None = None,
+                 max_registers: int | None = None) -> None:
         self.num_heads = num_heads
         self.scale = scale
         self.num_kv_heads = num_kv_heads
@@ -582,8 +590,14 @@ class TritonPagedAttention:
                        if torch.cuda.is_available() else DEFAULT_SMS)
         self.options = dict(num_sms=num_sms, target_programs=target_programs, max_splits=max_splits,
                             force_splits=force_splits, decode_block_m=decode_block_m,
-                            prefill_block_m=prefill_block_m, block_n=block_n, num_warps=num_warps,
+                            prefill_block_m=prefill_block_m, block_n=block_n, decode_block_n=decode_block_n,
+                            num_warps=num_warps,
                             num_stages=num_stages, max_registers=max_registers)
+
+    @property
+    def decode_block_n(self) -> int:
+        """Keys per tile of the decode launch."""
+        return self.options["decode_block_n"] or self.options["block_n"]
 
     def _plan(self, meta: PagedAttentionMetadata, num_kv_heads: int) -> TritonPlan:
         return plan_triton(meta, self.num_heads, num_kv_heads, **self.options)
@@ -616,7 +630,8 @@ class TritonPagedAttention:
         dev = k_cache.device
         launched: set[tuple[int, bool, int]] = set()
         for n_q in (1, bm_small // g + 1):                # a decode tile, then a prefill tile
-            ctx = 2 * self.options["block_n"] + n_q       # three key tiles: both halves of a split have work
+            # three key tiles: both halves of a split have work
+            ctx = 2 * max(self.options["block_n"], self.decode_block_n) + n_q
             width = _cdiv(ctx, block_size)
             meta = PagedAttentionMetadata(
                 block_size=block_size, sinks=sinks, window=window, sink_blocks=sink_blocks,

@@ -91,7 +91,7 @@ class DecodeGraphs:
         self.graphs: dict[int, _Graph] = {}
         pool = torch.cuda.graph_pool_handle()
         full_tiles = live_tiles(max(1, spec.max_position_embeddings - 1), 1, retention.sinks, retention.window,
-                                attention.options["block_n"])
+                                attention.decode_block_n)
         g = spec.num_heads // spec.num_kv_heads
         block_m = max(attention.options["decode_block_m"], 1 << (g - 1).bit_length())
         with torch.inference_mode(), collector_held_off(collect_first=True):
@@ -106,7 +106,7 @@ class DecodeGraphs:
                 splits = choose_splits(batch * spec.num_kv_heads, full_tiles, target_programs=PROGRAMS_PER_SM * num_sms)
                 stages = choose_stages(batch * spec.num_kv_heads * splits, num_sms, decode=True)
                 launch = TritonLaunch(block_m, self.items[:batch], batch, splits, full_tiles, num_stages=stages,
-                                      decode=True)
+                                      decode=True, block_n=attention.decode_block_n)
                 plan = TritonPlan(meta, spec.num_heads, spec.num_kv_heads, attention.options["block_n"], [launch],
                                   attention.options["num_warps"], attention.options["num_stages"],
                                   attention.options["max_registers"])

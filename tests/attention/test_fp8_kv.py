@@ -86,8 +86,11 @@ def test_triton_and_reference_match_float64_over_dequantised_kv(name):
     ref = paged_attention_reference(query, kq, vq, plan_reference(meta, query.shape[1]), kv_scale=scale).cpu()
     assert torch.isfinite(ref).all()
     torch.testing.assert_close(ref.double(), want, **TIGHT)
-    for splits in (1, 3):  # unsplit, and split-KV partials combined (the value scale applies to each)
-        plan = plan_triton(meta, query.shape[1], kq.shape[2], block_n=16, force_splits=splits)
+    # Unsplit, and split-KV partials combined (the value scale applies to each); then the decode launch with
+    # tiles twice the prefill launch's, as the engine runs decode over E4M3 pages.
+    for splits, decode_block_n in ((1, None), (3, None), (1, 32), (3, 32)):
+        plan = plan_triton(meta, query.shape[1], kq.shape[2], block_n=16, decode_block_n=decode_block_n,
+                           force_splits=splits)
         out = torch.full_like(query, float("nan"))
         paged_attention_triton(query, kq, vq, meta, plan=plan, out=out, kv_scale=scale)
         assert torch.isfinite(out).all(), "a freed (NaN) block or an unwritten row reached the output"

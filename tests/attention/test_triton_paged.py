@@ -139,6 +139,24 @@ def test_split_rule_is_a_host_function():
     assert live_tiles(1074, 16, 16, 1024, 64) == 18
 
 
+def test_the_decode_launch_takes_its_own_tile_width():
+    """``decode_block_n`` widens the decode launch's tiles only: its tile count (and so its splits) follows its
+    width, the prefill launch keeps ``block_n``; the kernel attends the same either way."""
+    seqs = [(1100, 1)] * 3 + [(1100, 26)]
+    meta, *_ = build_case(seqs, 16, 1024, 16, heads=4, kv_heads=1)
+    plan = plan_triton(meta, 4, 1, num_sms=132, decode_block_n=128)
+    # 1100 keys in tiles of 128: 9 tiles (the window starts inside the sink tile), so at most 4 splits of 2.
+    assert [(ln.block_m, ln.block_n, ln.max_tiles, ln.num_splits) for ln in plan.launches] == \
+        [(16, 128, 9, 4), (64, 64, 18, 9)]
+    assert TritonPagedAttention(4, num_kv_heads=1).decode_block_n == 64
+    assert TritonPagedAttention(4, num_kv_heads=1, decode_block_n=128).decode_block_n == 128
+    seqs, sinks, window = [(300, 1), (41, 41), (260, 50), (17, 1)], 16, 64
+    meta, query, k_cache, v_cache, dense = _case(seqs, sinks, window, 16, heads=6, kv_heads=2, seed=3)
+    out, plan = _run(meta, query, k_cache, v_cache, block_n=16, decode_block_n=32, force_splits=2)
+    assert [(ln.block_m, ln.block_n) for ln in plan.launches] == [(16, 32), (64, 16)]
+    _check(out, meta, query, k_cache, v_cache, dense, seqs, sinks, window)
+
+
 def test_decode_launches_of_many_programs_are_single_buffered():
     assert choose_stages(256, 132, decode=True) == 3       # 64 sessions x 4 KV heads: 1.9 programs per SM
     assert choose_stages(512, 132, decode=True) == 2       # 128 sessions: 3.9 per SM
@@ -226,11 +244,14 @@ def test_launch_timelines_are_refused_where_there_are_no_gpu_clocks():
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device (GPU clocks)")
-def test_launch_timelines_record_every_program_and_leave_the_output_unchanged():
+@pytest.mark.parametrize("decode_block_n", [None, 32])
+def test_launch_timelines_record_every_program_and_leave_the_output_unchanged(decode_block_n):
+    """Each program reads the tiles of its launch's width (with ``decode_block_n``, the decode launch's)."""
     seqs, sinks, window = [(1100, 1)] * 5 + [(300, 1), (41, 41), (260, 50)], 16, 64
     meta, query, k_cache, v_cache, dense = _case(seqs, sinks, window, 16, heads=8, kv_heads=2,
                                                  dtype=torch.bfloat16, seed=4)
-    plan = plan_triton(meta, 8, 2, num_sms=32, block_n=16)     # 12 and 14 programs for 32 SMs: both launches split
+    # 12 and 14 programs for 32 SMs: both launches split
+    plan = plan_triton(meta, 8, 2, num_sms=32, block_n=16, decode_block_n=decode_block_n)
     assert any(ln.num_splits > 1 for ln in plan.launches)
     plain = torch.full_like(query, float("nan"))
     paged_attention_triton(query, k_cache, v_cache, meta, plan=plan, out=plain)
@@ -245,7 +266,7 @@ def test_launch_timelines_record_every_program_and_leave_the_output_unchanged():
         assert (rows[:, 0] >= 0).all() and (rows[:, 0] < sms).all()          # every program wrote its SM
         assert (rows[:, 2] >= rows[:, 1]).all() and (rows[:, 4] > rows[:, 3]).all()   # ends after it starts
         items = ln.items.cpu().tolist()
-        per_item = [live_tiles(t0, n_q, sinks, window, 16) for _, _, n_q, t0 in items]
+        per_item = [live_tiles(t0, n_q, sinks, window, ln.block_n) for _, _, n_q, t0 in items]
         tiles = rows[:, 5].view(ln.num_splits, ln.num_items, 2).sum(0)       # the splits share the tiles
         assert tiles.tolist() == [[n, n] for n in per_item]
     with pytest.raises(ValueError, match="one int64"):
