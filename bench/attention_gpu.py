@@ -86,7 +86,7 @@ def parse_args(argv=None):
     p.add_argument("--target-programs", type=int, default=None, help="split-KV target (None: PROGRAMS_PER_SM x SMs)")
     p.add_argument("--block-n", type=int, default=64, help="keys per tile (a multiple of 16)")
     p.add_argument("--decode-block-n", type=int, default=None,
-                   help="keys per tile of the decode launch (default: the engine's, 128 over E4M3 pages, else --block-n)")
+                   help="keys per tile of the decode launch (default: --block-n, as the engine)")
     p.add_argument("--prefill-block-m", type=int, default=64, help="rows (tokens x GQA heads) per prefill program")
     p.add_argument("--num-warps", type=int, default=None, help="override the launch's warps (None: 4)")
     p.add_argument("--num-stages", type=int, default=None, help="override the launch's stages (None: the engine's rule)")
@@ -546,10 +546,7 @@ def main(argv=None) -> int:
 
     timer = Timer(device, graphs=not args.no_graphs, warmup=args.warmup, repeats=args.repeats)
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-    from metronome.attention.triton_paged import E4M3_DECODE_BLOCK_N
-
-    decode_block_n = args.decode_block_n or (E4M3_DECODE_BLOCK_N if args.kv_cache_dtype == "fp8" else None)
-    plan_kw = {"num_sms": num_sms, "block_n": args.block_n, "decode_block_n": decode_block_n,
+    plan_kw = {"num_sms": num_sms, "block_n": args.block_n, "decode_block_n": args.decode_block_n,
                "force_splits": args.force_splits,
                "target_programs": args.target_programs, "prefill_block_m": args.prefill_block_m,
                "num_warps": args.num_warps, "num_stages": args.num_stages}

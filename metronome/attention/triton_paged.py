@@ -64,10 +64,6 @@ LOG2E = 1.4426950408889634
 DECODE_BLOCK_M = 16      # rows (tokens x GQA heads) of a decode program: the tl.dot minimum
 PREFILL_BLOCK_M = 64     # rows of a prefill program
 BLOCK_N = 64             # keys per tile (4 blocks of 16)
-# Decode over E4M3 pages: a 64-key tile is half the bytes of a bf16 one and its wait no shorter, so a program
-# walking its window tile by tile is bound by the tiles' latency; 128 keys put twice the bytes in flight
-# (docs/benchmarks/gpu.md#attention-over-e4m3-pages). Prefill keeps 64: its tiles have more rows to multiply.
-E4M3_DECODE_BLOCK_N = 128
 MAX_SPLITS = 16
 MIN_TILES_PER_SPLIT = 2
 DEFAULT_SMS = 132        # H200; used when no CUDA device can be asked

@@ -108,12 +108,9 @@ class ModelRunner:
             v[0].zero_()
             self.kv_caches.append((k, v) if self.kv_scales is None else (k, v, self.kv_scales[layer]))
         if config.attention == "triton":
-            from metronome.attention.triton_paged import (  # needs the triton package
-                E4M3_DECODE_BLOCK_N, TritonPagedAttention)
+            from metronome.attention.triton_paged import TritonPagedAttention  # needs the triton package
 
-            self.attention = TritonPagedAttention(
-                self.spec.num_heads, num_kv_heads=self.spec.num_kv_heads,
-                decode_block_n=E4M3_DECODE_BLOCK_N if self.kv_dtype == E4M3 else None)
+            self.attention = TritonPagedAttention(self.spec.num_heads, num_kv_heads=self.spec.num_kv_heads)
         else:
             self.attention = TorchPagedAttention(self.spec.num_heads)
         # The CPU path's torch attention over compute-dtype pages: decode rounds attend over keys gathered once
