@@ -14,10 +14,11 @@ its ``decode`` has no streaming mode at all. Here every stream's state has a fix
   transposed convolution is computed without bias; its first ``kernel - stride`` outputs get the
   previous chunk's tail added, the next ``n · stride`` are emitted (+ bias), the last ``kernel - stride``
   become the tail. The full-sequence path trims exactly those right-most outputs;
-* the encoder and decoder transformers: the last ``sliding_window - 1`` keys/values per layer (zeros and
-  masked out while the stream is young) and the stream's step count; new queries attend to keys at
-  positions ``(p - sliding_window, p]``, transformers' sliding-window mask, with RoPE at the absolute
-  positions the full-sequence path uses.
+* the encoder and decoder transformers: a ring of ``sliding_window - 1 + steps`` keys/values per layer
+  (``steps`` new positions a frame; masked out while the stream is young) and the stream's step count; position
+  p lives in slot ``p % ring``, so a frame writes only its own positions back to the pool; new queries attend
+  to keys at positions ``(p - sliding_window, p]``, transformers' sliding-window mask, with RoPE at the
+  absolute positions the full-sequence path uses.
 
 So streaming equals transformers' full-sequence ``encode``/``decode`` up to float rounding (the order
 of a few additions), at any length, and a stream's state never grows (the tests check both). A
@@ -27,6 +28,7 @@ them and run them as one batch, one frame each.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -89,6 +91,8 @@ class MimiCodec:
         self.num_codebooks = num_codebooks
         self.sample_rate = int(config.sampling_rate)
         self.frame_size = int(round(config.sampling_rate / config.frame_rate))  # 1920 samples = 80 ms
+        # the transformers' steps a frame: they run between SEANet (hop: the product of its ratios) and the resampling
+        self.steps = self.frame_size // math.prod(config.upsampling_ratios)
         self.device = next(model.parameters()).device
         self.parts = MimiParts.of(model)
         p = self.parts
@@ -106,6 +110,7 @@ class MimiCodec:
         for tf in (p.encoder_transformer, p.decoder_transformer):
             if tf.config.sliding_window is None:
                 raise ValueError("streaming Mimi needs transformers with a sliding window (bounded state)")
+        self._rings: set[str] = set()      # the transformers' key/value rings: written back a position at a time
         self._shapes = self._state_shapes()
         self.pool: dict[str, torch.Tensor] = {}
         self._free: list[int] = []
@@ -136,10 +141,15 @@ class MimiCodec:
             cfg = tf.config
             for i in range(len(tf.layers)):
                 for kv in "kv":
-                    shapes[f"{prefix}{i}{kv}"] = ((cfg.num_key_value_heads, cfg.sliding_window - 1, cfg.head_dim),
+                    shapes[f"{prefix}{i}{kv}"] = ((cfg.num_key_value_heads, self._ring_size(tf), cfg.head_dim),
                                                   torch.float32)
+                    self._rings.add(f"{prefix}{i}{kv}")
             shapes[f"{prefix}.count"] = ((), torch.long)
         return shapes
+
+    def _ring_size(self, tf: nn.Module) -> int:
+        """Key slots a layer keeps: every key a frame's new steps attend to, the new ones included."""
+        return tf.config.sliding_window - 1 + self.steps
 
     def _grow(self, rows: int) -> None:
         old = len(next(iter(self.pool.values()))) if self.pool else 0
@@ -181,7 +191,8 @@ class MimiCodec:
 
     def _scatter(self, rows: torch.Tensor, st: dict[str, torch.Tensor]) -> None:
         for k, v in self.pool.items():
-            v.index_copy_(0, rows, st[k])
+            if k not in self._rings:   # the rings' new positions went to the pool as they were written
+                v.index_copy_(0, rows, st[k])
 
     # ------------------------------------------------------------------------------------- encode
     @torch.no_grad()
@@ -201,7 +212,7 @@ class MimiCodec:
         x = pcm[:, None, :]
         for layer in p.encoder_seanet.layers:
             x = self._layer(layer, x, st, fresh)
-        x = self._transformer(p.encoder_transformer, x.transpose(1, 2), st, "enc.tf").transpose(1, 2)
+        x = self._transformer(p.encoder_transformer, x.transpose(1, 2), st, "enc.tf", rows).transpose(1, 2)
         latents = self._conv(p.downsample, x, st, fresh) if p.downsample is not None else x
         codes = self.model.quantizer.encode(latents, self.num_codebooks).transpose(0, 1)
         self._scatter(rows, st)
@@ -221,7 +232,7 @@ class MimiCodec:
         x = self.model.quantizer.decode(codes)
         if p.upsample is not None:
             x = self._convtr(p.upsample, x, st)
-        x = self._transformer(p.decoder_transformer, x.transpose(1, 2), st, "dec.tf").transpose(1, 2)
+        x = self._transformer(p.decoder_transformer, x.transpose(1, 2), st, "dec.tf", rows).transpose(1, 2)
         for layer in p.decoder_seanet.layers:
             x = self._layer(layer, x, st, None)
         self._scatter(rows, st)
@@ -265,19 +276,22 @@ class MimiCodec:
         y = y[..., :n]
         return y if conv.bias is None else y + conv.bias[None, :, None]
 
-    def _transformer(self, tf: nn.Module, x: torch.Tensor, st: dict, prefix: str) -> torch.Tensor:
-        """transformers' MimiTransformerModel on new steps x [N, T, C], attending to each stream's window."""
+    def _transformer(self, tf: nn.Module, x: torch.Tensor, st: dict, prefix: str, rows: torch.Tensor) -> torch.Tensor:
+        """transformers' MimiTransformerModel on new steps x [N, T, C], attending to each stream's window; the new
+        keys and values go into their ring slots, in the gathered state and in the pool's ``rows``."""
         from transformers.models.mimi.modeling_mimi import apply_rotary_pos_emb
 
         n, t, _ = x.shape
-        window = tf.config.sliding_window
-        past = window - 1
+        if t != self.steps:
+            raise ValueError(f"Mimi's transformers take {self.steps} steps a frame, got {t}")
+        window, size = tf.config.sliding_window, self._ring_size(tf)
         count = st[f"{prefix}.count"]                                              # [N]
-        steps = torch.arange(t, device=x.device)
-        q_pos = count[:, None] + steps                                             # [N, T]
-        k_pos = torch.cat([count[:, None] - past + torch.arange(past, device=x.device), q_pos], 1)
-        rel = q_pos[:, :, None] - k_pos[:, None, :]                                 # [N, T, past + T]
+        q_pos = count[:, None] + torch.arange(t, device=x.device)                  # [N, T]
+        last = q_pos[:, -1:]
+        k_pos = last - (last - torch.arange(size, device=x.device)) % size        # [N, size]: each slot's position
+        rel = q_pos[:, :, None] - k_pos[:, None, :]                                 # [N, T, size]
         mask = (k_pos[:, None, :] >= 0) & (rel >= 0) & (rel < window)
+        slots = q_pos % size                                                       # [N, T]: the new steps' slots
         cos, sin = tf.rotary_emb(x, q_pos)
         for i, layer in enumerate(tf.layers):
             attn = layer.self_attn
@@ -286,9 +300,12 @@ class MimiCodec:
             k = attn.k_proj(h).view(n, t, -1, attn.head_dim).transpose(1, 2)
             v = attn.v_proj(h).view(n, t, -1, attn.head_dim).transpose(1, 2)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            keys = torch.cat([st[f"{prefix}{i}k"], k], 2)
-            values = torch.cat([st[f"{prefix}{i}v"], v], 2)
-            st[f"{prefix}{i}k"], st[f"{prefix}{i}v"] = keys[:, :, -past:], values[:, :, -past:]
+            keys, values = st[f"{prefix}{i}k"], st[f"{prefix}{i}v"]                # [N, H, size, D], gathered
+            index = slots[:, None, :, None].expand_as(k)
+            keys.scatter_(2, index, k)
+            values.scatter_(2, index, v)
+            self.pool[f"{prefix}{i}k"][rows[:, None], :, slots] = k.transpose(1, 2)
+            self.pool[f"{prefix}{i}v"][rows[:, None], :, slots] = v.transpose(1, 2)
             if attn.num_key_value_groups > 1:
                 keys = keys.repeat_interleave(attn.num_key_value_groups, 1)
                 values = values.repeat_interleave(attn.num_key_value_groups, 1)

@@ -9,6 +9,7 @@ be unique across the tree and ``tests/models/omni/test_moshi.py`` exists.
 from __future__ import annotations
 
 import base64
+import copy
 from pathlib import Path
 
 import numpy as np
@@ -81,6 +82,25 @@ def test_streaming_mimi_equals_full_sequence(moshi):
     state = codec.open()
     got = torch.cat([codec.decode([state], want_codes[..., i:i + 1]) for i in range(frames)], -1)
     assert got.shape == want_audio.shape == (1, frames * FRAME)
+    torch.testing.assert_close(got, want_audio, rtol=1e-5, atol=1e-5 * float(want_audio.abs().max()))
+
+
+def test_streaming_mimi_transformers_attend_exactly_their_window(moshi):
+    """The transformers' residual branches at full strength (Mimi initialises their layer scales at 0.01, which
+    hides a key too many or too few): streaming decode still gives the full-sequence audio, past the window and
+    round the key ring more than once."""
+    _, ref = moshi
+    mimi = copy.deepcopy(ref.audio_encoder)
+    with torch.no_grad():
+        for name, param in mimi.named_parameters():
+            if name.endswith("layer_scale.scale"):
+                param.fill_(1.0)
+    codec = MimiCodec(mimi, NUM_CODEBOOKS)
+    frames = 24
+    audio = torch.from_numpy(speech(frames, seed=1))[None]
+    want_codes, want_audio = full_sequence(mimi, audio)
+    state = codec.open()
+    got = torch.cat([codec.decode([state], want_codes[..., i:i + 1]) for i in range(frames)], -1)
     torch.testing.assert_close(got, want_audio, rtol=1e-5, atol=1e-5 * float(want_audio.abs().max()))
 
 
