@@ -84,7 +84,7 @@ def parse_args(argv=None):
     p.add_argument("--time-limit-s", type=float, default=290.0, help="skip the remaining shapes after this")
     p.add_argument("--force-splits", type=int, default=None, help="override the split-KV rule (None: the engine's)")
     p.add_argument("--target-programs", type=int, default=None, help="split-KV target (None: PROGRAMS_PER_SM x SMs)")
-    p.add_argument("--block-n", type=int, default=64, help="keys per tile (a multiple of 16)")
+    p.add_argument("--block-n", type=int, default=64, help="keys per tile (a power of two, at least 16)")
     p.add_argument("--decode-block-n", type=int, default=None,
                    help="keys per tile of the decode launch (default: --block-n, as the engine)")
     p.add_argument("--prefill-block-m", type=int, default=64, help="rows (tokens x GQA heads) per prefill program")
@@ -369,7 +369,8 @@ def run_shape(shape: Shape, args, device, dtype, timer: Timer, plan_kw, flex_sta
            "mode": shape.mode, "q": shape.q, "n": shape.n, "n_sets": n_sets, "live_keys": sets.live_keys,
            "kv_bytes": sets.kv_bytes, "qo_bytes": sets.qo_bytes,
            "launches": [{"block_m": ln.block_m, "items": ln.num_items, "splits": ln.num_splits,
-                         "max_tiles": ln.max_tiles, "stages": ln.num_stages} for ln in sets.plans[0].launches],
+                         "max_tiles": ln.max_tiles, "stages": ln.num_stages, "block_n": ln.block_n}
+                        for ln in sets.plans[0].launches],
            "max_registers": plan_kw.get("max_registers")}
 
     def triton_call(s, plans):

@@ -737,13 +737,14 @@ class Timed:
 class MoshiArm(Arm):
     """One Moshi frame per session, the worker's path through ``metronome/audio/omni/moshi.py``: ``prepare``
     (Mimi encode of 1,920 new samples of every session + the summed embeddings: "encoder"), ``engine.step``
-    (one position a session: "prefill"; no decode rounds), ``on_hidden`` (text head + depth transformer:
-    "depth"; Mimi decode of the new frame: "mimi decode"). The tick is wall time from the audio in hand to
-    the PCM on the host; the parts are spans of the stream (CUDA events), which add no wait to the tick."""
+    (one position a session, the engine's prefill: "step", ``prefill_ms`` in the JSON; no decode rounds),
+    ``on_hidden`` (text head + depth transformer: "depth"; Mimi decode of the new frame: "mimi decode"). The tick
+    is wall time from the audio in hand to the PCM on the host; the parts are spans of the stream (CUDA events),
+    which add no wait to the tick (``engine_step_ms``: the engine's own wall time for its step)."""
 
     warmup_ticks = 2   # a new session speaks from its second frame
     columns = (("tick ms", "tick_ms"), ("encoder", "encoder_ms"), ("(mimi)", "mimi_encode_ms"),
-               ("prefill", "prefill_ms"), ("depth", "depth_ms"), ("mimi dec", "mimi_decode_ms"),
+               ("step", "prefill_ms"), ("depth", "depth_ms"), ("mimi dec", "mimi_decode_ms"),
                ("heads", "heads_ms"))
 
     def __init__(self, args, device) -> None:

@@ -367,7 +367,6 @@ class TritonPlan:
     meta: PagedAttentionMetadata
     num_heads: int
     num_kv_heads: int
-    block_n: int
     launches: list[TritonLaunch]
     num_warps: int | None = None    # None: 4 (8 for BLOCK_M > 64)
     num_stages: int | None = None   # None: each launch's own (2 for head_dim > 128)
@@ -426,6 +425,9 @@ def plan_triton(meta: PagedAttentionMetadata, num_heads: int, num_kv_heads: int,
     the decode launch's keys per tile (None: ``block_n``, as the prefill launch)."""
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    for width in (block_n, decode_block_n or block_n):
+        if width < 16 or width & (width - 1):
+            raise ValueError(f"keys per tile must be a power of two of at least 16, got {width}")
     g = num_heads // num_kv_heads
     target = target_programs if target_programs is not None else PROGRAMS_PER_SM * num_sms
     bm_small = max(decode_block_m, _next_pow2(g))
@@ -456,7 +458,7 @@ def plan_triton(meta: PagedAttentionMetadata, num_heads: int, num_kv_heads: int,
         stages = choose_stages(len(items) * num_kv_heads * splits, num_sms, decode=bm == bm_small)
         launches.append(TritonLaunch(bm, _to_device(items, device), len(items), splits, tiles[bm], num_stages=stages,
                                      decode=bm == bm_small, block_n=widths[bm]))
-    return TritonPlan(meta, num_heads, num_kv_heads, block_n, launches, num_warps, num_stages, max_registers)
+    return TritonPlan(meta, num_heads, num_kv_heads, launches, num_warps, num_stages, max_registers)
 
 
 # ----------------------------------------------------------------------------------------------- launch

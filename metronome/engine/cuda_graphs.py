@@ -107,7 +107,7 @@ class DecodeGraphs:
                 stages = choose_stages(batch * spec.num_kv_heads * splits, num_sms, decode=True)
                 launch = TritonLaunch(block_m, self.items[:batch], batch, splits, full_tiles, num_stages=stages,
                                       decode=True, block_n=attention.decode_block_n)
-                plan = TritonPlan(meta, spec.num_heads, spec.num_kv_heads, attention.options["block_n"], [launch],
+                plan = TritonPlan(meta, spec.num_heads, spec.num_kv_heads, [launch],
                                   attention.options["num_warps"], attention.options["num_stages"],
                                   attention.options["max_registers"])
                 self._pad(0, batch)

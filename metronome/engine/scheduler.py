@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import logging
 import numbers
-from bisect import bisect_right
-from itertools import accumulate, count
+from itertools import count
 from typing import Sequence
 
 import torch
@@ -118,8 +117,8 @@ class Scheduler:
         return StepPlan(tuple(admitted.values()), tuple(errors))
 
     def _nonfinite_embeds(self, inputs: Sequence[StepInput]) -> set[int]:
-        """The indices of the inputs whose embeds hold a NaN or an infinity: one check and one transfer per
-        device for the whole step (a check per input would wait on the device once per session)."""
+        """The indices of the inputs whose embeds hold a NaN or an infinity: a reduction per input and one
+        transfer per device for the whole step (a transfer per input would wait on the device once per session)."""
         by_device: dict[torch.device, list[int]] = {}
         for i, inp in enumerate(inputs):
             e = inp.embeds
@@ -127,10 +126,8 @@ class Scheduler:
                 by_device.setdefault(e.device, []).append(i)
         bad: set[int] = set()
         for group in by_device.values():
-            rows = torch.cat([inputs[i].embeds for i in group])
-            bad_rows = (~torch.isfinite(rows).all(dim=1)).nonzero().flatten().tolist()
-            ends = list(accumulate(len(inputs[i].embeds) for i in group))
-            bad.update(group[bisect_right(ends, r)] for r in bad_rows)
+            finite = torch.stack([torch.isfinite(inputs[i].embeds).all() for i in group]).tolist()
+            bad.update(i for i, ok in zip(group, finite) if not ok)
         return bad
 
     def _validate(self, inp: StepInput, seen, nonfinite: bool) -> str | None:

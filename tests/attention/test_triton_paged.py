@@ -149,6 +149,8 @@ def test_the_decode_launch_takes_its_own_tile_width():
     assert [(ln.block_m, ln.block_n, ln.max_tiles, ln.num_splits) for ln in plan.launches] == \
         [(16, 128, 9, 4), (64, 64, 18, 9)]
     assert TritonPagedAttention(4, num_kv_heads=1).decode_block_n == 64
+    with pytest.raises(ValueError, match="power of two"):
+        plan_triton(meta, 4, 1, decode_block_n=48)
     assert TritonPagedAttention(4, num_kv_heads=1, decode_block_n=128).decode_block_n == 128
     seqs, sinks, window = [(300, 1), (41, 41), (260, 50), (17, 1)], 16, 64
     meta, query, k_cache, v_cache, dense = _case(seqs, sinks, window, 16, heads=6, kv_heads=2, seed=3)

@@ -51,22 +51,27 @@ def test_each_bad_input_gets_its_own_error_and_the_good_session_is_untouched(eng
 
 
 def test_nonfinite_embeds_refuse_only_their_own_session(engine, llama):
-    """The step checks every input's embeds together: the sessions with a NaN or an infinity in any row are
-    refused, the finite ones beside them (before and after, of other lengths) run as they would alone."""
+    """The step checks every input's embeds together: the sessions with a NaN or an infinity in any row (the
+    first, the last) are refused, the finite ones beside them (before and after, of other lengths) run as they
+    would alone, and an input that breaks an earlier rule is refused for that rule."""
     _, model = llama
     ids = [[11, 12, 13], [14], [15, 16]]
     table = model.get_input_embeddings()
     finite = [table(torch.tensor(x)).detach() for x in ids]
     with_inf = finite[0].clone()
-    with_inf[1, 7] = float("inf")
+    with_inf[0, 7] = float("inf")
     with_nan = torch.cat([finite[1], torch.full((1, 64), float("nan"))])
-    sids = [engine.open_session() for _ in range(5)]
+    sids = [engine.open_session() for _ in range(6)]
     outs = engine.step([StepInput(sids[0], embeds=finite[0], max_new_tokens=2),
                         StepInput(sids[1], embeds=with_inf, max_new_tokens=2),
                         StepInput(sids[2], embeds=finite[1], max_new_tokens=2),
                         StepInput(sids[3], embeds=with_nan, max_new_tokens=2),
+                        StepInput(sids[5], token_ids=[1], embeds=with_nan),
                         StepInput(sids[4], embeds=finite[2], max_new_tokens=2)])
-    assert [o.error is not None and "NaN or infinite" in o.error for o in outs] == [False, True, False, True, False]
+    assert [o.error is not None and "NaN or infinite" in o.error for o in outs] == [False, True, False, True, False,
+                                                                                     False]
+    assert "not both" in outs[4].error
+    outs = outs[:4] + outs[5:]
     for out, x in zip((outs[0], outs[2], outs[4]), ids):
         assert out.token_ids == hf_greedy(model, x, 2)
     for sid in sids:

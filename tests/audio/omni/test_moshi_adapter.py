@@ -87,18 +87,26 @@ def test_streaming_mimi_equals_full_sequence(moshi):
 
 def test_streaming_mimi_transformers_attend_exactly_their_window(moshi):
     """The transformers' residual branches at full strength (Mimi initialises their layer scales at 0.01, which
-    hides a key too many or too few): streaming decode still gives the full-sequence audio, past the window and
-    round the key ring more than once."""
+    hides a key too many or too few): streaming encode gives the full-sequence latents (what the quantizer
+    takes) and streaming decode the full-sequence audio, past the window and round the key ring more than once."""
     _, ref = moshi
     mimi = copy.deepcopy(ref.audio_encoder)
     with torch.no_grad():
         for name, param in mimi.named_parameters():
             if name.endswith("layer_scale.scale"):
                 param.fill_(1.0)
+    latents = []
+    quantize = mimi.quantizer.encode
+    mimi.quantizer.encode = lambda x, *args, **kwargs: latents.append(x) or quantize(x, *args, **kwargs)
     codec = MimiCodec(mimi, NUM_CODEBOOKS)
     frames = 24
     audio = torch.from_numpy(speech(frames, seed=1))[None]
     want_codes, want_audio = full_sequence(mimi, audio)
+    state = codec.open()
+    for i in range(frames):
+        codec.encode([state], audio[:, i * FRAME:(i + 1) * FRAME])
+    want, got = latents[0], torch.cat(latents[1:], -1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
     state = codec.open()
     got = torch.cat([codec.decode([state], want_codes[..., i:i + 1]) for i in range(frames)], -1)
     torch.testing.assert_close(got, want_audio, rtol=1e-5, atol=1e-5 * float(want_audio.abs().max()))
@@ -347,10 +355,16 @@ def test_cuda_graphs_equal_eager(moshi):
     path, _ = moshi
     heads = load_heads(Path(path), hf_config(read_config(Path(path))), torch.float32, "cuda")
     eager, graphed = (MimiCodec(heads.audio_encoder, NUM_CODEBOOKS, cuda_graphs=g) for g in (False, True))
-    starts = (0, 2, 3)                       # batch sizes 1, 1, 2, 3, 3...: buckets 1, 2, 4 (one padding row)
-    se, sg = [eager.open() for _ in starts], [graphed.open() for _ in starts]
+    # Batch sizes 1, 1, 2, 3 .. 3, 4 ..: buckets 1, 2, 4 (one padding row), 4. 13 frames are 26 steps of Mimi's
+    # transformers, round their 21-slot key rings; the fourth stream grows the state pool (the graphs are
+    # captured again) and joins at another age.
+    starts = (0, 2, 3, 9)
+    se, sg = {}, {}
     g = torch.Generator().manual_seed(11)
-    for t in range(7):
+    for t in range(13):
+        for i, s in enumerate(starts):
+            if s == t:
+                se[i], sg[i] = eager.open(), graphed.open()
         live = [i for i, s in enumerate(starts) if t >= s]
         pcm = (torch.randn(len(live), FRAME, generator=g) * 0.2).cuda()
         ce = eager.encode([se[i] for i in live], pcm)
