@@ -57,6 +57,7 @@ from triton.language.extra.cuda import globaltimer, smid
 from metronome.attention.e4m3_triton import e4m3_grid
 from metronome.attention.metadata import PagedAttentionMetadata
 from metronome.cpu import triton_interpreted
+from metronome.device_copy import to_device
 
 LOG2E = 1.4426950408889634
 
@@ -407,14 +408,6 @@ def choose_stages(programs: int, num_sms: int, *, decode: bool) -> int:
     return 2 if decode and programs > DOUBLE_BUFFERED_PROGRAMS_PER_SM * num_sms else 3
 
 
-def _to_device(rows: list[list[int]], device: torch.device) -> torch.Tensor:
-    t = torch.tensor(rows, dtype=torch.int32).reshape(-1, 4)
-    if device.type == "cuda":
-        # Pinned + non_blocking: the host→device copy never waits for the GPU.
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
 def plan_triton(meta: PagedAttentionMetadata, num_heads: int, num_kv_heads: int, *, num_sms: int = DEFAULT_SMS,
                 target_programs: int | None = None, max_splits: int = MAX_SPLITS,
                 min_tiles_per_split: int = MIN_TILES_PER_SPLIT, force_splits: int | None = None,
@@ -456,7 +449,8 @@ def plan_triton(meta: PagedAttentionMetadata, num_heads: int, num_kv_heads: int,
             splits = choose_splits(len(items) * num_kv_heads, tiles[bm], target_programs=target,
                                    max_splits=max_splits, min_tiles_per_split=min_tiles_per_split)
         stages = choose_stages(len(items) * num_kv_heads * splits, num_sms, decode=bm == bm_small)
-        launches.append(TritonLaunch(bm, _to_device(items, device), len(items), splits, tiles[bm], num_stages=stages,
+        launches.append(TritonLaunch(bm, to_device(torch.tensor(items, dtype=torch.int32).reshape(-1, 4), device),
+                                     len(items), splits, tiles[bm], num_stages=stages,
                                      decode=bm == bm_small, block_n=widths[bm]))
     return TritonPlan(meta, num_heads, num_kv_heads, launches, num_warps, num_stages, max_registers)
 

@@ -116,7 +116,7 @@ def decode_pipelined(engine, active: list[Work]) -> int:
         if not live:
             break
         if len(live) != len(current):
-            ids = ids.index_select(0, torch.tensor(keep).to(ids.device, non_blocking=True))
+            ids = ids.index_select(0, engine.runner.to_device(torch.tensor(keep)))
         _, hidden = engine._forward(segments, {}, input_ids=ids)
         rounds += 1
         ids = engine.runner.compute_logits(hidden).argmax(-1)

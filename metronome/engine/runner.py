@@ -270,7 +270,7 @@ class ModelRunner:
             rows = hidden.unbind(0)
         else:
             ends = torch.tensor([len(seg) for seg in plan.segments]).cumsum(0).sub_(1)
-            rows = hidden.index_select(0, ends.to(hidden.device, non_blocking=True)).unbind(0)
+            rows = hidden.index_select(0, self.to_device(ends)).unbind(0)
         return ForwardResult(hidden, tuple(rows))
 
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
