@@ -121,9 +121,8 @@ class Scheduler:
         transfer per device for the whole step (a transfer per input would wait on the device once per session)."""
         by_device: dict[torch.device, list[int]] = {}
         for i, inp in enumerate(inputs):
-            e = inp.embeds
-            if isinstance(e, torch.Tensor) and e.dim() == 2 and e.shape[0] > 0 and e.shape[1] == self.hidden_size:
-                by_device.setdefault(e.device, []).append(i)
+            if inp.embeds is not None and self._embeds_shape_error(inp.embeds) is None:
+                by_device.setdefault(inp.embeds.device, []).append(i)
         bad: set[int] = set()
         for group in by_device.values():
             finite = torch.stack([torch.isfinite(inputs[i].embeds).all() for i in group]).tolist()
@@ -155,15 +154,12 @@ class Scheduler:
                 if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t < vocab:
                     return f"token id {t!r} is not an integer in [0, {vocab})"
         if inp.embeds is not None:
-            e = inp.embeds
-            if not isinstance(e, torch.Tensor) or e.dim() != 2 or e.shape[1] != self.hidden_size:
-                shape = tuple(e.shape) if isinstance(e, torch.Tensor) else type(e).__name__
-                return f"embeds must be a tensor of shape [n, {self.hidden_size}], got {shape}"
-            if e.shape[0] == 0:
-                return "embeds must have at least one row (send embeds=None for no new input)"
+            error = self._embeds_shape_error(inp.embeds)
+            if error:
+                return error
             if nonfinite:
                 return "embeds contain NaN or infinite values"
-            n = int(e.shape[0])
+            n = int(inp.embeds.shape[0])
         if n > self.max_chunk_tokens:
             return f"chunk of {n} tokens exceeds max_chunk_tokens={self.max_chunk_tokens}"
         if inp.return_hidden and n == 0 and session.pending_token is None and not session.stop_written:
@@ -171,6 +167,14 @@ class Scheduler:
         if (inp.max_new_tokens > 0 and n == 0 and session.pending_token is None
                 and session.last_hidden is None and not session.history):
             return "nothing to decode from: the session has no context yet; send input first"
+        return None
+
+    def _embeds_shape_error(self, e) -> str | None:
+        if not isinstance(e, torch.Tensor) or e.dim() != 2 or e.shape[1] != self.hidden_size:
+            shape = tuple(e.shape) if isinstance(e, torch.Tensor) else type(e).__name__
+            return f"embeds must be a tensor of shape [n, {self.hidden_size}], got {shape}"
+        if e.shape[0] == 0:
+            return "embeds must have at least one row (send embeds=None for no new input)"
         return None
 
     def segment(self, session: Session, token_ids: list[int],
