@@ -110,8 +110,8 @@ class MimiCodec:
         for tf in (p.encoder_transformer, p.decoder_transformer):
             if tf.config.sliding_window is None:
                 raise ValueError("streaming Mimi needs transformers with a sliding window (bounded state)")
-        self._rings: set[str] = set()      # the transformers' key/value rings: written back a position at a time
-        self._shapes = self._state_shapes()
+        # The transformers' key/value rings are written back a position at a time, not scattered whole.
+        self._shapes, self._rings = self._state_shapes()
         self.pool: dict[str, torch.Tensor] = {}
         self._free: list[int] = []
         self._grow(4)
@@ -129,8 +129,9 @@ class MimiCodec:
             raise ValueError(f"streaming Mimi: pad_mode {module.pad_mode!r} is not supported")
 
     # ------------------------------------------------------------------------------------- state
-    def _state_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        shapes = {}
+    def _state_shapes(self) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], set[str]]:
+        """Each state tensor's per-stream shape and dtype, by name; and the names of the transformers' rings."""
+        shapes, rings = {}, set()
         for module in self._encoder_convs + self._decoder_convs:
             conv = module.conv
             if isinstance(conv, nn.ConvTranspose1d):
@@ -143,9 +144,9 @@ class MimiCodec:
                 for kv in "kv":
                     shapes[f"{prefix}{i}{kv}"] = ((cfg.num_key_value_heads, self._ring_size(tf), cfg.head_dim),
                                                   torch.float32)
-                    self._rings.add(f"{prefix}{i}{kv}")
+                    rings.add(f"{prefix}{i}{kv}")
             shapes[f"{prefix}.count"] = ((), torch.long)
-        return shapes
+        return shapes, rings
 
     def _ring_size(self, tf: nn.Module) -> int:
         """Key slots a layer keeps: every key a frame's new steps attend to, the new ones included."""
