@@ -803,7 +803,7 @@ class MoshiArm(Arm):
         start = mark(self.device)
         prepared = a.prepare(audio)
         prepared_at = mark(self.device)
-        outs = self.engine.step([StepInput(s, embeds=p.embeds, return_hidden=True)
+        outs = self.engine.step([StepInput(s, embeds=p.embeds, return_hidden=True, embeds_finite=p.embeds_finite)
                                  for s, p in zip(self.sids[:n], prepared)])
         stepped_at = mark(self.device)
         if any(o.error or o.hidden is None for o in outs):

@@ -109,6 +109,8 @@ class PreparedInput:
     # Ask the engine for the last input position's hidden state (``InteractionAdapter.on_hidden``):
     # for models whose own output heads run in the adapter, e.g. Moshi's depth transformer.
     return_hidden: bool = False
+    # ``embeds`` are finite by construction (``StepInput.embeds_finite``: the engine need not check them).
+    embeds_finite: bool = False
     # Where the VAD heard the user's speech start / stop this tick (ms into the session's input audio).
     speech_started_ms: int | None = None
     speech_stopped_ms: int | None = None

@@ -118,10 +118,11 @@ class Scheduler:
 
     def _nonfinite_embeds(self, inputs: Sequence[StepInput]) -> set[int]:
         """The indices of the inputs whose embeds hold a NaN or an infinity: a reduction per input and one
-        transfer per device for the whole step (a transfer per input would wait on the device once per session)."""
+        transfer per device for the whole step (a transfer per input would wait on the device once per session).
+        Embeds their caller vouches for (``embeds_finite``) are not read."""
         by_device: dict[torch.device, list[int]] = {}
         for i, inp in enumerate(inputs):
-            if inp.embeds is not None and self._embeds_shape_error(inp.embeds) is None:
+            if inp.embeds is not None and not inp.embeds_finite and self._embeds_shape_error(inp.embeds) is None:
                 by_device.setdefault(inp.embeds.device, []).append(i)
         bad: set[int] = set()
         for group in by_device.values():

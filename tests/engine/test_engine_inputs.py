@@ -78,6 +78,19 @@ def test_nonfinite_embeds_refuse_only_their_own_session(engine, llama):
         engine.close_session(sid)
 
 
+def test_embeds_vouched_finite_are_not_checked(engine, llama):
+    """``embeds_finite`` hands the check to the caller: the engine does not read those embeds before the step (a
+    NaN it would have refused goes through), while the unvouched input beside them is still refused."""
+    _, model = llama
+    nan = torch.full((1, 64), float("nan"))
+    a, b = engine.open_session(), engine.open_session()
+    out_a, out_b = engine.step([StepInput(a, embeds=nan, embeds_finite=True), StepInput(b, embeds=nan)])
+    assert out_a.error is None
+    assert "NaN or infinite" in out_b.error
+    engine.close_session(a)
+    engine.close_session(b)
+
+
 def test_embeddings_input_equals_token_input(engine, llama):
     _, model = llama
     a, b = engine.open_session(), engine.open_session()

@@ -7,7 +7,8 @@ Per tick and session (B = 80 ms, ``sample_rate`` 24 kHz in and out):
    token chosen last tick (the engine's own table, ``AdapterContext.embed``) and the 16 audio embeddings
    of the delayed codebook column (``moshi_heads.MoshiHeads.audio_embeds``); the engine gets it as
    ``PreparedInput(embeds=[1, hidden], return_hidden=True)``: one position of the temporal transformer,
-   whose KV lives in the engine under SinkWindow.
+   whose KV lives in the engine under SinkWindow. The embedding is a sum of table rows, finite by
+   construction (``embeds_finite``), so the engine plans its step while Mimi's encoder still runs.
 2. ``on_hidden`` (all sessions together): the text head picks text token s+1 and the depth transformer
    (``moshi_heads.DepthTransformer``, batched) Moshi's 8 codes of column s+1; Moshi's audio frame s is
    then complete and is Mimi-decoded (streaming) to 1920 samples of PCM16 for ``take_audio``.
@@ -149,7 +150,7 @@ class MoshiAdapter(InteractionAdapter):
             user = self.codec.encode([sess.mimi for _, sess, _ in ready], frames)[:, :, 0]
             embeds = self.column_embeds([sess for _, sess, _ in ready], user)
             for (i, _, _), row in zip(ready, embeds):
-                out[i] = PreparedInput(embeds=row[None], return_hidden=True)
+                out[i] = PreparedInput(embeds=row[None], return_hidden=True, embeds_finite=True)
         return out
 
     def column_embeds(self, sessions: list[_Session], user: torch.Tensor) -> torch.Tensor:

@@ -452,7 +452,8 @@ class TickCore:
                 inputs.append(StepInput(job.session_id, token_ids=ids, embeds=embeds,
                                         max_new_tokens=job.prepared.max_new_tokens if last else 0,
                                         sampling=SamplingParams(stop_token_ids=job.prepared.stop_token_ids),
-                                        return_hidden=job.prepared.return_hidden and last))
+                                        return_hidden=job.prepared.return_hidden and last,
+                                        embeds_finite=job.prepared.embeds_finite))
             results = self.engine.step(inputs)
             timing = self.engine.last_timing
             prefill_ms += timing.prefill_ms

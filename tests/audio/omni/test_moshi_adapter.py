@@ -283,6 +283,7 @@ def test_partial_frames_wait_and_bad_input_is_refused(moshi):
     assert first.embeds is None and not first.return_hidden and first.error is None
     second = adapter.prepare([TickAudio("s", pcm=a[1000:FRAME + 500])])[0]
     assert second.embeds.shape == (1, engine.spec.hidden_size) and second.return_hidden
+    assert second.embeds_finite and torch.isfinite(second.embeds).all()   # the engine takes the adapter's word
     bad = adapter.prepare([TickAudio("s", pcm=np.array([np.nan] * FRAME, np.float32)),
                            TickAudio("ghost", pcm=a[:FRAME])])
     assert bad[0].error and bad[1].error and "ghost" in bad[1].error
