@@ -21,7 +21,6 @@ machinery in between.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,11 +53,30 @@ class Sampling:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
+    # torch computes it in float32 and rounds once, as transformers' MoshiRMSNorm does: one kernel, not four.
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def _fuse_qkv(attn: nn.Module) -> torch.Tensor:
+    """One [K, q + k + v rows, hidden] weight for a layer's three projections (one product a codebook, not
+    three); the module's own q/k/v weights become views of it, so the depth decoder is not held twice."""
+    projections = (attn.q_proj.linear, attn.k_proj.linear, attn.v_proj.linear)
+    fused = torch.cat([p.weight.data for p in projections], 1)
+    start = 0
+    for p in projections:
+        rows = p.weight.shape[1]
+        p.weight.data = fused[:, start:start + rows]
+        start += rows
+    return fused
 
 
 class DepthTransformer:
-    """Batched greedy/sampled depth decoding over a transformers ``MoshiDepthDecoder``'s weights."""
+    """Batched greedy/sampled depth decoding over a transformers ``MoshiDepthDecoder``'s weights.
+
+    A frame is K steps of every layer for a handful of rows, so its time is the number of kernels it launches:
+    q, k and v come from one product, the residual adds ride on the output products (``addmm``), the norms
+    and the attention are one kernel each, and the temporal state's projection for all K codebooks is one
+    product before the loop."""
 
     def __init__(self, depth: nn.Module, cuda_graphs: bool = True) -> None:
         from metronome.audio.omni.moshi_graphs import BucketedGraphs
@@ -73,6 +91,8 @@ class DepthTransformer:
             raise ModelLoadError(f"depth decoder hidden_act {cfg.hidden_act!r} is not supported (only silu)")
         if cfg.sliding_window is not None and cfg.sliding_window < self.num_codebooks:
             raise ModelLoadError("depth decoder sliding_window is shorter than one frame's codebooks")
+        with torch.no_grad():
+            self.qkv = [_fuse_qkv(layer.self_attn) for layer in depth.layers]
 
     @torch.no_grad()
     def generate(self, hidden: torch.Tensor, text: torch.Tensor, sampling: Sampling = Sampling(),
@@ -88,36 +108,35 @@ class DepthTransformer:
                   generator: torch.Generator | None = None) -> list[torch.Tensor]:
         d = self.depth
         n, k_total = hidden.shape[0], self.num_codebooks
-        dtype = d.input_projections.weight.dtype
-        hidden = hidden.to(dtype)
-        kv = [(hidden.new_empty(n, self.num_kv_heads, k_total, self.head_dim),
-               hidden.new_empty(n, self.num_kv_heads, k_total, self.head_dim)) for _ in d.layers]
+        projections = d.input_projections.weight                     # [K, depth hidden, temporal hidden]
+        hidden = hidden.to(projections.dtype)
+        projected = (hidden @ projections.flatten(0, 1).t()).view(n, k_total, -1)
+        # each layer's keys and values of the frame's codebooks so far: [N, 2, kv heads, K, head_dim]
+        caches = [hidden.new_empty(n, 2, self.num_kv_heads, k_total, self.head_dim) for _ in d.layers]
         token = text
         out = []
         for k in range(k_total):
             table = d.text_embed_tokens if k == 0 else d.embed_tokens[k - 1]
-            x = table(token) + hidden @ d.input_projections.weight[k].t()
-            for layer, cache in zip(d.layers, kv):
-                x = x + self._attention(layer.self_attn, _rms_norm(x, layer.input_layernorm.weight, self.eps), k, cache)
+            x = table(token) + projected[:, k]
+            for layer, qkv, cache in zip(d.layers, self.qkv, caches):
+                x = self._attention(layer, qkv[k], x, k, cache)
                 h = _rms_norm(x, layer.post_attention_layernorm.weight, self.eps)
                 gate, up = (h @ layer.mlp.fc1.weight[k].t()).chunk(2, dim=-1)
-                x = x + (F.silu(gate) * up) @ layer.mlp.fc2.weight[k].t()
+                x = torch.addmm(x, F.silu(gate) * up, layer.mlp.fc2.weight[k].t())
             token = sampling.pick(x @ d.lm_heads.weight[k].t(), generator)
             out.append(token)
         return [torch.stack(out, dim=1)]
 
-    def _attention(self, attn: nn.Module, x: torch.Tensor, k: int, cache) -> torch.Tensor:
-        n = x.shape[0]
-        q = (x @ attn.q_proj.linear.weight[k].t()).view(n, self.num_heads, 1, self.head_dim)
-        cache[0][:, :, k] = (x @ attn.k_proj.linear.weight[k].t()).view(n, self.num_kv_heads, self.head_dim)
-        cache[1][:, :, k] = (x @ attn.v_proj.linear.weight[k].t()).view(n, self.num_kv_heads, self.head_dim)
-        keys, values = cache[0][:, :, :k + 1], cache[1][:, :, :k + 1]
-        if self.num_kv_heads != self.num_heads:
-            rep = self.num_heads // self.num_kv_heads
-            keys, values = keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1)
-        scores = (q @ keys.transpose(-1, -2)).float() * (1.0 / math.sqrt(self.head_dim))
-        o = scores.softmax(-1).to(values.dtype) @ values
-        return o.reshape(n, self.num_heads * self.head_dim) @ attn.o_proj.linear.weight[k].t()
+    def _attention(self, layer: nn.Module, qkv: torch.Tensor, x: torch.Tensor, k: int,
+                   cache: torch.Tensor) -> torch.Tensor:
+        """x plus the layer's attention of codebook k over codebooks 0..k (``qkv``: codebook k's fused weight)."""
+        n, q_size = x.shape[0], self.num_heads * self.head_dim
+        q, kv = (_rms_norm(x, layer.input_layernorm.weight, self.eps) @ qkv.t()).split(
+            [q_size, 2 * self.num_kv_heads * self.head_dim], -1)
+        cache[:, :, :, k] = kv.view(n, 2, self.num_kv_heads, self.head_dim)
+        o = F.scaled_dot_product_attention(q.view(n, self.num_heads, 1, self.head_dim), cache[:, 0, :, :k + 1],
+                                           cache[:, 1, :, :k + 1], enable_gqa=self.num_kv_heads != self.num_heads)
+        return torch.addmm(x, o.reshape(n, q_size), layer.self_attn.o_proj.linear.weight[k].t())
 
 
 class MoshiHeads(nn.Module):

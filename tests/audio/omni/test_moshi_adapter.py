@@ -25,7 +25,7 @@ from metronome.audio.pcm import decode_pcm16, encode_pcm16
 from metronome.errors import ConfigError
 from metronome.models.loader import read_config
 from metronome.models.omni.moshi import hf_config
-from tests.models.omni.test_moshi import CODEBOOK, NUM_CODEBOOKS, VOCAB, make_moshi_checkpoint
+from tests.models.omni.test_moshi import CODEBOOK, NUM_CODEBOOKS, VOCAB, make_moshi_checkpoint, tiny_moshi_config
 
 FRAME = 1920  # 80 ms at 24 kHz
 POLICY = KVPolicy(sinks=2, window=64, block_size=8)
@@ -140,23 +140,39 @@ def test_streams_of_different_ages_share_a_batch(moshi):
 
 
 # ------------------------------------------------------------------------------------------------ depth
-def test_depth_transformer_equals_transformers_greedy(moshi):
-    path, ref = moshi
-    heads = load_heads(Path(path), hf_config(read_config(Path(path))), torch.float32, "cpu")
-    depth = DepthTransformer(heads.depth_decoder)
+def assert_depth_equals_transformers(depth: DepthTransformer, ref, hidden_size: int) -> None:
     g = torch.Generator().manual_seed(5)
-    hidden = torch.randn(3, ref.config.hidden_size, generator=g)
+    hidden = torch.randn(3, hidden_size, generator=g)
     text = torch.randint(0, VOCAB, (3,), generator=g)
     with torch.no_grad():
-        want = ref.depth_decoder.generate(last_hidden_state=hidden[:, None], input_ids=text[:, None],
-                                          min_length=NUM_CODEBOOKS + 1, max_length=NUM_CODEBOOKS + 1,
-                                          do_sample=False, cache_implementation="static")[:, 1:]
+        want = ref.generate(last_hidden_state=hidden[:, None], input_ids=text[:, None],
+                            min_length=NUM_CODEBOOKS + 1, max_length=NUM_CODEBOOKS + 1,
+                            do_sample=False, cache_implementation="static")[:, 1:]
         # and the logits of every step equal transformers' forward on the teacher-forced frame
-        forced = ref.depth_decoder(input_ids=torch.cat([text[:, None], want[:, :-1]], 1),
-                                   last_hidden_state=hidden[:, None]).logits
+        forced = ref(input_ids=torch.cat([text[:, None], want[:, :-1]], 1), last_hidden_state=hidden[:, None]).logits
     got = depth.generate(hidden, text)
     assert torch.equal(got, want)
     assert forced.argmax(-1).equal(want)
+
+
+def test_depth_transformer_equals_transformers_greedy(moshi):
+    path, ref = moshi
+    heads = load_heads(Path(path), hf_config(read_config(Path(path))), torch.float32, "cpu")
+    assert_depth_equals_transformers(DepthTransformer(heads.depth_decoder), ref.depth_decoder, ref.config.hidden_size)
+
+
+def test_depth_transformer_with_grouped_kv_heads_equals_transformers():
+    """Fewer key/value heads than query heads (the fused q/k/v product's split and the grouped attention)."""
+    from transformers.models.moshi.modeling_moshi import MoshiDepthDecoder
+
+    config = tiny_moshi_config()
+    config.depth_decoder_config.num_attention_heads, config.depth_decoder_config.num_key_value_heads = 4, 2
+    config.depth_decoder_config.head_dim = 8
+    torch.manual_seed(6)
+    ref = MoshiDepthDecoder._from_config(config.depth_decoder_config).eval()
+    depth = DepthTransformer(copy.deepcopy(ref), cuda_graphs=False)
+    assert depth.num_kv_heads < depth.num_heads
+    assert_depth_equals_transformers(depth, ref, config.hidden_size)
 
 
 # ------------------------------------------------------------------------------------------------ rollout
