@@ -5,7 +5,7 @@ Per tick and session (B = 80 ms, ``sample_rate`` 24 kHz in and out):
 1. ``prepare``: the session's 1920 new samples are Mimi-encoded (streaming, ``moshi_mimi.MimiCodec``)
    into the user's 8 codes u_s; the frame's input embedding is the sum of the text embedding of the text
    token chosen last tick (the engine's own table, ``AdapterContext.embed``) and the 16 audio embeddings
-   of the delayed codebook column (``moshi_heads.MoshiHeads.audio_embeds``); the engine gets it as
+   of the delayed codebook column (``moshi_heads.AudioEmbeddings``); the engine gets it as
    ``PreparedInput(embeds=[1, hidden], return_hidden=True)``: one position of the temporal transformer,
    whose KV lives in the engine under SinkWindow. The embedding is a sum of table rows, finite by
    construction (``embeds_finite``), so the engine plans its step while Mimi's encoder still runs.
@@ -46,7 +46,7 @@ import torch
 
 from metronome.audio.adapter import AdapterContext, InteractionAdapter, PreparedInput, TickAudio
 from metronome.audio.detokenize import IncrementalDetokenizer
-from metronome.audio.omni.moshi_heads import DepthTransformer, MoshiHeads, Sampling, load_heads
+from metronome.audio.omni.moshi_heads import AudioEmbeddings, DepthTransformer, MoshiHeads, Sampling, load_heads
 from metronome.audio.omni.moshi_mimi import MimiCodec, MimiStreamState
 from metronome.device_copy import to_device
 from metronome.errors import ConfigError, ModelLoadError
@@ -101,6 +101,7 @@ class MoshiAdapter(InteractionAdapter):
             raise ModelLoadError(f"Mimi samples at {self.codec.sample_rate} Hz; the Moshi adapter expects {SAMPLE_RATE}")
         self.frame_size = self.codec.frame_size
         self.depth = DepthTransformer(heads.depth_decoder, cuda_graphs=cuda_graphs)
+        self.audio_embeds = AudioEmbeddings(heads.embed_tokens)
         self.text_sampling, self.audio_sampling = text_sampling, audio_sampling
         self.max_backlog = (1 + max_backlog_frames) * self.frame_size
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -166,7 +167,7 @@ class MoshiAdapter(InteractionAdapter):
             sess.fed = True
         with torch.no_grad():
             text = self.embed(to_device([sess.text for sess in sessions], self.device, torch.long))
-            return text.to(self.dtype) + self.heads.audio_embeds(columns).to(self.dtype)
+            return text.to(self.dtype) + self.audio_embeds(columns).to(self.dtype)
 
     # ------------------------------------------------------------------------------ output
     def on_hidden(self, batch: list[tuple[str, torch.Tensor]]) -> None:

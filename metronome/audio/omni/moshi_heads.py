@@ -139,6 +139,24 @@ class DepthTransformer:
         return torch.addmm(x, o.reshape(n, q_size), layer.self_attn.o_proj.linear.weight[k].t())
 
 
+class AudioEmbeddings:
+    """The summed audio-codebook embeddings of a column as one gather: the 2K tables are stacked into one (the
+    modules' weights become views of it), so a column costs a gather and a sum, not 2K lookups and adds."""
+
+    def __init__(self, tables: nn.ModuleList) -> None:
+        rows = tables[0].weight.shape[0]
+        with torch.no_grad():
+            self.table = torch.cat([t.weight.data for t in tables])
+            for k, t in enumerate(tables):
+                t.weight.data = self.table[k * rows:(k + 1) * rows]
+        self.offsets = torch.arange(len(tables), device=self.table.device) * rows
+
+    @torch.no_grad()
+    def __call__(self, codes: torch.Tensor) -> torch.Tensor:
+        """codes [N, 2K] (Moshi's K, then the user's K; delayed already) → summed embeddings [N, hidden]."""
+        return F.embedding(codes + self.offsets, self.table).sum(1)
+
+
 class MoshiHeads(nn.Module):
     """The checkpoint's non-decoder parts (see the module docstring), names as transformers stores them."""
 
@@ -155,13 +173,6 @@ class MoshiHeads(nn.Module):
         self.depth_decoder = MoshiDepthDecoder._from_config(config.depth_decoder_config)
         self.audio_encoder = AutoModel.from_config(config.audio_encoder_config)
 
-    @torch.no_grad()
-    def audio_embeds(self, codes: torch.Tensor) -> torch.Tensor:
-        """codes [N, 2K] (Moshi's K, then the user's K; delayed already) → summed embeddings [N, hidden]."""
-        out = self.embed_tokens[0](codes[:, 0])
-        for k in range(1, codes.shape[1]):
-            out = out + self.embed_tokens[k](codes[:, k])
-        return out
 
 
 # Mimi checkpoints (and transformers' save_pretrained) keep the original flat layout; transformers > 5.17 nests
