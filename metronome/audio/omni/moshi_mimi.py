@@ -292,6 +292,10 @@ class MimiCodec:
         k_pos = last - (last - torch.arange(size, device=x.device)) % size        # [N, size]: each slot's position
         rel = q_pos[:, :, None] - k_pos[:, None, :]                                 # [N, T, size]
         mask = (k_pos[:, None, :] >= 0) & (rel >= 0) & (rel < window)
+        # The mask as an additive bias for every head, made once for the layers: [N * H, T, size].
+        heads = tf.layers[0].self_attn.num_heads
+        bias = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
+        bias = bias[:, None].expand(n, heads, t, size).reshape(n * heads, t, size)
         slots = q_pos % size                                                       # [N, T]: the new steps' slots
         cos, sin = tf.rotary_emb(x, q_pos)
         for i, layer in enumerate(tf.layers):
@@ -310,7 +314,10 @@ class MimiCodec:
             if attn.num_key_value_groups > 1:
                 keys = keys.repeat_interleave(attn.num_key_value_groups, 1)
                 values = values.repeat_interleave(attn.num_key_value_groups, 1)
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None], scale=attn.scaling)
+            # Two query steps against the ring: batched products, not a fused kernel that pads the queries to 64.
+            scores = torch.baddbmm(bias, q.reshape(n * heads, t, -1), keys.flatten(0, 1).transpose(1, 2),
+                                   alpha=attn.scaling)
+            o = torch.bmm(scores.softmax(-1), values.flatten(0, 1)).view(n, heads, t, -1)
             x = x + layer.self_attn_layer_scale(attn.o_proj(o.transpose(1, 2).reshape(n, t, -1)))
             x = x + layer.mlp_layer_scale(layer.mlp(layer.post_attention_layernorm(x)))
         st[f"{prefix}.count"] = count + t
