@@ -125,6 +125,50 @@ async def test_failing_adapter_heads_are_reported_on_their_sessions_only(chat_ch
         await worker.stop()
 
 
+class VouchedEmbeds(HiddenToAudio):
+    """Embeddings of PROMPT; the "vouched" sessions say they are finite by construction."""
+
+    def __init__(self, embed) -> None:
+        super().__init__()
+        self.embed = embed
+
+    def prepare(self, batch):
+        with torch.no_grad():
+            embeds = self.embed(torch.tensor(PROMPT))
+        return [PreparedInput(embeds=embeds, embeds_finite=t.session_id.startswith("vouched"), return_hidden=True)
+                for t in batch]
+
+
+async def test_the_worker_passes_on_an_adapters_word_that_its_embeds_are_finite(chat_checkpoint):
+    import grpc
+
+    from metronome.serving.proto import worker_pb2 as pb
+    from metronome.serving.proto import worker_pb2_grpc
+
+    engine = Engine(engine_config(chat_checkpoint))
+    seen: list[StepInput] = []
+    step = engine.step
+
+    def spy(inputs):
+        seen.extend(inputs)
+        return step(inputs)
+
+    engine.step = spy
+    worker = await serve_worker(WorkerConfig(engine_config(chat_checkpoint), budget_ms=BUDGET_MS, port=0),
+                                engine=engine, adapter=VouchedEmbeds(engine.model.embed))
+    try:
+        async with grpc.aio.insecure_channel(worker.address) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            for sid in ("vouched-1", "plain-1"):
+                assert (await stub.OpenSession(pb.OpenSessionRequest(sid=sid))).ok
+            response = await stub.Step(pb.StepRequest(tick=1, tokens_per_tick=2, sessions=[
+                pb.SessionInput(sid="vouched-1", sample_rate=16000), pb.SessionInput(sid="plain-1", sample_rate=16000)]))
+        assert not any(o.error for o in response.outputs)
+        assert sorted(inp.embeds_finite for inp in seen) == [False, True]
+    finally:
+        await worker.stop()
+
+
 class SpeaksBetweenTicks(HiddenToAudio):
     """One answer token, then speech finished between ticks, as the cascade's synthesis thread finishes it: the
     audio is made ready on another thread once the answer's tick has handed out what it had. The tick after
