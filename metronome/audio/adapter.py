@@ -109,7 +109,8 @@ class PreparedInput:
     # Ask the engine for the last input position's hidden state (``InteractionAdapter.on_hidden``):
     # for models whose own output heads run in the adapter, e.g. Moshi's depth transformer.
     return_hidden: bool = False
-    # ``embeds`` are finite by construction (``StepInput.embeds_finite``: the engine need not check them).
+    # ``embeds`` are finite by construction, made from no client-supplied floats (``StepInput.embeds_finite``:
+    # the engine does not check them, and a NaN let through ruins the session's cache).
     embeds_finite: bool = False
     # Where the VAD heard the user's speech start / stop this tick (ms into the session's input audio).
     speech_started_ms: int | None = None

@@ -62,8 +62,9 @@ class StepInput:
     # Return the final-normed hidden state of the last input position (for models whose own heads
     # run outside the engine, e.g. Moshi's depth transformer); with max_new_tokens=0.
     return_hidden: bool = False
-    # The caller vouches that ``embeds`` hold no NaN or infinity (sums of embedding-table rows, say): the
-    # engine skips its own check, whose result the host must wait for before it can plan the step.
+    # The caller vouches that ``embeds`` hold no NaN or infinity: the engine skips its own check, whose result
+    # the host must wait for before it can plan the step. Only for embeds made from no client-supplied floats
+    # (sums of embedding-table rows, say): a NaN let through ruins that session's cache.
     embeds_finite: bool = False
 
 

@@ -80,15 +80,21 @@ def test_nonfinite_embeds_refuse_only_their_own_session(engine, llama):
 
 def test_embeds_vouched_finite_are_not_checked(engine, llama):
     """``embeds_finite`` hands the check to the caller: the engine does not read those embeds before the step (a
-    NaN it would have refused goes through), while the unvouched input beside them is still refused."""
+    NaN it would have refused goes through, into that session alone), the unvouched input beside them is still
+    refused, and a finite session in the same step decodes what it decodes alone."""
     _, model = llama
     nan = torch.full((1, 64), float("nan"))
-    a, b = engine.open_session(), engine.open_session()
-    out_a, out_b = engine.step([StepInput(a, embeds=nan, embeds_finite=True), StepInput(b, embeds=nan)])
+    ids = [11, 12, 13]
+    finite = model.get_input_embeddings()(torch.tensor(ids)).detach()
+    a, b, c = engine.open_session(), engine.open_session(), engine.open_session()
+    out_a, out_b, out_c = engine.step([StepInput(a, embeds=nan, embeds_finite=True, max_new_tokens=2),
+                                       StepInput(b, embeds=nan, max_new_tokens=2),
+                                       StepInput(c, embeds=finite, embeds_finite=True, max_new_tokens=3)])
     assert out_a.error is None
     assert "NaN or infinite" in out_b.error
-    engine.close_session(a)
-    engine.close_session(b)
+    assert out_c.token_ids == hf_greedy(model, ids, 3)
+    for sid in (a, b, c):
+        engine.close_session(sid)
 
 
 def test_embeddings_input_equals_token_input(engine, llama):

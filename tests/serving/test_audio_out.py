@@ -161,8 +161,8 @@ async def test_the_worker_passes_on_an_adapters_word_that_its_embeds_are_finite(
             stub = worker_pb2_grpc.WorkerStub(channel)
             for sid in ("vouched-1", "plain-1"):
                 assert (await stub.OpenSession(pb.OpenSessionRequest(sid=sid))).ok
-            response = await stub.Step(pb.StepRequest(tick=1, tokens_per_tick=2, sessions=[
-                pb.SessionInput(sid="vouched-1", sample_rate=16000), pb.SessionInput(sid="plain-1", sample_rate=16000)]))
+            sessions = [pb.SessionInput(sid=sid, sample_rate=16000) for sid in ("vouched-1", "plain-1")]
+            response = await stub.Step(pb.StepRequest(tick=1, tokens_per_tick=2, sessions=sessions))
         assert not any(o.error for o in response.outputs)
         assert sorted(inp.embeds_finite for inp in seen) == [False, True]
     finally:

@@ -100,6 +100,10 @@ class MoshiAdapter(InteractionAdapter):
         if self.codec.sample_rate != SAMPLE_RATE:
             raise ModelLoadError(f"Mimi samples at {self.codec.sample_rate} Hz; the Moshi adapter expects {SAMPLE_RATE}")
         self.frame_size = self.codec.frame_size
+        codebook_size = heads.audio_encoder.config.codebook_size
+        if codebook_size > self.audio_vocab_size:   # the user's codes index the audio embedding tables
+            raise ModelLoadError(f"Mimi's codebooks hold {codebook_size} codes; Moshi's audio embeddings "
+                                 f"{self.audio_vocab_size}")
         self.depth = DepthTransformer(heads.depth_decoder, cuda_graphs=cuda_graphs)
         self.audio_embeds = AudioEmbeddings(heads.embed_tokens)
         self.text_sampling, self.audio_sampling = text_sampling, audio_sampling

@@ -53,13 +53,15 @@ class Sampling:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # torch computes it in float32 and rounds once, as transformers' MoshiRMSNorm does: one kernel, not four.
+    # torch's rms_norm upcasts a bf16 x to float32 and rounds once at the end, as transformers' MoshiRMSNorm does
+    # (a test holds it to that): one kernel, not four.
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def _fuse_qkv(attn: nn.Module) -> torch.Tensor:
     """One [K, q + k + v rows, hidden] weight for a layer's three projections (one product a codebook, not
-    three); the module's own q/k/v weights become views of it, so the depth decoder is not held twice."""
+    three); the module's own q/k/v weights become views of it, so the depth decoder is not held twice (the
+    module must have its final dtype and device: a later ``.to`` would leave the fused weight behind)."""
     projections = (attn.q_proj.linear, attn.k_proj.linear, attn.v_proj.linear)
     fused = torch.cat([p.weight.data for p in projections], 1)
     start = 0
@@ -141,10 +143,12 @@ class DepthTransformer:
 
 class AudioEmbeddings:
     """The summed audio-codebook embeddings of a column as one gather: the 2K tables are stacked into one (the
-    modules' weights become views of it), so a column costs a gather and a sum, not 2K lookups and adds."""
+    modules' weights become views of it: build it once they have their final dtype and device), so a column costs
+    a gather and a sum, not 2K lookups and adds."""
 
     def __init__(self, tables: nn.ModuleList) -> None:
         rows = tables[0].weight.shape[0]
+        self.rows = rows   # codes index [0, rows); one past would read the next table
         with torch.no_grad():
             self.table = torch.cat([t.weight.data for t in tables])
             for k, t in enumerate(tables):
@@ -172,7 +176,6 @@ class MoshiHeads(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False) if text_head else None
         self.depth_decoder = MoshiDepthDecoder._from_config(config.depth_decoder_config)
         self.audio_encoder = AutoModel.from_config(config.audio_encoder_config)
-
 
 
 # Mimi checkpoints (and transformers' save_pretrained) keep the original flat layout; transformers > 5.17 nests

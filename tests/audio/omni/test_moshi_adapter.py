@@ -22,7 +22,7 @@ from metronome.audio.omni.moshi import MoshiAdapter, build_adapter
 from metronome.audio.omni.moshi_heads import DepthTransformer, load_heads
 from metronome.audio.omni.moshi_mimi import MimiCodec
 from metronome.audio.pcm import decode_pcm16, encode_pcm16
-from metronome.errors import ConfigError
+from metronome.errors import ConfigError, ModelLoadError
 from metronome.models.loader import read_config
 from metronome.models.omni.moshi import hf_config
 from tests.models.omni.test_moshi import CODEBOOK, NUM_CODEBOOKS, VOCAB, make_moshi_checkpoint, tiny_moshi_config
@@ -85,16 +85,23 @@ def test_streaming_mimi_equals_full_sequence(moshi):
     torch.testing.assert_close(got, want_audio, rtol=1e-5, atol=1e-5 * float(want_audio.abs().max()))
 
 
+def full_strength(mimi):
+    """A copy of Mimi with its transformers' layer scales at 1 (it initialises them at 0.01, which hides a key too
+    many or too few, or another stream's keys)."""
+    mimi = copy.deepcopy(mimi)
+    with torch.no_grad():
+        for name, param in mimi.named_parameters():
+            if name.endswith("layer_scale.scale"):
+                param.fill_(1.0)
+    return mimi
+
+
 def test_streaming_mimi_transformers_attend_exactly_their_window(moshi):
     """The transformers' residual branches at full strength (Mimi initialises their layer scales at 0.01, which
     hides a key too many or too few): streaming encode gives the full-sequence latents (what the quantizer
     takes) and streaming decode the full-sequence audio, past the window and round the key ring more than once."""
     _, ref = moshi
-    mimi = copy.deepcopy(ref.audio_encoder)
-    with torch.no_grad():
-        for name, param in mimi.named_parameters():
-            if name.endswith("layer_scale.scale"):
-                param.fill_(1.0)
+    mimi = full_strength(ref.audio_encoder)
     latents = []
     quantize = mimi.quantizer.encode
     mimi.quantizer.encode = lambda x, *args, **kwargs: latents.append(x) or quantize(x, *args, **kwargs)
@@ -114,9 +121,10 @@ def test_streaming_mimi_transformers_attend_exactly_their_window(moshi):
 
 def test_streams_of_different_ages_share_a_batch(moshi):
     """Stream a starts 3 frames before stream b; from then on both run in one batch and each equals its own
-    full-sequence encode/decode. State shapes never change (bounded, whatever the age)."""
+    full-sequence encode/decode (the transformers at full strength, so a stream that saw the other's keys would
+    show). State shapes never change (bounded, whatever the age)."""
     _, ref = moshi
-    mimi = ref.audio_encoder
+    mimi = full_strength(ref.audio_encoder)
     codec = MimiCodec(mimi, NUM_CODEBOOKS)
     a_audio, b_audio = (torch.from_numpy(speech(14, seed=s))[None] for s in (1, 2))
     a, b = codec.open(), codec.open()
@@ -140,9 +148,10 @@ def test_streams_of_different_ages_share_a_batch(moshi):
 
 
 # ------------------------------------------------------------------------------------------------ depth
-def assert_depth_equals_transformers(depth: DepthTransformer, ref, hidden_size: int) -> None:
+def assert_depth_equals_transformers(depth: DepthTransformer, ref, hidden_size: int,
+                                     dtype: torch.dtype = torch.float32) -> None:
     g = torch.Generator().manual_seed(5)
-    hidden = torch.randn(3, hidden_size, generator=g)
+    hidden = torch.randn(3, hidden_size, generator=g).to(dtype)
     text = torch.randint(0, VOCAB, (3,), generator=g)
     with torch.no_grad():
         want = ref.generate(last_hidden_state=hidden[:, None], input_ids=text[:, None],
@@ -161,6 +170,36 @@ def test_depth_transformer_equals_transformers_greedy(moshi):
     assert_depth_equals_transformers(DepthTransformer(heads.depth_decoder), ref.depth_decoder, ref.config.hidden_size)
 
 
+def test_depth_transformer_in_bf16_equals_transformers_in_bf16(moshi):
+    """The norms (one kernel each), the residual adds inside the output products and the attention in bf16 pick
+    the codes transformers' bf16 depth decoder picks."""
+    path, ref = moshi
+    heads = load_heads(Path(path), hf_config(read_config(Path(path))), torch.bfloat16, "cpu")
+    ref_depth = copy.deepcopy(ref.depth_decoder).to(torch.bfloat16)
+    assert_depth_equals_transformers(DepthTransformer(heads.depth_decoder), ref_depth, ref.config.hidden_size,
+                                     dtype=torch.bfloat16)
+
+
+def test_depth_rms_norm_rounds_once_as_transformers():
+    """In bf16 the norm is computed in float32 and rounded once (transformers' MoshiRMSNorm): against a float64
+    oracle its error is no larger than MoshiRMSNorm's own (rounding twice would double it)."""
+    from transformers.models.moshi.modeling_moshi import MoshiRMSNorm
+
+    from metronome.audio.omni.moshi_heads import _rms_norm
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(2048, 512, generator=g) * 3).to(torch.bfloat16)
+    norm = MoshiRMSNorm(512, eps=1e-8)
+    with torch.no_grad():
+        norm.weight.copy_((torch.rand(512, generator=g) + 0.5).to(torch.bfloat16))
+        norm = norm.to(torch.bfloat16)
+        x64, w64 = x.double(), norm.weight.double()
+        exact = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-8) * w64
+        theirs = (norm(x).double() - exact).abs().max()
+        ours = (_rms_norm(x, norm.weight, 1e-8).double() - exact).abs().max()
+    assert ours <= theirs * 1.01
+
+
 def test_depth_transformer_with_grouped_kv_heads_equals_transformers():
     """Fewer key/value heads than query heads (the fused q/k/v product's split and the grouped attention)."""
     from transformers.models.moshi.modeling_moshi import MoshiDepthDecoder
@@ -173,6 +212,11 @@ def test_depth_transformer_with_grouped_kv_heads_equals_transformers():
     depth = DepthTransformer(copy.deepcopy(ref), cuda_graphs=False)
     assert depth.num_kv_heads < depth.num_heads
     assert_depth_equals_transformers(depth, ref, config.hidden_size)
+    # the module's q/k/v weights are views of the fused one: one copy of the weights, and the same values
+    attn = depth.depth.layers[0].self_attn
+    for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+        assert proj.linear.weight.untyped_storage().data_ptr() == depth.qkv[0].untyped_storage().data_ptr()
+    assert torch.equal(depth.qkv[0][:, :attn.q_proj.linear.weight.shape[1]], attn.q_proj.linear.weight)
 
 
 # ------------------------------------------------------------------------------------------------ rollout
@@ -312,6 +356,17 @@ def test_partial_frames_wait_and_bad_input_is_refused(moshi):
     with pytest.raises(ConfigError, match="80"):
         build_adapter(AdapterContext(tokenizer=engine.tokenizer, checkpoint=engine.checkpoint, embed=engine.model.embed,
                                      device=engine.device, dtype=torch.float32, max_input_tokens=64, budget_ms=2000.0))
+
+
+def test_mimi_codes_past_the_audio_embeddings_are_refused_at_load(moshi):
+    """The user's codes index Moshi's audio embedding tables (stacked into one): a Mimi with more codes than the
+    tables have rows is refused when the adapter is built, not read out of the next table."""
+    path, _ = moshi
+    engine = Engine(engine_config(path))
+    heads = load_heads(Path(path), hf_config(read_config(Path(path))), torch.float32, "cpu")
+    heads.audio_encoder.config.codebook_size = heads.audio_vocab_size + 1
+    with pytest.raises(ModelLoadError, match="codebooks"):
+        MoshiAdapter(heads, engine.tokenizer, engine.model.embed, engine.device, torch.float32)
 
 
 # ------------------------------------------------------------------------------------------------ worker
