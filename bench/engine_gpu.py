@@ -122,6 +122,7 @@ def bench_metronome(spec, engine, n, args) -> dict:
                             max_new_tokens=args.decode) for s in sids]
         start = time.perf_counter()
         engine.step(inputs)
+        torch.cuda.synchronize()   # the step returns once its work is queued
         elapsed = (time.perf_counter() - start) * 1e3
         if t:
             ticks.append({"tick_ms": elapsed, "prefill_ms": engine.last_timing.prefill_ms,
@@ -210,6 +211,7 @@ def served_ticks(engine, sids, ticks: int, prefill: int, decode: int, stops: tup
                             max_new_tokens=decode, sampling=sampling) for s in sids]
         start = time.perf_counter()
         engine.step(inputs)
+        torch.cuda.synchronize()   # the step returns once its work is queued
         rows.append({"tick_ms": (time.perf_counter() - start) * 1e3, "prefill_ms": engine.last_timing.prefill_ms,
                      "decode_ms": engine.last_timing.decode_ms, "rounds": engine.last_timing.decode_rounds})
     return {f"median_{k}": statistics.median(r[k] for r in rows) for k in ("tick_ms", "prefill_ms", "decode_ms")} \

@@ -271,6 +271,7 @@ def bench_engine(args) -> dict:
                 torch.cuda.synchronize()
                 start = time.perf_counter()
                 engine.step(inputs)
+                torch.cuda.synchronize()   # the step returns once its work is queued
                 elapsed = (time.perf_counter() - start) * 1e3
                 if t:
                     ticks.append({"tick_ms": elapsed, "prefill_ms": engine.last_timing.prefill_ms,

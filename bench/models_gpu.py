@@ -367,6 +367,7 @@ class Qwen25OmniArm(Arm):
         t2 = time.perf_counter()
         outs = self.engine.step([StepInput(s, embeds=e, max_new_tokens=self.args.decode)
                                  for s, e in zip(sids, embeds)])
+        sync(self.device)   # the step returns once its work is queued
         t3 = time.perf_counter()
         if any(o.error for o in outs) or any(len(o.token_ids) != self.args.decode for o in outs):
             raise RuntimeError(f"a session failed: {[o.error for o in outs if o.error][:3]}")
@@ -740,7 +741,7 @@ class MoshiArm(Arm):
     (one position a session, the engine's prefill: "step", ``prefill_ms`` in the JSON; no decode rounds),
     ``on_hidden`` (text head + depth transformer: "depth"; Mimi decode of the new frame: "mimi decode"). The tick
     is wall time from the audio in hand to the PCM on the host; the parts are spans of the stream (CUDA events),
-    which add no wait to the tick (``engine_step_ms``: the engine's own wall time for its step)."""
+    which add no wait to the tick (``engine_step_ms``: the engine's own timing of its step, CUDA events)."""
 
     warmup_ticks = 2   # a new session speaks from its second frame
     columns = (("tick ms", "tick_ms"), ("encoder", "encoder_ms"), ("(mimi)", "mimi_encode_ms"),

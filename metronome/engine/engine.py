@@ -72,12 +72,38 @@ class SessionStats:
     error: str | None
 
 
-@dataclass(frozen=True)
 class StepTiming:
-    prefill_ms: float
-    decode_ms: float
-    forwards: int
-    decode_rounds: int
+    """A step's prefill (its new input) and decode rounds in ms, and how many forwards and decode rounds it ran.
+
+    On CUDA the times are spans of the device's stream between events, read when first asked for (which waits for
+    the step's end): a step returns as soon as its work is queued, so what the caller launches next (an adapter's
+    heads) queues behind it with no gap. Elsewhere they are wall times."""
+
+    def __init__(self, forwards: int, decode_rounds: int, prefill_ms: float = 0.0, decode_ms: float = 0.0,
+                 events: tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event] | None = None) -> None:
+        self.forwards, self.decode_rounds = forwards, decode_rounds
+        self._ms = (prefill_ms, decode_ms)
+        self._events = events   # (step start, prefill done, step end)
+
+    def _read(self) -> tuple[float, float]:
+        if self._events is not None:
+            start, prefilled, end = self._events
+            end.synchronize()
+            self._ms = (start.elapsed_time(prefilled), prefilled.elapsed_time(end))
+            self._events = None
+        return self._ms
+
+    @property
+    def prefill_ms(self) -> float:
+        return self._read()[0]
+
+    @property
+    def decode_ms(self) -> float:
+        return self._read()[1]
+
+    def __repr__(self) -> str:
+        return (f"StepTiming(prefill_ms={self.prefill_ms:.3f}, decode_ms={self.decode_ms:.3f}, "
+                f"forwards={self.forwards}, decode_rounds={self.decode_rounds})")
 
 
 class Engine:
@@ -126,7 +152,7 @@ class Engine:
             max_batch = min(1024, max(1, self.scheduler.capacity if policy.bounded else 256))
             self.runner.capture_decode_graphs(max_batch, self.scheduler.session_blocks)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        self.last_timing = StepTiming(0.0, 0.0, 0, 0)
+        self.last_timing = StepTiming(0, 0)
         self.closed = False
         log.info("engine ready: %s in %s on %s, %d KV blocks of %d tokens, %d blocks per session, capacity %d "
                  "sessions", self.checkpoint, config.dtype, self._device_line(), num_blocks - 1, policy.block_size,
@@ -309,6 +335,9 @@ class Engine:
         """
         self._check_open()
         t0 = perf_counter()
+        events = tuple(torch.cuda.Event(enable_timing=True) for _ in range(3)) if self.device.type == "cuda" else None
+        if events:
+            events[0].record()
         self._forwards = 0
         outputs = [StepOutput(session_id=inp.session_id) for inp in inputs]
         plan = self.scheduler.schedule_step(inputs)
@@ -353,17 +382,19 @@ class Engine:
         for work in works.values():
             if work.inp.return_hidden and work.first_hidden is not None:
                 work.output.hidden = work.first_hidden.clone()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if events:
+            events[1].record()
         t1 = perf_counter()
 
         rounds = decode(self, list(works.values()))
         for work in works.values():
             self.scheduler.finish_step(work.session, work.last_token, work.stop_written)
         self.scheduler.check_invariants()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.last_timing = StepTiming((t1 - t0) * 1e3, (perf_counter() - t1) * 1e3, self._forwards, rounds)
+        if events:
+            events[2].record()
+            self.last_timing = StepTiming(self._forwards, rounds, events=events)
+        else:
+            self.last_timing = StepTiming(self._forwards, rounds, (t1 - t0) * 1e3, (perf_counter() - t1) * 1e3)
         return outputs
 
     # ------------------------------------------------------------------ prompt logprobs

@@ -10,6 +10,8 @@ from collections import deque
 from dataclasses import dataclass, replace
 from time import perf_counter
 
+from metronome.engine.engine import StepTiming
+
 
 # ------------------------------------------------------------------------------------ the baseline
 @dataclass
@@ -110,7 +112,8 @@ class RecyclingEngine:
                 ctx.tail.extend(int(t) for t in (inp.token_ids or ()))
                 ctx.tail.extend(int(t) for t in out.token_ids)
         t = self._engine.last_timing
-        self._last_timing = replace(t, prefill_ms=t.prefill_ms + recycle_ms) if recycle_ms else t
+        self._last_timing = (StepTiming(t.forwards, t.decode_rounds, t.prefill_ms + recycle_ms, t.decode_ms)
+                             if recycle_ms else t)
         return outputs
 
 

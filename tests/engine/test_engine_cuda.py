@@ -225,3 +225,22 @@ def test_rebased_windows_on_cuda_match_the_cpu_engine(checkpoints):
             assert a.prompt_logprobs == pytest.approx(b.prompt_logprobs, abs=1e-3)
     bases = [cuda.session_stats(g).position_base for g, _ in pairs]
     assert min(bases) > 0 and len(set(bases)) > 1  # all moved, by different amounts
+
+
+def test_a_step_returns_with_its_work_queued_and_its_timing_waits_for_it(checkpoints):
+    """A prefill-only step does not wait for the device: behind a long kernel queued first, the stream still has
+    work when the step returns; its hidden state, used in stream order, is the one a synchronised step gives; its
+    timing is read from events once the work is done, and covers only the step (not the kernel before it)."""
+    path, _ = checkpoints["llama"]
+    engine = Engine(EngineConfig(model=path, device="cuda", num_blocks=100, max_chunk_tokens=32,
+                                 policy=KVPolicy(sinks=4, window=64, block_size=16)))
+    prompt = list(range(10, 30))
+    want_sid, sid = engine.open_session(), engine.open_session()
+    want, = engine.step([StepInput(want_sid, token_ids=prompt, return_hidden=True)])
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)   # one spinning kernel of about a second, queued before the step
+    out, = engine.step([StepInput(sid, token_ids=prompt, return_hidden=True)])
+    assert not torch.cuda.current_stream().query()
+    torch.testing.assert_close(out.hidden, want.hidden)
+    assert 0 < engine.last_timing.prefill_ms < 500
+    assert torch.cuda.current_stream().query()

@@ -36,7 +36,7 @@ from time import perf_counter
 import numpy as np
 import torch
 
-from metronome import AdmissionError, Engine, SamplingParams, StepInput, StepOutput
+from metronome import AdmissionError, Engine, SamplingParams, StepInput, StepOutput, StepTiming
 from metronome.audio.adapter import InteractionAdapter, PreparedInput, TickAudio, TurnDetection
 from metronome.audio.pcm import SILENCE_DBFS, Resampler, check_sample_rate, decode_pcm16, levels
 from metronome.errors import ConfigError
@@ -391,8 +391,11 @@ class TickCore:
                                     f"max_input_tokens={self.config.max_input_tokens}", INPUT_TOO_LARGE)
             else:
                 jobs.append(_Job(i, self._sessions[request.sessions[i].sid], prep, _split(prep, chunk)))
-        prefill_ms, decode_ms = self._run_engine(jobs)
+        timings = self._run_engine(jobs)
         heads_failed = self._run_heads(request.tick, outputs, jobs)
+        # Read after the heads: the engine's times wait for its work, which the heads queue behind.
+        prefill_ms = sum(t.prefill_ms for t in timings)
+        decode_ms = sum(t.decode_ms for t in timings)
 
         for job in jobs:
             out, result = outputs[job.index], job.output
@@ -434,13 +437,13 @@ class TickCore:
                                                 audio_sample_rate=self.adapter.output_sample_rate))
         return pb.StepResponse(outputs=outputs, speech_only=True)
 
-    def _run_engine(self, jobs: list[_Job]) -> tuple[float, float]:
+    def _run_engine(self, jobs: list[_Job]) -> list[StepTiming]:
         """Feed every job's pieces, right-aligned so all decodes share the final engine step.
 
-        Returns (prefill_ms, decode_ms) summed over the engine steps; sets each job's ``output``.
+        Returns the engine steps' timings; sets each job's ``output``.
         """
         rounds = max((len(job.pieces) for job in jobs), default=0)
-        prefill_ms = decode_ms = 0.0
+        timings = []
         for r in range(rounds):
             last = r == rounds - 1
             batch = [job for job in jobs if job.output is None and r >= rounds - len(job.pieces)]
@@ -455,14 +458,12 @@ class TickCore:
                                         return_hidden=job.prepared.return_hidden and last,
                                         embeds_finite=job.prepared.embeds_finite))
             results = self.engine.step(inputs)
-            timing = self.engine.last_timing
-            prefill_ms += timing.prefill_ms
-            decode_ms += timing.decode_ms
+            timings.append(self.engine.last_timing)
             for job, result in zip(batch, results):
                 job.preempted |= result.preempted
                 if result.error or last:
                     job.output = result
-        return prefill_ms, decode_ms
+        return timings
 
     def _run_heads(self, tick: int, outputs: list[pb.SessionOutput], jobs: list[_Job]) -> dict[str, str]:
         """The adapter's own output heads over the hidden states sessions asked for; returns sid -> error
