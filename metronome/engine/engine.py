@@ -1,4 +1,5 @@
-"""Engine: the public facade. Synchronous and single-threaded by design.
+"""Engine: the public facade. Single-threaded by design; on CUDA a step returns once its device work is queued
+(its outputs are used in stream order; ``synchronize`` waits for it).
 
 >>> from metronome import Engine, EngineConfig, KVPolicy, StepInput      # doctest: +SKIP
 >>> engine = Engine(EngineConfig(policy=KVPolicy(sinks=16, window=1024)))  # doctest: +SKIP
@@ -76,10 +77,11 @@ class StepTiming:
     """A step's prefill (its new input) and decode rounds in ms, and how many forwards and decode rounds it ran.
 
     On CUDA the times are spans of the device's stream between events, read when first asked for (which waits for
-    the step's end): a step returns as soon as its work is queued, so what the caller launches next (an adapter's
-    heads) queues behind it with no gap. Elsewhere they are wall times."""
+    the step's end): the step does not wait to take them, so a step without decode rounds returns with its work
+    queued and what the caller launches next (an adapter's heads) queues behind it with no gap. Elsewhere they
+    are wall times."""
 
-    def __init__(self, forwards: int, decode_rounds: int, prefill_ms: float = 0.0, decode_ms: float = 0.0,
+    def __init__(self, forwards: int, decode_rounds: int, *, prefill_ms: float = 0.0, decode_ms: float = 0.0,
                  events: tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event] | None = None) -> None:
         self.forwards, self.decode_rounds = forwards, decode_rounds
         self._ms = (prefill_ms, decode_ms)
@@ -331,13 +333,15 @@ class Engine:
     def step(self, inputs: Sequence[StepInput]) -> list[StepOutput]:
         """Prefill every session's new input, then decode up to ``max_new_tokens`` in shared rounds.
 
-        Returns one output per input, in order. A session's error is reported on its output only.
+        Returns one output per input, in order. A session's error is reported on its output only. On CUDA a step
+        without decode rounds returns with its work queued: its hidden states are valid in stream order.
         """
         self._check_open()
         t0 = perf_counter()
-        events = tuple(torch.cuda.Event(enable_timing=True) for _ in range(3)) if self.device.type == "cuda" else None
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        events = tuple(torch.cuda.Event(enable_timing=True) for _ in range(3)) if stream else None
         if events:
-            events[0].record()
+            events[0].record(stream)
         self._forwards = 0
         outputs = [StepOutput(session_id=inp.session_id) for inp in inputs]
         plan = self.scheduler.schedule_step(inputs)
@@ -383,7 +387,7 @@ class Engine:
             if work.inp.return_hidden and work.first_hidden is not None:
                 work.output.hidden = work.first_hidden.clone()
         if events:
-            events[1].record()
+            events[1].record(stream)
         t1 = perf_counter()
 
         rounds = decode(self, list(works.values()))
@@ -391,11 +395,17 @@ class Engine:
             self.scheduler.finish_step(work.session, work.last_token, work.stop_written)
         self.scheduler.check_invariants()
         if events:
-            events[2].record()
+            events[2].record(stream)
             self.last_timing = StepTiming(self._forwards, rounds, events=events)
         else:
-            self.last_timing = StepTiming(self._forwards, rounds, (t1 - t0) * 1e3, (perf_counter() - t1) * 1e3)
+            self.last_timing = StepTiming(self._forwards, rounds, prefill_ms=(t1 - t0) * 1e3,
+                                          decode_ms=(perf_counter() - t1) * 1e3)
         return outputs
+
+    def synchronize(self) -> None:
+        """Wait until the device has run every step queued so far (nothing to wait for on the CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # ------------------------------------------------------------------ prompt logprobs
     def _logprob_context(self, work: Work, pending: list[int]) -> list[float | None]:

@@ -9,7 +9,8 @@ one engine thread. Messages are the ``proto/worker.proto`` types (plain protobuf
 One step, per session: sid → engine session id; PCM16 decoded and resampled to the adapter's rate
 (streaming, so chunk edges do not click or drift); then for the whole batch ``adapter.prepare``
 (audio → tokens; timed with decoding/resampling as ``frontend_ms``), ``engine.step``
-(``prefill_ms``/``decode_ms`` from ``engine.last_timing``; ``gpu_ms`` is their sum) and
+(``prefill_ms``/``decode_ms`` from ``engine.last_timing``, on CUDA spans of the stream from the step's start,
+so GPU work the adapter queued before it counts in neither; ``gpu_ms`` is their sum) and
 ``adapter.on_output`` (tokens → text delta). A problem with one session's input (unknown sid, odd PCM
 byte count, sample rate outside 8-48 kHz, input refused by the adapter or the engine) is reported on
 that session's ``SessionOutput.error`` and logged; its input for the tick is dropped and the other
@@ -393,7 +394,8 @@ class TickCore:
                 jobs.append(_Job(i, self._sessions[request.sessions[i].sid], prep, _split(prep, chunk)))
         timings = self._run_engine(jobs)
         heads_failed = self._run_heads(request.tick, outputs, jobs)
-        # Read after the heads: the engine's times wait for its work, which the heads queue behind.
+        # Read after the heads: the engine's times wait for its work, which the heads queue behind. (A device
+        # fault in the step then surfaces in the heads, reported on their sessions, and again here.)
         prefill_ms = sum(t.prefill_ms for t in timings)
         decode_ms = sum(t.decode_ms for t in timings)
 
