@@ -58,18 +58,21 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
-def _fuse_qkv(attn: nn.Module) -> torch.Tensor:
-    """One [K, q + k + v rows, hidden] weight for a layer's three projections (one product a codebook, not
-    three); the module's own q/k/v weights become views of it, so the depth decoder is not held twice (the
-    module must have its final dtype and device: a later ``.to`` would leave the fused weight behind)."""
-    projections = (attn.q_proj.linear, attn.k_proj.linear, attn.v_proj.linear)
-    fused = torch.cat([p.weight.data for p in projections], 1)
+def _stack_as_views(weights: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """``weights`` concatenated along ``dim``; each becomes a view of the result, so the weights are not held
+    twice (their module must have its final dtype and device: a later ``.to`` would leave the stack behind)."""
+    stacked = torch.cat([w.data for w in weights], dim)
     start = 0
-    for p in projections:
-        rows = p.weight.shape[1]
-        p.weight.data = fused[:, start:start + rows]
-        start += rows
-    return fused
+    for w in weights:
+        size = w.shape[dim]
+        w.data = stacked.narrow(dim, start, size)
+        start += size
+    return stacked
+
+
+def _fuse_qkv(attn: nn.Module) -> torch.Tensor:
+    """One [K, q + k + v rows, hidden] weight for a layer's three projections: one product a codebook, not three."""
+    return _stack_as_views([attn.q_proj.linear.weight, attn.k_proj.linear.weight, attn.v_proj.linear.weight], 1)
 
 
 class DepthTransformer:
@@ -142,18 +145,13 @@ class DepthTransformer:
 
 
 class AudioEmbeddings:
-    """The summed audio-codebook embeddings of a column as one gather: the 2K tables are stacked into one (the
-    modules' weights become views of it: build it once they have their final dtype and device), so a column costs
-    a gather and a sum, not 2K lookups and adds."""
+    """The summed audio-codebook embeddings of a column as one gather: the 2K tables are stacked into one
+    (``_stack_as_views``), so a column costs a gather and a sum, not 2K lookups and adds."""
 
     def __init__(self, tables: nn.ModuleList) -> None:
-        rows = tables[0].weight.shape[0]
-        self.rows = rows   # codes index [0, rows); one past would read the next table
         with torch.no_grad():
-            self.table = torch.cat([t.weight.data for t in tables])
-            for k, t in enumerate(tables):
-                t.weight.data = self.table[k * rows:(k + 1) * rows]
-        self.offsets = torch.arange(len(tables), device=self.table.device) * rows
+            self.table = _stack_as_views([t.weight for t in tables], 0)
+        self.offsets = torch.arange(len(tables), device=self.table.device) * tables[0].weight.shape[0]
 
     @torch.no_grad()
     def __call__(self, codes: torch.Tensor) -> torch.Tensor:
