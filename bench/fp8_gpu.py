@@ -7,10 +7,11 @@ Parts:
 
 * ``perplexity``: SmolLM2-135M-Instruct (the packaged checkpoint, real weights) on ``--tokens`` tokens of English
   prose in chunks of 256 through a sink + window session (S = 16, W = 1024): bf16, FP8 weights, FP8 KV, both.
-* ``linear``: ``Fp8Linear`` against bf16 ``F.linear`` at Qwen2.5-7B's four layer shapes, for decode-sized and
-  prefill-sized row counts: µs per call replayed in a CUDA graph (as the engine's decode rounds run), cycling
-  through enough copies of the weight that it comes from memory and not from L2; each FP8 product on its own
-  (cuBLAS's ``_scaled_mm``; the streamed Triton product with bf16 or E4M3 activations); the eager per-call time
+* ``linear``: ``Fp8Linear`` against bf16 ``F.linear`` at Qwen2.5-7B's four layer shapes (``--linear-shape``: or
+  Qwen3-8B's), for decode-sized and prefill-sized row counts: µs per call replayed in a CUDA graph (as the engine's
+  decode rounds run), cycling through enough copies of the weight that it comes from memory and not from L2; each
+  FP8 product on its own (cuBLAS's ``_scaled_mm``; the streamed Triton product with bf16 or E4M3 activations; the
+  tiled Triton product with E4M3 activations); the eager per-call time
   (launch cost inside); and the weight bytes streamed per µs (decode rounds are weight-bound: FP8 halves them).
 * ``moe``: the grouped GEMM over Qwen3-Omni-30B-A3B's experts (E = 128, k = 8, H = 2048, I = 768), bf16 against
   E4M3 experts with bf16 activations (W8A16) and with E4M3 activations (W8A8, the default), at decode batches of
@@ -36,6 +37,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+# hidden, intermediate, query heads, KV heads, head_dim of the decoders whose layers ``linear`` times
+LINEAR_SHAPES = {"qwen2.5-7b": (3584, 18944, 28, 4, 128), "qwen3-8b": (4096, 12288, 32, 8, 128)}
 VARIANTS = {"bf16": (None, "auto"), "fp8-weights": ("fp8", "auto"), "fp8-kv": (None, "fp8"), "fp8-both": ("fp8", "fp8")}
 
 
@@ -134,10 +137,10 @@ def bench_perplexity(args) -> dict:
 
 
 def bench_linear(args) -> dict:
-    from metronome.models.fp8 import STREAMED_MAX_ROWS, Fp8Linear, fp8_matmul, quantize_rows
-    from metronome.models.fp8_triton import fp8_weight_linear
+    from metronome.models.fp8 import STREAMED_MAX_ROWS, TILED_MAX_ROWS, Fp8Linear, fp8_matmul, quantize_rows
+    from metronome.models.fp8_triton import fp8_tiled_linear, fp8_weight_linear
 
-    hidden, inter, heads, kv_heads, d = 3584, 18944, 28, 4, 128  # Qwen2.5-7B
+    hidden, inter, heads, kv_heads, d = LINEAR_SHAPES[args.linear_shape]
     shapes = {"qkv": (hidden, (heads + 2 * kv_heads) * d), "o": (heads * d, hidden), "gate_up": (hidden, 2 * inter),
               "down": (inter, hidden)}
     rows = [int(x) for x in args.rows.split(",")]
@@ -164,6 +167,12 @@ def bench_linear(args) -> dict:
                     return fp8_weight_linear(rows_e4m3, f.weight, f.weight_scale, x_scale=row_scale, out_dtype=x.dtype)
 
                 row["streamed_w8a8_us"] = graphed_us([lambda f=f: streamed_w8a8(f) for f in fp8s])
+            if STREAMED_MAX_ROWS < m <= 2 * TILED_MAX_ROWS:
+                def tiled(f: Fp8Linear) -> torch.Tensor:
+                    rows_e4m3, row_scale = quantize_rows(x)
+                    return fp8_tiled_linear(rows_e4m3, row_scale, f.weight, f.weight_scale, out_dtype=x.dtype)
+
+                row["tiled_w8a8_us"] = graphed_us([lambda f=f: tiled(f) for f in fp8s])
             row.update({"speedup": row["bf16_us"] / row["fp8_us"],
                         "bf16_eager_us": timed_us(lambda: F.linear(x, linears[0].weight)),
                         "fp8_eager_us": timed_us(lambda: fp8s[0](x)),
@@ -173,7 +182,7 @@ def bench_linear(args) -> dict:
             print(json.dumps(row), flush=True)
         del linears, fp8s
         release()
-    return {"shape": "qwen2.5-7b", "layers": out}
+    return {"shape": args.linear_shape, "layers": out}
 
 
 def bench_moe(args, bandwidth: dict) -> dict:
@@ -294,6 +303,8 @@ def main() -> None:
     p.add_argument("--parts", default="perplexity,linear,moe,engine")
     p.add_argument("--tokens", type=int, default=4096, help="perplexity: tokens of text")
     p.add_argument("--rows", default="1,16,64,256,1024,8192", help="linear: rows per call")
+    p.add_argument("--linear-shape", default="qwen2.5-7b", choices=sorted(LINEAR_SHAPES),
+                   help="linear: the decoder whose four layer shapes are timed (qwen3-8b: MiniCPM-o's)")
     p.add_argument("--moe-tokens", default="64,128,256,320", help="moe: tokens per decode round")
     p.add_argument("--sessions", default="64,128,256,320,512", help="engine: sessions per tick")
     p.add_argument("--ticks", type=int, default=3)

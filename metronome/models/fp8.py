@@ -11,8 +11,9 @@ Products: on CUDA (compute capability >= 8.9, which E4M3 in Triton needs) a per-
 (``STREAMED_MAX_ROWS``: decode rounds at small N) runs the weight-streaming Triton product
 (``fp8_triton.fp8_weight_linear``): with bf16 activations the rows are quantised per token and multiplied on the
 FP8 tensor cores where that pays (wide layers, or more than ``WIDENED_MAX_ROWS`` rows), else the codes are widened
-in registers. More rows, with FP8 tensor cores and bf16 activations, run on cuBLAS (``torch._scaled_mm``) with the
-activations quantised per token on the fly; a block-wise weight is
+in registers. More rows, with FP8 tensor cores and bf16 activations, have their activations quantised per token
+on the fly and run the tiled Triton product up to ``TILED_MAX_ROWS`` (``fp8_triton.fp8_tiled_linear``), cuBLAS
+(``torch._scaled_mm``) above; a block-wise weight is
 rescaled per channel once loaded there (``per_channel_for_tensor_cores_``: one more E4M3 rounding). Elsewhere the
 weight is dequantised to the activations' dtype for each product, so on the CPU the layer computes exactly with
 the dequantised weight. Stacked MoE experts keep block scales everywhere (their grouped GEMM applies them).
@@ -53,6 +54,9 @@ ACTIVATION_AMAX_FLOOR = 1e-12
 # extra quantising launch costs more than the widening saves. Measured on an H200 (docs/benchmarks/gpu.md).
 STREAMED_MAX_ROWS = 64
 WIDENED_MAX_ROWS = 32
+# Past the streamed range and up to this many rows, the tiled Triton product (``fp8_triton.fp8_tiled_linear``):
+# cuBLAS's FP8 GEMM there runs narrow layers on a fraction of the SMs and long reductions unsplit.
+TILED_MAX_ROWS = 192
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -127,6 +131,7 @@ class Product(str, Enum):
 
     STREAMED_W8A16 = "streamed-w8a16"   # the Triton product, the codes widened to the activations' dtype
     STREAMED_W8A8 = "streamed-w8a8"     # the Triton product, the rows rounded onto E4M3 (FP8 tensor cores)
+    TILED_W8A8 = "tiled-w8a8"           # the tiled Triton product, the rows rounded onto E4M3
     SCALED_MM = "scaled-mm"             # cuBLAS's FP8 GEMM, the rows rounded onto E4M3
     DEQUANTIZED = "dequantized"         # the weight dequantised for an ordinary product
 
@@ -141,7 +146,7 @@ def choose_product(rows: int, in_features: int, out_features: int, dtype: torch.
         return Product.STREAMED_W8A16
     if (cuda and per_channel and fp8_tensor_cores and dtype == torch.bfloat16
             and _tensor_core_dims(in_features, out_features)):
-        return Product.SCALED_MM
+        return Product.TILED_W8A8 if rows <= TILED_MAX_ROWS else Product.SCALED_MM
     return Product.DEQUANTIZED
 
 
@@ -203,6 +208,12 @@ class Fp8Linear(nn.Module):
                 rows_in, x_scale = quantize_rows(rows_in)
             out = fp8_weight_linear(rows_in, self.weight, self.weight_scale, self.bias, x_scale=x_scale,
                                     out_dtype=x.dtype)
+            return out.reshape(*x.shape[:-1], self.out_features)
+        if product == Product.TILED_W8A8:
+            from metronome.models.fp8_triton import fp8_tiled_linear
+
+            rows_in, x_scale = quantize_rows(x.reshape(-1, self.in_features))
+            out = fp8_tiled_linear(rows_in, x_scale, self.weight, self.weight_scale, self.bias, out_dtype=x.dtype)
             return out.reshape(*x.shape[:-1], self.out_features)
         if product == Product.SCALED_MM:
             out = fp8_matmul(x.reshape(-1, self.in_features), self.weight, self.weight_scale)

@@ -226,8 +226,9 @@ def test_engine_greedy_tokens_with_fp8_weights(tmp_path):
 
 def test_products_by_row_count_layer_width_and_device():
     """Decode rounds stream the weight (E4M3 activations for wide layers or past ``WIDENED_MAX_ROWS`` rows, where
-    there are FP8 tensor cores and bf16 activations), prefill goes to cuBLAS, the CPU dequantises."""
-    from metronome.models.fp8 import STREAMED_MAX_ROWS, WIDENED_MAX_ROWS, choose_product
+    there are FP8 tensor cores and bf16 activations), larger rounds take the tiled product, prefill goes to
+    cuBLAS, the CPU dequantises."""
+    from metronome.models.fp8 import STREAMED_MAX_ROWS, TILED_MAX_ROWS, WIDENED_MAX_ROWS, choose_product
 
     bf16, gpu = torch.bfloat16, dict(cuda=True, per_channel=True, fp8_tensor_cores=True)
     assert choose_product(1, 4096, 4096, bf16, **gpu) == "streamed-w8a16"                  # narrow: o, down
@@ -237,7 +238,9 @@ def test_products_by_row_count_layer_width_and_device():
     assert choose_product(1, 4096, 8192, bf16, **gpu) == "streamed-w8a8"                    # twice as wide
     assert choose_product(1, 4096, 8176, bf16, **gpu) == "streamed-w8a16"
     assert choose_product(STREAMED_MAX_ROWS, 4096, 4096, bf16, **gpu) == "streamed-w8a8"
-    assert choose_product(STREAMED_MAX_ROWS + 1, 4096, 4096, bf16, **gpu) == "scaled-mm"
+    assert choose_product(STREAMED_MAX_ROWS + 1, 4096, 4096, bf16, **gpu) == "tiled-w8a8"
+    assert choose_product(TILED_MAX_ROWS, 4096, 24576, bf16, **gpu) == "tiled-w8a8"
+    assert choose_product(TILED_MAX_ROWS + 1, 4096, 4096, bf16, **gpu) == "scaled-mm"
     assert choose_product(STREAMED_MAX_ROWS + 1, 4096, 4100, bf16, **gpu) == "dequantized"  # not whole MMA tiles
     assert choose_product(40, 4096, 24576, torch.float16, **gpu) == "streamed-w8a16"
     no_fp8 = dict(gpu, fp8_tensor_cores=False)   # e.g. an A100: no E4M3 in Triton there, so no streamed product
@@ -248,8 +251,8 @@ def test_products_by_row_count_layer_width_and_device():
 
 
 def test_the_layer_quantises_rows_only_for_the_w8a8_product(monkeypatch):
-    """``Fp8Linear.forward`` hands the streamed product bf16 rows (W8A16) or E4M3 rows with their scales (W8A8),
-    as ``choose_product`` says (the CPU never reaches these branches on its own)."""
+    """``Fp8Linear.forward`` hands the streamed product bf16 rows (W8A16) or E4M3 rows with their scales (W8A8), and
+    the tiled product E4M3 rows with their scales, as ``choose_product`` says (the CPU never reaches these branches on its own)."""
     import metronome.models.fp8 as fp8
     import metronome.models.fp8_triton as fp8_triton
 
@@ -260,9 +263,15 @@ def test_the_layer_quantises_rows_only_for_the_w8a8_product(monkeypatch):
         seen.append((x.dtype, x_scale is not None, out_dtype))
         return torch.zeros(x.shape[0], codes.shape[0], dtype=out_dtype)
 
+    def tiled(x, x_scale, codes, scale, bias, *, out_dtype):
+        seen.append((x.dtype, x_scale is not None, out_dtype))
+        return torch.zeros(x.shape[0], codes.shape[0], dtype=out_dtype)
+
     monkeypatch.setattr(fp8_triton, "fp8_weight_linear", product)
+    monkeypatch.setattr(fp8_triton, "fp8_tiled_linear", tiled)
     x = torch.randn(3, 64, dtype=torch.bfloat16)
-    for chosen, expected in (("streamed-w8a16", (torch.bfloat16, False)), ("streamed-w8a8", (fp8.E4M3, True))):
+    for chosen, expected in (("streamed-w8a16", (torch.bfloat16, False)), ("streamed-w8a8", (fp8.E4M3, True)),
+                             ("tiled-w8a8", (fp8.E4M3, True))):
         monkeypatch.setattr(fp8, "choose_product", lambda *a, chosen=chosen, **k: chosen)
         assert layer(x).shape == (3, 32)
         assert seen.pop() == (*expected, torch.bfloat16)
