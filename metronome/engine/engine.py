@@ -127,6 +127,8 @@ class Engine:
             quantize_decoder_(self.model)
             if self.device.type == "cuda":  # the bf16 weights' memory goes back, so the KV pool can use it
                 torch.cuda.empty_cache()
+        if self.device.type == "cuda" and hasattr(self.model, "align_head_") and self.model.align_head_():
+            log.info("the logits' head padded to %d rows (aligned rows for cuBLAS)", self.model.aligned_head.shape[0])
         # Metronome's C kernels (one library) where the CPU path uses them; None elsewhere.
         self.cpu_kernels = cpu_kernels = self._cpu_kernels(config, dtype)
         if self.device.type == "cpu" and config.quantization is None:

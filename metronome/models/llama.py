@@ -177,6 +177,27 @@ class LlamaFamilyForCausalLM(nn.Module):
         # The head's weight packed for oneDNN, where the engine packs the decoder's bf16 weights (``cpu_linear``): a
         # copy made at load, as the packed layers are, so it does not follow later changes to the plain weight.
         self.packed_head: nn.Module | None = None
+        # The head's weight with zero rows after the vocabulary (``align_head_``), on CUDA where it pays; the
+        # head's weight (and a tied embedding) are then views of its first rows.
+        self.aligned_head: torch.Tensor | None = None
+
+    def align_head_(self) -> bool:
+        """Give the logits' product a head padded to a multiple of ``HEAD_ROW_MULTIPLE`` rows where the vocabulary
+        is not one, sharing its storage: cuBLAS's fast kernels need 16-byte aligned rows of logits, and a
+        vocabulary like MiniCPM-o's 151,748 falls back to a kernel about 3x slower. Whether it padded."""
+        weight = self.head_weight()
+        vocab = weight.shape[0]
+        if vocab % HEAD_ROW_MULTIPLE == 0:
+            return False
+        padded = weight.new_zeros((-(-vocab // HEAD_ROW_MULTIPLE) * HEAD_ROW_MULTIPLE, weight.shape[1]))
+        padded[:vocab].copy_(weight)
+        head = nn.Parameter(padded[:vocab], requires_grad=False)
+        if self.spec.tie_word_embeddings:
+            self.model.embed_tokens.weight = head
+        else:
+            self.lm_head.weight = head
+        self.aligned_head = padded
+        return True
 
     def fuse_projections(self) -> None:
         """Call once after the checkpoint is loaded (names mirror transformers' until then)."""
@@ -214,10 +235,15 @@ class LlamaFamilyForCausalLM(nn.Module):
             # vocab-major product: ~1.5x faster than F.linear for few rows on the CPU BLAS here; its rows made
             # contiguous, since top-k and argmax over a strided row take several times as long.
             logits = (weight @ hidden.t()).t().contiguous()
+        elif logits is None and self.aligned_head is not None:
+            logits = F.linear(hidden, self.aligned_head)[:, :weight.shape[0]]
         elif logits is None:
             logits = F.linear(hidden, weight)
         return exact_top(logits, hidden, weight) if logits.dtype in (torch.bfloat16, torch.float16) else logits
 
+
+# Rows of the padded head (``align_head_``): 64 keeps every row of logits 16-byte aligned in any dtype.
+HEAD_ROW_MULTIPLE = 64
 
 # A bfloat16 logit near 25 is a multiple of 0.125: two of the top logits often round to one value, and argmax then
 # takes the lower token id, a different answer from the float32 head's (greedy decoding goes astray from there).

@@ -34,6 +34,35 @@ def test_cuda_engine_matches_the_windowed_oracle(checkpoints, attention):
         transcript.assert_matches(model, sinks, window, abs=1e-3)
 
 
+@pytest.mark.parametrize("family", ["llama", "llama-tied"])
+def test_a_vocabulary_off_the_head_alignment_decodes_as_transformers_does(tmp_path, family):
+    """A vocabulary of 100 rows: the engine multiplies by a head padded to 128 rows (the weight and a tied
+    embedding become views of it) and reads the logits of the 100; tokens and prompt logprobs follow
+    transformers over the sink + window mask, with decode rounds in CUDA graphs."""
+    from tests.conftest import make_checkpoint
+
+    model = make_checkpoint(tmp_path, family, vocab_size=100)
+    sinks, window = 4, 24
+    engine = Engine(EngineConfig(model=str(tmp_path), device="cuda", attention="triton", num_blocks=300,
+                                 max_chunk_tokens=32, max_batch_tokens=128,
+                                 policy=KVPolicy(sinks=sinks, window=window, block_size=16, positions="absolute")))
+    padded = engine.model.aligned_head
+    assert padded is not None and padded.shape[0] == 128 and not padded[100:].any()
+    assert engine.model.head_weight().data_ptr() == padded.data_ptr()
+    sids = [engine.open_session() for _ in range(2)]
+    rng = random.Random(3)
+    transcripts = {s: Transcript() for s in sids}
+    for _ in range(6):
+        chunks = {s: [rng.randrange(100) for _ in range(rng.randint(1, 30))] for s in sids}
+        outs = engine.step([StepInput(s, token_ids=chunks[s], max_new_tokens=3, prompt_logprobs=True) for s in sids])
+        for s, out in zip(sids, outs):
+            assert out.error is None and all(t < 100 for t in out.token_ids)
+            transcripts[s].record(chunks[s], out)
+    for transcript in transcripts.values():
+        transcript.assert_matches(model, sinks, window, abs=1e-3)
+    engine.close()
+
+
 def test_cuda_bf16_engine_follows_generate(checkpoints):
     path, model = checkpoints["llama"]
     engine = Engine(EngineConfig(model=path, device="cuda", dtype="bfloat16", num_blocks=100,
