@@ -21,14 +21,20 @@ def test_cuda_engine_matches_the_windowed_oracle(checkpoints, attention):
     engine = Engine(EngineConfig(model=path, device="cuda", attention=attention, num_blocks=300,
                                  max_chunk_tokens=32, max_batch_tokens=128,
                                  policy=KVPolicy(sinks=sinks, window=window, block_size=16, positions="absolute")))
-    sids = [engine.open_session() for _ in range(3)]
-    rng = random.Random(5)
+    assert_follows_oracle(engine, model, sinks, window, sessions=3, steps=10, vocab=128, seed=5)
+
+
+def assert_follows_oracle(engine, model, sinks, window, *, sessions, steps, vocab, seed):
+    """Random chunks of ids below ``vocab`` into ``sessions`` sessions for ``steps`` steps, three tokens decoded
+    each; every session's tokens and prompt logprobs against transformers over the sink + window mask."""
+    sids = [engine.open_session() for _ in range(sessions)]
+    rng = random.Random(seed)
     transcripts = {s: Transcript() for s in sids}
-    for _ in range(10):
-        chunks = {s: [rng.randrange(128) for _ in range(rng.randint(1, 30))] for s in sids}
+    for _ in range(steps):
+        chunks = {s: [rng.randrange(vocab) for _ in range(rng.randint(1, 30))] for s in sids}
         outs = engine.step([StepInput(s, token_ids=chunks[s], max_new_tokens=3, prompt_logprobs=True) for s in sids])
         for s, out in zip(sids, outs):
-            assert out.error is None
+            assert out.error is None and all(t < vocab for t in out.token_ids)
             transcripts[s].record(chunks[s], out)
     for transcript in transcripts.values():
         transcript.assert_matches(model, sinks, window, abs=1e-3)
@@ -49,17 +55,7 @@ def test_a_vocabulary_off_the_head_alignment_decodes_as_transformers_does(tmp_pa
     padded = engine.model.aligned_head
     assert padded is not None and padded.shape[0] == 128 and not padded[100:].any()
     assert engine.model.head_weight().data_ptr() == padded.data_ptr()
-    sids = [engine.open_session() for _ in range(2)]
-    rng = random.Random(3)
-    transcripts = {s: Transcript() for s in sids}
-    for _ in range(6):
-        chunks = {s: [rng.randrange(100) for _ in range(rng.randint(1, 30))] for s in sids}
-        outs = engine.step([StepInput(s, token_ids=chunks[s], max_new_tokens=3, prompt_logprobs=True) for s in sids])
-        for s, out in zip(sids, outs):
-            assert out.error is None and all(t < 100 for t in out.token_ids)
-            transcripts[s].record(chunks[s], out)
-    for transcript in transcripts.values():
-        transcript.assert_matches(model, sinks, window, abs=1e-3)
+    assert_follows_oracle(engine, model, sinks, window, sessions=2, steps=6, vocab=100, seed=3)
     engine.close()
 
 
