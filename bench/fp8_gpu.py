@@ -138,7 +138,8 @@ def bench_perplexity(args) -> dict:
 
 def bench_linear(args) -> dict:
     from metronome.models.fp8 import STREAMED_MAX_ROWS, TILED_MAX_ROWS, Fp8Linear, fp8_matmul, quantize_rows
-    from metronome.models.fp8_triton import fp8_tiled_linear, fp8_weight_linear
+    from metronome.models.fp8_tiled_triton import fp8_tiled_linear
+    from metronome.models.fp8_triton import fp8_weight_linear
 
     hidden, inter, heads, kv_heads, d = LINEAR_SHAPES[args.linear_shape]
     shapes = {"qkv": (hidden, (heads + 2 * kv_heads) * d), "o": (heads * d, hidden), "gate_up": (hidden, 2 * inter),
@@ -167,7 +168,7 @@ def bench_linear(args) -> dict:
                     return fp8_weight_linear(rows_e4m3, f.weight, f.weight_scale, x_scale=row_scale, out_dtype=x.dtype)
 
                 row["streamed_w8a8_us"] = graphed_us([lambda f=f: streamed_w8a8(f) for f in fp8s])
-            if STREAMED_MAX_ROWS < m <= 2 * TILED_MAX_ROWS:
+            if STREAMED_MAX_ROWS < m <= 2 * TILED_MAX_ROWS:   # past its range too, to show where it should end
                 def tiled(f: Fp8Linear) -> torch.Tensor:
                     rows_e4m3, row_scale = quantize_rows(x)
                     return fp8_tiled_linear(rows_e4m3, row_scale, f.weight, f.weight_scale, out_dtype=x.dtype)

@@ -123,12 +123,13 @@ class Engine:
             self.model, self.checkpoint = load_model(config.model, dtype, self.device)
         else:
             self.model, self.checkpoint = model, checkpoint
+        aligned = self.device.type == "cuda" and hasattr(self.model, "align_head_") and self.model.align_head_()
+        if aligned:
+            log.info("the logits' head padded to %d rows (aligned rows for cuBLAS)", self.model.aligned_head.shape[0])
         if config.quantization == "fp8":
             quantize_decoder_(self.model)
-            if self.device.type == "cuda":  # the bf16 weights' memory goes back, so the KV pool can use it
-                torch.cuda.empty_cache()
-        if self.device.type == "cuda" and hasattr(self.model, "align_head_") and self.model.align_head_():
-            log.info("the logits' head padded to %d rows (aligned rows for cuBLAS)", self.model.aligned_head.shape[0])
+        if self.device.type == "cuda" and (aligned or config.quantization == "fp8"):
+            torch.cuda.empty_cache()   # the replaced weights' memory goes back, so the KV pool can use it
         # Metronome's C kernels (one library) where the CPU path uses them; None elsewhere.
         self.cpu_kernels = cpu_kernels = self._cpu_kernels(config, dtype)
         if self.device.type == "cpu" and config.quantization is None:

@@ -12,11 +12,11 @@ Products: on CUDA (compute capability >= 8.9, which E4M3 in Triton needs) a per-
 (``fp8_triton.fp8_weight_linear``): with bf16 activations the rows are quantised per token and multiplied on the
 FP8 tensor cores where that pays (wide layers, or more than ``WIDENED_MAX_ROWS`` rows), else the codes are widened
 in registers. More rows, with FP8 tensor cores and bf16 activations, have their activations quantised per token
-on the fly and run the tiled Triton product up to ``TILED_MAX_ROWS`` (``fp8_triton.fp8_tiled_linear``), cuBLAS
-(``torch._scaled_mm``) above; a block-wise weight is
-rescaled per channel once loaded there (``per_channel_for_tensor_cores_``: one more E4M3 rounding). Elsewhere the
-weight is dequantised to the activations' dtype for each product, so on the CPU the layer computes exactly with
-the dequantised weight. Stacked MoE experts keep block scales everywhere (their grouped GEMM applies them).
+on the fly and run the tiled Triton product up to ``TILED_MAX_ROWS`` (``fp8_tiled_triton.fp8_tiled_linear``, on
+Hopper and later), cuBLAS (``torch._scaled_mm``) above; a block-wise weight is rescaled per channel once loaded
+there (``per_channel_for_tensor_cores_``: one more E4M3 rounding). Elsewhere the weight is dequantised to the
+activations' dtype for each product, so on the CPU the layer computes exactly with the dequantised weight.
+Stacked MoE experts keep block scales everywhere (their grouped GEMM applies them).
 
 >>> w = torch.tensor([[1.0, -0.5, 0.26], [100.0, 3.0, -7.0]])
 >>> codes, scale = quantize(w)             # one scale per row: its largest magnitude maps to 448
@@ -48,14 +48,15 @@ UNUSED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale")
 # Smallest activation amax a row is scaled by (an all-zero row must not divide by zero).
 ACTIVATION_AMAX_FLOOR = 1e-12
 # Up to this many rows (a decode round's layer inputs at small N) a per-channel FP8 layer on CUDA runs the
-# weight-streaming Triton product (``fp8_triton.fp8_weight_linear``); above, cuBLAS's FP8 GEMM
-# (``torch._scaled_mm``). Within it, activations stay bf16 (the codes widened in registers) up to
+# weight-streaming Triton product (``fp8_triton.fp8_weight_linear``); above, the tiled product or cuBLAS's FP8
+# GEMM (``TILED_MAX_ROWS``). Within it, activations stay bf16 (the codes widened in registers) up to
 # ``WIDENED_MAX_ROWS`` rows unless the layer is wide (outputs >= 2x inputs): for a narrow layer the E4M3 path's
 # extra quantising launch costs more than the widening saves. Measured on an H200 (docs/benchmarks/gpu.md).
 STREAMED_MAX_ROWS = 64
 WIDENED_MAX_ROWS = 32
-# Past the streamed range and up to this many rows, the tiled Triton product (``fp8_triton.fp8_tiled_linear``):
-# cuBLAS's FP8 GEMM there runs narrow layers on a fraction of the SMs and long reductions unsplit.
+# Past the streamed range and up to this many rows, the tiled Triton product (``fp8_tiled_triton``) where the GPU
+# is a Hopper or later (its tiles were sized for 228 KB of shared memory an SM; Ada has 100 KB): cuBLAS's FP8 GEMM
+# there leaves SMs idle on narrow layers. Measured on an H200 (docs/benchmarks/gpu.md).
 TILED_MAX_ROWS = 192
 
 
@@ -122,6 +123,12 @@ def fp8_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> tor
     return torch._scaled_mm(xq, codes.t(), scale_a=x_scale, scale_b=scale.t(), out_dtype=x.dtype)
 
 
+def tiled_product_available(device: torch.device) -> bool:
+    """The tiled FP8 product's GPUs: CUDA with compute capability >= 9.0 (Hopper and later)."""
+    return scaled_mm_available(device) and _capability(device.index if device.index is not None
+                                                       else torch.cuda.current_device()) >= (9, 0)
+
+
 def _tensor_core_dims(in_features: int, out_features: int) -> bool:
     return in_features % 16 == 0 and out_features % 16 == 0
 
@@ -137,8 +144,9 @@ class Product(str, Enum):
 
 
 def choose_product(rows: int, in_features: int, out_features: int, dtype: torch.dtype, *, cuda: bool,
-                   per_channel: bool, fp8_tensor_cores: bool) -> Product:
-    """How an FP8 layer multiplies ``rows`` rows."""
+                   per_channel: bool, fp8_tensor_cores: bool, tiled: bool = False) -> Product:
+    """How an FP8 layer multiplies ``rows`` rows; ``tiled``: the GPU runs the tiled product
+    (``tiled_product_available``)."""
     if cuda and per_channel and fp8_tensor_cores and rows <= STREAMED_MAX_ROWS:
         wide = out_features >= 2 * in_features
         if dtype == torch.bfloat16 and (rows > WIDENED_MAX_ROWS or wide):
@@ -146,7 +154,7 @@ def choose_product(rows: int, in_features: int, out_features: int, dtype: torch.
         return Product.STREAMED_W8A16
     if (cuda and per_channel and fp8_tensor_cores and dtype == torch.bfloat16
             and _tensor_core_dims(in_features, out_features)):
-        return Product.TILED_W8A8 if rows <= TILED_MAX_ROWS else Product.SCALED_MM
+        return Product.TILED_W8A8 if tiled and rows <= TILED_MAX_ROWS else Product.SCALED_MM
     return Product.DEQUANTIZED
 
 
@@ -186,7 +194,7 @@ class Fp8Linear(nn.Module):
 
     @property
     def tensor_cores(self) -> bool:
-        """Whether prefill's products run on the FP8 tensor cores (cuBLAS): one scale per output channel,
+        """Whether the products past the streamed range run on the FP8 tensor cores: one scale per output channel,
         dimensions that are multiples of 16, a device that has them."""
         return (self.weight.is_cuda and self.weight_scale.shape[1] == 1 and _tensor_core_dims(self.in_features,
                 self.out_features) and scaled_mm_available(self.weight.device))
@@ -198,7 +206,8 @@ class Fp8Linear(nn.Module):
         rows = x.numel() // self.in_features
         product = choose_product(rows, self.in_features, self.out_features, x.dtype, cuda=self.weight.is_cuda,
                                  per_channel=self.weight_scale.shape[1] == 1,
-                                 fp8_tensor_cores=self.weight.is_cuda and scaled_mm_available(self.weight.device))
+                                 fp8_tensor_cores=self.weight.is_cuda and scaled_mm_available(self.weight.device),
+                                 tiled=self.weight.is_cuda and tiled_product_available(self.weight.device))
         if product in (Product.STREAMED_W8A16, Product.STREAMED_W8A8):
             from metronome.models.fp8_triton import fp8_weight_linear
 
@@ -210,7 +219,7 @@ class Fp8Linear(nn.Module):
                                     out_dtype=x.dtype)
             return out.reshape(*x.shape[:-1], self.out_features)
         if product == Product.TILED_W8A8:
-            from metronome.models.fp8_triton import fp8_tiled_linear
+            from metronome.models.fp8_tiled_triton import fp8_tiled_linear
 
             rows_in, x_scale = quantize_rows(x.reshape(-1, self.in_features))
             out = fp8_tiled_linear(rows_in, x_scale, self.weight, self.weight_scale, self.bias, out_dtype=x.dtype)

@@ -1,11 +1,12 @@
-"""E4M3 in Triton: per-token quantisation of activations in one kernel, and the weight-streaming product.
+"""E4M3 in Triton: per-token quantisation of activations in one kernel, and the weight-streaming product (the
+tiled product for more rows is ``fp8_tiled_triton.py``).
 
 Codes are rounded onto the E4M3 grid by ``attention/e4m3_triton.e4m3_grid`` before any cast (exact rounding).
 
 The FP8 linear layer scales every activation row by its own amax before the tensor-core product. In torch
 that is half a dozen small kernels (abs, amax, cast, divide, clamp, cast) per layer input; inside a captured
-decode round each costs a launch, so one program per row does the lot: a pass for the amax, a pass to write
-the E4M3 codes.
+decode round each costs a launch, so one program per row does the lot: the amax, then the E4M3 codes, from one
+load of a row that fits ``QUANT_ROW_MAX_BLOCK`` (two passes over a longer one).
 
 A decode round has a few hundred rows or fewer per layer input, where the product is bound by reading the weight,
 not by the arithmetic: ``fp8_weight_linear`` streams the E4M3 codes (half the bytes of bf16) with the weight tile as
@@ -30,9 +31,6 @@ ROW_BLOCK = 1024   # elements of a row one program of the split sum takes at onc
 # The row quantiser takes a row of up to this many elements in one load, kept in registers from the amax to the
 # codes, rather than looping over 1,024-element pieces (two passes over the row, each of dependent loads).
 QUANT_ROW_MAX_BLOCK = 16384
-# The tiled product's tiles: 64 rows (one warpgroup's MMA), 128 weight columns, 128-deep reduction steps. Measured
-# on an H200 against other tiles at 128-384 rows (docs/benchmarks/gpu.md, "The linear layers").
-TILED_BLOCK_M, TILED_BLOCK_N, TILED_BLOCK_K = 64, 128, 128
 _MAX = tl.constexpr(E4M3_MAX)
 
 
@@ -132,92 +130,19 @@ def _sum_splits(P, XS, S, B, Y, M, N, stride_y, HAS_BIAS: tl.constexpr, ROW_SCAL
     tl.store(Y + row.to(tl.int64) * stride_y + offs, acc.to(Y.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _fp8_tiled_product(X, XS, W, S, B, Y, P, M, N, K, k_per_split, stride_x, stride_w, stride_y,
-                       HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr, DOT_F32: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # E4M3 rows times E4M3 weight columns in [BLOCK_M, BLOCK_N] tiles on the FP8 tensor cores. Row tiles vary
-    # fastest, so the programs that share a weight tile run together and read it from memory once.
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    split = tl.program_id(2)
-    m_mask, n_mask = offs_m < M, offs_n < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_lo = split * k_per_split
-    for k0 in range(k_lo, tl.minimum(k_lo + k_per_split, K), BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        a_ptr = X + offs_m[:, None].to(tl.int64) * stride_x + offs_k[None, :]
-        w_ptr = W + offs_n[None, :].to(tl.int64) * stride_w + offs_k[:, None]
-        if EVEN:
-            a = tl.load(a_ptr, mask=m_mask[:, None], other=0.0)
-            w = tl.load(w_ptr)
-        else:
-            k_mask = offs_k < K
-            a = tl.load(a_ptr, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            w = tl.load(w_ptr, mask=n_mask[None, :] & k_mask[:, None], other=0.0)
-        if DOT_F32:
-            acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, w, acc)
-    if SPLIT == 1:
-        acc = acc * tl.load(XS + offs_m, mask=m_mask, other=0.0)[:, None]
-        acc = acc * tl.load(S + offs_n, mask=n_mask, other=0.0)[None, :]
-        if HAS_BIAS:
-            acc = acc + tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(Y + offs_m[:, None].to(tl.int64) * stride_y + offs_n[None, :], acc.to(Y.dtype.element_ty),
-                 mask=m_mask[:, None] & n_mask[None, :])
-    else:
-        tl.store(P + (split * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :], acc,
-                 mask=m_mask[:, None] & n_mask[None, :])
+def multiprocessor_count(device: torch.device) -> int:
+    """The SMs of a CUDA device; 1 elsewhere (the interpreter runs one program at a time)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-def tiled_split_k(row_tiles: int, column_tiles: int, k_steps: int, num_sms: int) -> int:
-    """Reduction splits (1, 2 or 4) of the tiled product: enough for one program per SM where the tiles are fewer,
-    keeping at least 16 reduction steps a split (fewer cost more in partial sums than they gain)."""
-    split = 1
-    while split < 4 and row_tiles * column_tiles * split < num_sms and k_steps >= 32 * split:
-        split *= 2
-    return split
-
-
-def fp8_tiled_linear(x: torch.Tensor, x_scale: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
-                     bias: torch.Tensor | None = None, *, out_dtype: torch.dtype, block_m: int = TILED_BLOCK_M,
-                     block_n: int = TILED_BLOCK_N, block_k: int = TILED_BLOCK_K, split_k: int | None = None,
-                     num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
-    """``(x * x_scale) @ (codes * scale).T + bias`` for E4M3 rows x [M, K] with scales [M, 1] (from
-    ``quantize_rows_triton``), E4M3 codes [N, K] and per-channel scales [N, 1], on the FP8 tensor cores in
-    [block_m, block_n] tiles: a decode round's product at a hundred rows or two, where cuBLAS's FP8 GEMM leaves
-    SMs idle on narrow layers. ``split_k`` (default ``tiled_split_k``) > 1 sums float32 partials in order;
-    ``num_stages`` defaults to 3 for wide layers (outputs >= 2x inputs), else 4."""
-    m, k = x.shape
-    n = codes.shape[0]
-    if x.dtype != E4M3 or x_scale is None:
-        raise ValueError("the tiled product takes E4M3 rows and their scales")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    y = torch.empty((m, n), dtype=out_dtype, device=x.device)
-    if m == 0:
-        return y
-    k_steps = triton.cdiv(k, block_k)
-    if split_k is None:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
-        split_k = tiled_split_k(triton.cdiv(m, block_m), triton.cdiv(n, block_n), k_steps, sms)
-    if num_stages is None:
-        num_stages = 3 if n >= 2 * k else 4
-    k_per_split = triton.cdiv(k_steps, split_k) * block_k
-    partial = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else y
-    has_bias = bias is not None
-    unused = scale
-    _fp8_tiled_product[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)](
-        x, x_scale, codes, scale, bias if has_bias else unused, y, partial, m, n, k, k_per_split, x.stride(0),
-        codes.stride(0), y.stride(0), HAS_BIAS=has_bias, SPLIT=split_k, DOT_F32=triton_interpreted(),
-        EVEN=k % block_k == 0 and n % block_n == 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        **({} if triton_interpreted() else {"num_warps": num_warps, "num_stages": num_stages}))
-    if split_k > 1:
-        _sum_splits[(triton.cdiv(n, ROW_BLOCK), m)](partial, x_scale, scale, bias if has_bias else unused, y, m, n,
-                                                   y.stride(0), HAS_BIAS=has_bias, ROW_SCALE=True, SPLIT=split_k,
-                                                   BLOCK=ROW_BLOCK)
-    return y
+def sum_splits(partial: torch.Tensor, x_scale: torch.Tensor | None, scale: torch.Tensor, bias: torch.Tensor | None,
+               y: torch.Tensor) -> None:
+    """Into ``y`` [M, N]: the float32 partial sums [splits, M, N] of a split reduction added in split order (the
+    same bits every run), times the weight's per-channel ``scale`` and the rows' ``x_scale`` if any, plus ``bias``."""
+    splits, m, n = partial.shape
+    _sum_splits[(triton.cdiv(n, ROW_BLOCK), m)](
+        partial, scale if x_scale is None else x_scale, scale, scale if bias is None else bias, y, m, n, y.stride(0),
+        HAS_BIAS=bias is not None, ROW_SCALE=x_scale is not None, SPLIT=splits, BLOCK=ROW_BLOCK)
 
 
 def split_k_for(column_tiles: int, k_steps: int, device: torch.device) -> int:
@@ -226,7 +151,7 @@ def split_k_for(column_tiles: int, k_steps: int, device: torch.device) -> int:
     without enough loads in flight. On the CPU (interpreted) one split."""
     if device.type != "cuda":
         return 1
-    target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    target = 4 * multiprocessor_count(device)
     split = 1
     while split < 8 and column_tiles * split < target and 2 * split <= k_steps:
         split *= 2
@@ -268,7 +193,5 @@ def fp8_weight_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
         EVEN=k % block_k == 0 and n % block_n == 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=4, num_stages=3)
     if split > 1:
-        _sum_splits[(triton.cdiv(n, ROW_BLOCK), m)](
-            partial, unused if x_scale is None else x_scale, scale, bias if has_bias else unused, y, m, n,
-            y.stride(0), HAS_BIAS=has_bias, ROW_SCALE=x_scale is not None, SPLIT=split, BLOCK=ROW_BLOCK)
+        sum_splits(partial, x_scale, scale, bias, y)
     return y

@@ -184,13 +184,16 @@ class LlamaFamilyForCausalLM(nn.Module):
     def align_head_(self) -> bool:
         """Give the logits' product a head padded to a multiple of ``HEAD_ROW_MULTIPLE`` rows where the vocabulary
         is not one, sharing its storage: cuBLAS's fast kernels need 16-byte aligned rows of logits, and a
-        vocabulary like MiniCPM-o's 151,748 falls back to a kernel about 3x slower. Whether it padded."""
+        vocabulary like MiniCPM-o's 151,748 falls back to a slower one (docs/benchmarks/models.md, MiniCPM-o).
+        Whether it padded (not again where the head already is a view of the padded one)."""
         weight = self.head_weight()
         vocab = weight.shape[0]
-        if vocab % HEAD_ROW_MULTIPLE == 0:
+        if vocab % HEAD_ROW_MULTIPLE == 0 or (self.aligned_head is not None
+                                              and self.aligned_head.data_ptr() == weight.data_ptr()):
             return False
-        padded = weight.new_zeros((-(-vocab // HEAD_ROW_MULTIPLE) * HEAD_ROW_MULTIPLE, weight.shape[1]))
-        padded[:vocab].copy_(weight)
+        with torch.no_grad():
+            padded = weight.new_zeros((-(-vocab // HEAD_ROW_MULTIPLE) * HEAD_ROW_MULTIPLE, weight.shape[1]))
+            padded[:vocab].copy_(weight)
         head = nn.Parameter(padded[:vocab], requires_grad=False)
         if self.spec.tie_word_embeddings:
             self.model.embed_tokens.weight = head
@@ -231,18 +234,19 @@ class LlamaFamilyForCausalLM(nn.Module):
             logits = self.packed_head(hidden)
         elif hidden.device.type == "cpu" and self.cpu_kernels is not None:
             logits = skinny_linear(hidden, weight, None, self.cpu_kernels)
+        elif self.aligned_head is not None:
+            logits = F.linear(hidden, self.aligned_head)[:, :weight.shape[0]]
         if logits is None and hidden.device.type == "cpu":
             # vocab-major product: ~1.5x faster than F.linear for few rows on the CPU BLAS here; its rows made
             # contiguous, since top-k and argmax over a strided row take several times as long.
             logits = (weight @ hidden.t()).t().contiguous()
-        elif logits is None and self.aligned_head is not None:
-            logits = F.linear(hidden, self.aligned_head)[:, :weight.shape[0]]
         elif logits is None:
             logits = F.linear(hidden, weight)
         return exact_top(logits, hidden, weight) if logits.dtype in (torch.bfloat16, torch.float16) else logits
 
 
-# Rows of the padded head (``align_head_``): 64 keeps every row of logits 16-byte aligned in any dtype.
+# Rows of the padded head (``align_head_``): 8 would align bf16 rows of logits to 16 bytes; 64, as vLLM pads its
+# vocabulary, also aligns one-byte rows and keeps the head in whole 64-row tiles.
 HEAD_ROW_MULTIPLE = 64
 
 # A bfloat16 logit near 25 is a multiple of 0.125: two of the top logits often round to one value, and argmax then

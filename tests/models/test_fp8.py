@@ -230,7 +230,7 @@ def test_products_by_row_count_layer_width_and_device():
     cuBLAS, the CPU dequantises."""
     from metronome.models.fp8 import STREAMED_MAX_ROWS, TILED_MAX_ROWS, WIDENED_MAX_ROWS, choose_product
 
-    bf16, gpu = torch.bfloat16, dict(cuda=True, per_channel=True, fp8_tensor_cores=True)
+    bf16, gpu = torch.bfloat16, dict(cuda=True, per_channel=True, fp8_tensor_cores=True, tiled=True)
     assert choose_product(1, 4096, 4096, bf16, **gpu) == "streamed-w8a16"                  # narrow: o, down
     assert choose_product(1, 4096, 24576, bf16, **gpu) == "streamed-w8a8"                   # wide: gate_up
     assert choose_product(WIDENED_MAX_ROWS, 4096, 4096, bf16, **gpu) == "streamed-w8a16"      # the boundaries
@@ -241,6 +241,7 @@ def test_products_by_row_count_layer_width_and_device():
     assert choose_product(STREAMED_MAX_ROWS + 1, 4096, 4096, bf16, **gpu) == "tiled-w8a8"
     assert choose_product(TILED_MAX_ROWS, 4096, 24576, bf16, **gpu) == "tiled-w8a8"
     assert choose_product(TILED_MAX_ROWS + 1, 4096, 4096, bf16, **gpu) == "scaled-mm"
+    assert choose_product(STREAMED_MAX_ROWS + 1, 4096, 4096, bf16, **dict(gpu, tiled=False)) == "scaled-mm"  # Ada
     assert choose_product(STREAMED_MAX_ROWS + 1, 4096, 4100, bf16, **gpu) == "dequantized"  # not whole MMA tiles
     assert choose_product(40, 4096, 24576, torch.float16, **gpu) == "streamed-w8a16"
     no_fp8 = dict(gpu, fp8_tensor_cores=False)   # e.g. an A100: no E4M3 in Triton there, so no streamed product
@@ -254,6 +255,7 @@ def test_the_layer_quantises_rows_only_for_the_w8a8_product(monkeypatch):
     """``Fp8Linear.forward`` hands the streamed product bf16 rows (W8A16) or E4M3 rows with their scales (W8A8), and
     the tiled product E4M3 rows with their scales, as ``choose_product`` says (the CPU never reaches these branches on its own)."""
     import metronome.models.fp8 as fp8
+    import metronome.models.fp8_tiled_triton as fp8_tiled_triton
     import metronome.models.fp8_triton as fp8_triton
 
     layer = fp8.Fp8Linear.from_linear(torch.nn.Linear(64, 32, bias=False)).to(torch.bfloat16)
@@ -268,7 +270,7 @@ def test_the_layer_quantises_rows_only_for_the_w8a8_product(monkeypatch):
         return torch.zeros(x.shape[0], codes.shape[0], dtype=out_dtype)
 
     monkeypatch.setattr(fp8_triton, "fp8_weight_linear", product)
-    monkeypatch.setattr(fp8_triton, "fp8_tiled_linear", tiled)
+    monkeypatch.setattr(fp8_tiled_triton, "fp8_tiled_linear", tiled)
     x = torch.randn(3, 64, dtype=torch.bfloat16)
     for chosen, expected in (("streamed-w8a16", (torch.bfloat16, False)), ("streamed-w8a8", (fp8.E4M3, True)),
                              ("tiled-w8a8", (fp8.E4M3, True))):
@@ -285,3 +287,12 @@ def test_fp8_is_refused_at_start_on_a_gpu_without_e4m3(monkeypatch):
     with pytest.raises(ConfigError, match="compute capability 8.9"):
         fp8.check_fp8_device(torch.device("cuda", 0))
     fp8.check_fp8_device(torch.device("cpu"))   # the CPU dequantises
+
+
+def test_the_tiled_product_is_for_hopper_and_later(monkeypatch):
+    import metronome.models.fp8 as fp8
+
+    for capability, tiled in (((8, 9), False), ((9, 0), True), ((10, 0), True)):
+        monkeypatch.setattr(fp8, "_capability", lambda index, c=capability: c)
+        assert fp8.tiled_product_available(torch.device("cuda", 0)) is tiled
+    assert not fp8.tiled_product_available(torch.device("cpu"))

@@ -14,13 +14,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from metronome.models import fp8  # noqa: E402
-from metronome.models.fp8_triton import (  # noqa: E402
-    QUANT_ROW_MAX_BLOCK,
-    fp8_tiled_linear,
-    fp8_weight_linear,
-    quantize_rows_triton,
-    tiled_split_k,
-)
+from metronome.models.fp8_triton import QUANT_ROW_MAX_BLOCK, fp8_weight_linear, quantize_rows_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -108,48 +102,6 @@ def test_fp8_activation_product_rounds_each_row_onto_e4m3(rows, split_k):
     norm = (exact - bias.double()).norm()
     assert (got - rounded).norm() / norm < 2 ** -10
     assert 2 ** -10 < (got - exact).norm() / norm < 2 ** -4
-
-
-@pytest.mark.parametrize("rows", [1, 37, 70])
-@pytest.mark.parametrize("split_k", [None, 1, 2, 4])
-@pytest.mark.parametrize("k,n,with_bias", [(300, 80, True), (512, 128, False)])
-def test_tiled_product_against_float64_over_the_rounded_rows(rows, split_k, k, n, with_bias):
-    """The tiled product: within float32 rounding of float64 over the E4M3 rows and weight, their scales applied
-    after the sum, bias after the scales; row, column and reduction sizes that are whole tiles or not, in one
-    reduction or in split partials summed in order by a second launch (``None``: the split ``tiled_split_k``
-    chooses)."""
-    g = torch.Generator().manual_seed(rows)
-    w = torch.randn(n, k, generator=g) * 0.05
-    codes, scale = fp8.quantize(w)
-    x = torch.randn(rows, k, generator=g) * torch.logspace(-1, 1, k)
-    bias = torch.randn(n, generator=g) if with_bias else None
-    x_rows, x_scale = quantize_rows_triton(x.to(DEVICE), fp8.ACTIVATION_AMAX_FLOOR)
-    got = fp8_tiled_linear(x_rows, x_scale, codes.to(DEVICE), scale.to(DEVICE),
-                           None if bias is None else bias.to(DEVICE), out_dtype=torch.float32, block_m=16,
-                           block_n=32, block_k=64, split_k=split_k).cpu().double()
-    want = (x_rows.cpu().double() * x_scale.cpu().double()) @ (codes.double() * scale.double()).T
-    magnitude = (x_rows.cpu().double().abs() * x_scale.cpu().double()) @ (codes.double().abs() * scale.double()).T
-    if bias is not None:
-        want += bias.double()
-    assert got.shape == (rows, n)
-    assert ((got - want).abs() <= 2 ** -20 * magnitude + 1e-6).all()
-
-
-def test_tiled_split_gives_one_program_per_sm_where_the_reduction_is_long_enough():
-    assert tiled_split_k(2, 32, 96, 132) == 4       # a narrow layer's long reduction: 64 tiles -> 256 programs
-    assert tiled_split_k(2, 32, 32, 132) == 2       # at least 16 reduction steps a split
-    assert tiled_split_k(3, 192, 32, 132) == 1      # enough tiles already
-    assert tiled_split_k(1, 1, 4096, 132) == 4      # at most 4
-
-
-def test_tiled_product_takes_only_e4m3_rows_with_scales():
-    codes, scale = fp8.quantize(torch.randn(32, 64))
-    x_rows, x_scale = quantize_rows_triton(torch.randn(3, 64).to(DEVICE), fp8.ACTIVATION_AMAX_FLOOR)
-    with pytest.raises(ValueError, match="E4M3 rows"):
-        fp8_tiled_linear(torch.randn(3, 64).to(DEVICE), x_scale, codes.to(DEVICE), scale.to(DEVICE),
-                         out_dtype=torch.float32)
-    with pytest.raises(ValueError, match="E4M3 rows"):
-        fp8_tiled_linear(x_rows, None, codes.to(DEVICE), scale.to(DEVICE), out_dtype=torch.float32)
 
 
 def test_e4m3_rows_need_their_scales_and_an_output_dtype():
