@@ -1,5 +1,5 @@
-"""FP8 weights on a CUDA device with FP8 tensor cores (compute capability >= 8.9): the ``torch._scaled_mm`` product
-with per-token activation scales, block checkpoints rescaled per channel, and the grouped MoE GEMM over E4M3
+"""FP8 weights on a CUDA device with FP8 tensor cores (compute capability >= 8.9): the layer's products with
+per-token activation scales, block checkpoints rescaled per channel, and the grouped MoE GEMM over E4M3
 experts in bf16. Skipped elsewhere (the CPU tests cover the same layers dequantised)."""
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or not scaled_mm_a
                                 reason="needs FP8 tensor cores (CUDA, compute capability >= 8.9)")
 
 
-@pytest.mark.parametrize("rows", [1, 37, 300])
+@pytest.mark.parametrize("rows", [1, 37, 100, 300])
 def test_tensor_core_linear_within_the_activation_rounding_bound(rows):
-    """Against float64 over the same E4M3 weights: each activation is off by at most half an E4M3 step
+    """Each product the layer chooses by row count (streamed, tiled on Hopper, cuBLAS), against float64 over the
+    same E4M3 weights: each activation is off by at most half an E4M3 step
     (2**-4 of itself, or 2**-10 of its row's scale), so an output by at most ``2**-4 |x| @ |W|.T`` plus that
     floor times ``|W|`` summed, plus bf16's rounding of the output (2**-8 of it)."""
     g = torch.Generator().manual_seed(rows)
