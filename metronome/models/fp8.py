@@ -86,8 +86,7 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, group: int,
 
 def scaled_mm_available(device: torch.device) -> bool:
     """FP8 tensor cores: CUDA with compute capability >= 8.9 (Ada, Hopper and later)."""
-    return device.type == "cuda" and _capability(device.index if device.index is not None
-                                                 else torch.cuda.current_device()) >= (8, 9)
+    return device.type == "cuda" and _device_capability(device) >= (8, 9)
 
 
 @functools.cache
@@ -95,11 +94,16 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def _device_capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's compute capability (the current device where ``device`` names no index)."""
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def check_fp8_device(device: torch.device) -> None:
     """Refuse FP8 weights or KV on a GPU below compute capability 8.9: Triton has no E4M3 type there, so the
     first decode round's kernels would fail to compile. The CPU dequantises and takes them."""
     if device.type == "cuda" and not scaled_mm_available(device):
-        major, minor = _capability(device.index if device.index is not None else torch.cuda.current_device())
+        major, minor = _device_capability(device)
         raise ConfigError(f"FP8 weights and KV need a GPU of compute capability 8.9 or later (Ada, Hopper); this "
                           f"one is {major}.{minor}: run without --quantization fp8 and --kv-cache-dtype fp8")
 
@@ -125,8 +129,7 @@ def fp8_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> tor
 
 def tiled_product_available(device: torch.device) -> bool:
     """The tiled FP8 product's GPUs: CUDA with compute capability >= 9.0 (Hopper and later)."""
-    return scaled_mm_available(device) and _capability(device.index if device.index is not None
-                                                       else torch.cuda.current_device()) >= (9, 0)
+    return device.type == "cuda" and _device_capability(device) >= (9, 0)
 
 
 def _tensor_core_dims(in_features: int, out_features: int) -> bool:
