@@ -188,7 +188,8 @@ def bench_linear(args) -> dict:
 
 def bench_moe(args, bandwidth: dict) -> dict:
     from metronome.models.fp8 import ExpertScales, quantize, quantize_rows
-    from metronome.models.moe_triton import choose_launch, grouped_moe, launch_down, launch_gate_up, route
+    from metronome.models.moe_routing_triton import route
+    from metronome.models.moe_triton import choose_launch, grouped_moe, launch_down, launch_gate_up
 
     e, k, h, inter = 128, 8, 2048, 768  # Qwen3-Omni-30B-A3B's thinker layer
     gate_up = torch.randn(e, 2 * inter, h, device="cuda", dtype=torch.bfloat16) * 0.02

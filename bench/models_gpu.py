@@ -445,7 +445,8 @@ def tune_moe(args) -> dict:
     fastest (block_m, TileConfig) by its time in a CUDA graph; configs that do not fit are skipped."""
     import itertools
 
-    from metronome.models.moe_triton import TileConfig, launch_down, launch_gate_up, route
+    from metronome.models.moe_routing_triton import route
+    from metronome.models.moe_triton import TileConfig, launch_down, launch_gate_up
 
     text = QWEN3_OMNI["qwen3-omni-30b-a3b"]["text"]
     e, h, k = text["num_experts"], text["hidden_size"], text["num_experts_per_tok"]

@@ -200,8 +200,13 @@ class SparseMoeBlock(nn.Module):
             self.experts = FusedExperts.stack(self.experts)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k expert ids [T, k] and their weights [T, k] in ``x``'s dtype (as transformers rounds them)."""
+        """Top-k expert ids [T, k] and their weights [T, k] in ``x``'s dtype (as transformers rounds them; ties on
+        CUDA go to the lower expert id)."""
         logits = self.gate(x)
+        if logits.is_cuda:   # one launch where torch takes five (models/moe_routing_triton.py)
+            from metronome.models.moe_routing_triton import select_experts
+
+            return select_experts(logits, self.top_k, self.norm_topk_prob)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:

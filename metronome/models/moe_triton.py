@@ -8,11 +8,12 @@ two kernels walk the sorted rows tile by tile, each tile reading its own expert'
 1. ``_gate_up_act``: rows of ``x`` gathered by token id × ``w_gate_up[e]`` ([2I, H]) → ``silu(gate)·up``
    ([M, I], in sorted order). Gate and up share the A tile: two fp32 accumulators per program.
 2. ``_down``: those rows × ``w_down[e]`` ([H, I]) → scaled by the routing weight, written to the
-   assignment's own row of an [M, H] fp32 buffer (no atomics), then summed over the k assignments of
-   each token. Deterministic: the same input gives the same bits, whatever the routing.
+   assignment's own row of an [M, H] fp32 buffer (no atomics).
+3. ``_sum_assignments``: each token's k rows summed in slot order, in the activations' dtype. Deterministic:
+   the same input gives the same bits, whatever the routing.
 
-Routing metadata (``route``) is built with torch ops of static shape and no host synchronisation,
-so a decode round that uses it can be captured in a CUDA graph: the grid has an upper bound of
+Routing metadata (``route``, ``models/moe_routing_triton.py``) is built in one launch of static shape with no
+host synchronisation, so a decode round that uses it can be captured in a CUDA graph: the grid has an upper bound of
 ``cdiv(M, BLOCK_M) + min(E, M)`` row tiles (each expert's rows are padded to whole tiles); the tiles
 past the real ones find the sentinel expert ``E`` and return at once.
 
@@ -41,46 +42,10 @@ import triton.language as tl
 from metronome.cpu import triton_interpreted
 from metronome.models.fp8 import ACTIVATION_AMAX_FLOOR, ExpertScales, scaled_mm_available
 from metronome.models.fp8_triton import quantize_rows_triton
+from metronome.models.moe_routing_triton import Routing, route
 
 # How expert weights are scaled (the kernels' SCALE): float weights, E4M3 per output channel, E4M3 per group.
 NO_SCALE, CHANNEL_SCALE, GROUP_SCALE = 0, 1, 2
-
-
-@dataclass(frozen=True)
-class Routing:
-    """The assignments of one forward sorted by expert, and how row tiles map to experts.
-
-    ``order[j]``: the flat assignment index (token · k + slot) of the j-th row in expert order.
-    ``start[e]`` / ``count[e]``: expert ``e``'s rows in that order. ``tile_expert[b]``: the expert of
-    row tile ``b`` (``E`` past the last real tile); ``tile_start[e]``: the first tile of expert ``e``.
-    """
-
-    order: torch.Tensor        # [M] int32
-    start: torch.Tensor        # [E] int32
-    count: torch.Tensor        # [E] int32
-    tile_expert: torch.Tensor  # [num_tiles] int32
-    tile_start: torch.Tensor   # [E] int32
-    block_m: int
-
-
-def max_row_tiles(num_assignments: int, num_experts: int, block_m: int) -> int:
-    """Upper bound on the row tiles: each used expert wastes less than one tile to padding."""
-    return triton.cdiv(num_assignments, block_m) + min(num_experts, num_assignments)
-
-
-def route(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Routing:
-    """Sort the [T, k] expert choices by expert (stable) and lay out the row tiles."""
-    flat = topk_ids.reshape(-1)
-    m = flat.numel()
-    order = torch.argsort(flat, stable=True).to(torch.int32)
-    count = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
-    count.scatter_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.int32))
-    start = torch.cumsum(count, 0, dtype=torch.int32) - count
-    tiles = (count + block_m - 1) // block_m
-    tile_end = torch.cumsum(tiles, 0, dtype=torch.int32)
-    tile_ids = torch.arange(max_row_tiles(m, num_experts, block_m), dtype=torch.int32, device=flat.device)
-    tile_expert = torch.searchsorted(tile_end, tile_ids, right=True).to(torch.int32)
-    return Routing(order, start, count, tile_expert, tile_end - tiles, block_m)
 
 
 @triton.jit
@@ -341,4 +306,26 @@ def grouped_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, 
     else:
         launch_gate_up(x, w_gate_up, act, routing, k, launch.gate_up, dot_f32, *gate_up_scale)
         launch_down(act, w_down, out, weights, routing, launch.down, dot_f32, *down_scale)
-    return out.view(t, k, h).sum(1).to(x.dtype)
+    return sum_assignments(out, k, x.dtype)
+
+
+@triton.jit
+def _sum_assignments(src_ptr, dst_ptr, H, K: tl.constexpr, BLOCK_H: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = offs < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(K):
+        acc += tl.load(src_ptr + (token * K + j) * H + offs, mask=mask, other=0.0)
+    tl.store(dst_ptr + token * H + offs, acc.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+def sum_assignments(out: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """[T·k, H] fp32 rows → [T, H] in ``dtype``: each token's k rows summed in slot order (one launch, where
+    torch's sum and cast took two)."""
+    m, h = out.shape
+    t = m // k
+    y = torch.empty((t, h), dtype=dtype, device=out.device)
+    block_h = min(1024, triton.next_power_of_2(h))
+    _sum_assignments[(t, triton.cdiv(h, block_h))](out, y, h, K=k, BLOCK_H=block_h)
+    return y

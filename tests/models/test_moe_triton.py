@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from metronome.models.moe import experts_sorted  # noqa: E402
-from metronome.models.moe_triton import MoeLaunch, TileConfig, grouped_moe, max_row_tiles, route  # noqa: E402
+from metronome.models.moe_triton import MoeLaunch, TileConfig, grouped_moe, sum_assignments  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -92,21 +92,15 @@ def test_grouped_gemm_bf16_close_to_fp32_oracle_and_deterministic():
     assert torch.equal(got, again)
 
 
-def test_route_lays_out_every_assignment_once_within_the_tile_bound():
-    e, k, bm = 6, 3, 4
-    ids, _ = _routing(25, e, k, skew=True)
-    r = route(ids, e, bm)
-    flat = ids.reshape(-1).cpu()
-    count = torch.bincount(flat, minlength=e)
-    assert r.count.cpu().tolist() == count.tolist()
-    order = r.order.long().cpu()
-    assert sorted(order.tolist()) == list(range(flat.numel()))          # a permutation
-    assert torch.equal(flat[order], torch.sort(flat, stable=True).values)  # sorted by expert
-    tiles = (count + bm - 1) // bm
-    tile_expert = r.tile_expert.cpu()
-    assert tile_expert.numel() == max_row_tiles(flat.numel(), e, bm) >= int(tiles.sum())
-    assert tile_expert[:int(tiles.sum())].tolist() == torch.repeat_interleave(torch.arange(e), tiles).tolist()
-    assert (tile_expert[int(tiles.sum()):] == e).all()                 # the spare tiles return at once
+@pytest.mark.parametrize("t,k,h", [(1, 8, 2048), (5, 3, 1500), (9, 2, 40)])
+def test_sum_assignments_adds_each_tokens_rows_into_its_dtype(t, k, h):
+    rows = torch.randn(t * k, h, generator=torch.Generator().manual_seed(t)).to(DEVICE)
+    for dtype in (torch.float32, torch.bfloat16):
+        got = sum_assignments(rows, k, dtype)
+        assert got.dtype == dtype and got.shape == (t, h)
+        want = rows.double().view(t, k, h).sum(1)
+        tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
+        torch.testing.assert_close(got.double(), want.to(dtype).double(), **tol)
 
 
 def test_rejects_mismatched_expert_weights():
