@@ -104,17 +104,23 @@ class Attention(nn.Module):
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if rope.cos is None:
+        if rope.cos is None:   # CUDA: q/k norms (Qwen3) and RoPE in one pass over the projection's q and k
             from metronome.models.rope_triton import rope_qk_
 
-            rope_qk_(q, k, rope.positions, rope.rotary.inv_freq, rope.rotary.attention_scaling)
-        elif self.cpu_ops is None or not self.cpu_ops.rope_qk_(q, k, rope.cos, rope.sin):
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
+            rope_qk_(q, k, rope.positions, rope.rotary.inv_freq, rope.rotary.attention_scaling, norms)
+            return self._attend(q, k, v, kv, attention, plan)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.cpu_ops is None or not self.cpu_ops.rope_qk_(q, k, rope.cos, rope.sin):
             q, k = Rotary.apply(q, rope.cos, rope.sin), Rotary.apply(k, rope.cos, rope.sin)
+        return self._attend(q, k, v, kv, attention, plan)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: tuple[torch.Tensor, ...],
+                attention: AttentionBackend, plan: Any) -> torch.Tensor:
         # An FP8 cache's layer carries its per-head scales as a third element (attention/fp8.py).
         o = attention(q, k, v, kv[0], kv[1], plan, kv[2] if len(kv) > 2 else None)
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        return self.o_proj(o.reshape(q.shape[0], self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):

@@ -21,6 +21,11 @@ def _rotate_in_place(ptr, cos, sin, mask, HALF: tl.constexpr):
     """Rotate-half RoPE of the [heads, HALF] pairs at ``ptr`` and ``ptr + HALF`` by float32 ``cos``/``sin``."""
     x1 = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(ptr + HALF, mask=mask, other=0.0).to(tl.float32)
+    _store_rotated(ptr, x1, x2, cos, sin, mask, HALF)
+
+
+@triton.jit
+def _store_rotated(ptr, x1, x2, cos, sin, mask, HALF: tl.constexpr):
     y1 = x1 * cos[None, :] - x2 * sin[None, :]
     y2 = x2 * cos[None, :] + x1 * sin[None, :]
     if ptr.dtype.element_ty == tl.float8e4nv:  # E4M3 keys (per-head scales; rotation keeps them): round exactly
@@ -31,9 +36,21 @@ def _rotate_in_place(ptr, cos, sin, mask, HALF: tl.constexpr):
 
 
 @triton.jit
-def _rope_qk(Q, K, POS, INV_FREQ, stride_qt, stride_qh, stride_kt, stride_kh, scaling,
+def _norm_rotate_in_place(ptr, norm_ptr, eps, cos, sin, offs, mask, HALF: tl.constexpr):
+    """Each head's RMSNorm (weight at ``norm_ptr``, in float32) and then its rotation, one read and one write."""
+    x1 = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptr + HALF, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+    fmask = offs < HALF
+    w1 = tl.load(norm_ptr + offs, mask=fmask, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(norm_ptr + HALF + offs, mask=fmask, other=0.0).to(tl.float32)[None, :]
+    _store_rotated(ptr, x1 * rstd * w1, x2 * rstd * w2, cos, sin, mask, HALF)
+
+
+@triton.jit
+def _rope_qk(Q, K, POS, INV_FREQ, Q_NORM, K_NORM, stride_qt, stride_qh, stride_kt, stride_kh, scaling, eps,
              QH: tl.constexpr, KH: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-             BLOCK_HALF: tl.constexpr):
+             BLOCK_HALF: tl.constexpr, NORM: tl.constexpr):
     t = tl.program_id(0)
     offs = tl.arange(0, BLOCK_HALF)
     fmask = offs < HALF
@@ -45,24 +62,33 @@ def _rope_qk(Q, K, POS, INV_FREQ, stride_qt, stride_qh, stride_kt, stride_kh, sc
     heads = tl.arange(0, BLOCK_H)
     for which in tl.static_range(2):
         if which == 0:
-            base, stride_t, stride_h, n = Q, stride_qt, stride_qh, QH
+            base, stride_t, stride_h, n, norm = Q, stride_qt, stride_qh, QH, Q_NORM
         else:
-            base, stride_t, stride_h, n = K, stride_kt, stride_kh, KH
+            base, stride_t, stride_h, n, norm = K, stride_kt, stride_kh, KH, K_NORM
         hmask = (heads < n)[:, None] & fmask[None, :]
-        _rotate_in_place(base + t * stride_t + heads[:, None] * stride_h + offs[None, :], cos, sin, hmask, HALF)
+        ptr = base + t * stride_t + heads[:, None] * stride_h + offs[None, :]
+        if NORM:
+            _norm_rotate_in_place(ptr, norm, eps, cos, sin, offs, hmask, HALF)
+        else:
+            _rotate_in_place(ptr, cos, sin, hmask, HALF)
 
 
 def rope_qk_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-             scaling: float = 1.0) -> None:
-    """Rotate ``q`` [T, QH, D] and ``k`` [T, KH, D] in place at ``positions`` [T] (last dim contiguous)."""
+             scaling: float = 1.0, norms: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> None:
+    """Rotate ``q`` [T, QH, D] and ``k`` [T, KH, D] in place at ``positions`` [T] (last dim contiguous).
+
+    ``norms``: (q weight [D], k weight [D], eps) of a per-head RMSNorm (Qwen3's ``q_norm`` / ``k_norm``) applied
+    first, in the same pass: a decode round's two norm launches a layer folded into this one.
+    """
     t, qh, d = q.shape
     kh = k.shape[1]
     if t == 0:
         return
     half = d // 2
-    _rope_qk[(t,)](q, k, positions, inv_freq, q.stride(0), q.stride(1), k.stride(0), k.stride(1), float(scaling),
-                   QH=qh, KH=kh, HALF=half, BLOCK_H=triton.next_power_of_2(max(qh, kh)),
-                   BLOCK_HALF=triton.next_power_of_2(half))
+    q_norm, k_norm, eps = norms if norms is not None else (inv_freq, inv_freq, 0.0)
+    _rope_qk[(t,)](q, k, positions, inv_freq, q_norm, k_norm, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                   float(scaling), float(eps), QH=qh, KH=kh, HALF=half, BLOCK_H=triton.next_power_of_2(max(qh, kh)),
+                   BLOCK_HALF=triton.next_power_of_2(half), NORM=norms is not None)
 
 
 # The cos/sin row stride is D/2, but D when one session moves (a one-row slice is already contiguous). Where
