@@ -37,6 +37,7 @@ Modes, held audio and refused input are the thinker adapter's (``metronome/audio
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -48,7 +49,7 @@ from metronome.audio.omni import thinker
 from metronome.audio.omni.thinker import MODES, SAMPLE_RATE, ThinkerAdapter, window_sdpa
 from metronome.errors import ConfigError
 
-__all__ = ["MODES", "SAMPLE_RATE", "AudioFrontEnd", "AudioMarkers", "Qwen3OmniAdapter", "audio_config",
+__all__ = ["MODES", "SAMPLE_RATE", "AudioFrontEnd", "AudioMarkers", "Qwen3OmniAdapter", "TowerLayout", "audio_config",
            "audio_tower_weight_name", "build_adapter", "build_audio_encoder", "feature_extractor_for", "output_tokens",
            "window_sdpa"]
 
@@ -103,6 +104,40 @@ def output_tokens(frames: int, n_window: int) -> int:
     return (_conv_frames(rest) if rest else 0) + (frames // chunk) * _conv_frames(chunk)
 
 
+@dataclass(frozen=True)
+class TowerLayout:
+    """What transformers' encoder works out from the clips' frame counts, computed on the host.
+
+    Its own path walks the clips on the device (a host sync for each clip's windows, another per layer for
+    the longest window); handed these, it skips that bookkeeping. ``chunk_lengths``: mel frames of each
+    ``2 · n_window`` chunk, clip after clip; ``chunk_slots``: each input frame's row in the padded chunks
+    ([chunks · longest chunk]); ``valid_indices``: the rows of the padded conv output that are real;
+    ``cu_seqlens``: the attention windows' bounds over those rows.
+    """
+
+    chunk_lengths: list[int]
+    chunk_slots: list[int]
+    valid_indices: list[int]
+    cu_seqlens: list[int]
+
+    @classmethod
+    def of(cls, frames: list[int], n_window: int, n_window_infer: int) -> "TowerLayout":
+        chunk = 2 * n_window
+        chunk_lengths = [min(chunk, n - start) for n in frames for start in range(0, n, chunk)]
+        longest = max(chunk_lengths)
+        slots = [c * longest + i for c, n in enumerate(chunk_lengths) for i in range(n)]
+        after = [_conv_frames(n) for n in chunk_lengths]
+        longest_after = _conv_frames(longest)
+        valid = [c * longest_after + i for c, n in enumerate(after) for i in range(n)]
+        window = longest_after * (n_window_infer // chunk)
+        bounds = [0]
+        for n in frames:
+            tokens = output_tokens(n, n_window)
+            for start in range(0, tokens, window):
+                bounds.append(bounds[-1] + min(window, tokens - start))
+        return cls(chunk_lengths, slots, valid, bounds)
+
+
 class AudioFrontEnd(thinker.TowerFrontEnd):
     """Whisper features + the audio tower over a batch of clips: ``encode(clips)`` → one [n_i, hidden] each."""
 
@@ -151,6 +186,27 @@ class AudioFrontEnd(thinker.TowerFrontEnd):
         """The audio tower over every clip's features in one call, split per clip."""
         lengths = torch.tensor([f.shape[1] for f in features], dtype=torch.long)
         return self.run_tower(torch.cat(features, dim=1), lengths)
+
+    @torch.inference_mode()
+    def run_tower(self, features: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
+        """transformers' encoder over packed features ([mel, frames]) with its layout (``TowerLayout``) given."""
+        frames = [int(n) for n in lengths]
+        layout = TowerLayout.of(frames, self.n_window, int(self.encoder.config.n_window_infer))
+        features = features.to(self.device, self.dtype)
+        mel, chunks, longest = features.shape[0], len(layout.chunk_lengths), max(layout.chunk_lengths)
+        if chunks * longest == features.shape[1]:     # every chunk full (the steady state): a view
+            padded = features.T.reshape(chunks, longest, mel)
+        else:
+            padded = features.new_zeros(chunks * longest, mel)
+            padded[torch.tensor(layout.chunk_slots, device=self.device)] = features.T
+            padded = padded.view(chunks, longest, mel)
+        cu_seqlens = torch.tensor(layout.cu_seqlens, dtype=torch.int32)   # read on the host by window_sdpa
+        hidden = self.encoder(
+            input_features=features, feature_lens=lengths, padded_feature=padded.transpose(1, 2),
+            chunk_lengths=torch.tensor(layout.chunk_lengths), cu_seqlens=cu_seqlens,
+            valid_indices=torch.tensor(layout.valid_indices, device=self.device),
+            max_seqlen=max(b - a for a, b in zip(layout.cu_seqlens[:-1], layout.cu_seqlens[1:]))).last_hidden_state
+        return list(hidden.split([self.tokens_for_frames(n) for n in frames], dim=0))
 
     def encode(self, clips: list[np.ndarray]) -> list[torch.Tensor]:
         return self.encode_features(self.extract(clips)) if clips else []

@@ -10,7 +10,7 @@ import torch
 
 from metronome.audio.adapter import AdapterContext, TickAudio
 from metronome.audio.omni.qwen3_omni import (AudioFrontEnd, Qwen3OmniAdapter, build_adapter, feature_extractor_for,
-                                             output_tokens, window_sdpa)
+                                             TowerLayout, output_tokens, window_sdpa)
 from metronome.audio.pcm import encode_pcm16
 from metronome.config import EngineConfig, KVPolicy
 from metronome.engine.engine import Engine
@@ -61,6 +61,44 @@ def test_output_lengths_follow_transformers():
     frames = torch.arange(1, 1000)
     want = _get_feat_extract_output_lengths(frames, 50)
     assert [output_tokens(int(f), 50) for f in frames] == want.tolist()
+
+
+@pytest.mark.parametrize("frames", [[200], [200, 300, 200, 37], [7], [150, 1000, 99], [1600, 801]])
+def test_tower_layout_is_what_transformers_computes(frames):
+    from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as hf
+
+    n_window, n_window_infer, mel = 50, 400, 3
+    lengths = torch.tensor(frames)
+    features = torch.randn(mel, sum(frames))
+    padded, chunk_lengths = hf.chunk_and_pad_features(features, lengths, n_window)
+    layout = TowerLayout.of(frames, n_window, n_window_infer)
+    assert layout.chunk_lengths == chunk_lengths.tolist()
+    ours = torch.zeros(len(layout.chunk_lengths) * max(layout.chunk_lengths), mel)
+    ours[torch.tensor(layout.chunk_slots)] = features.T
+    assert torch.equal(ours.view(len(layout.chunk_lengths), -1, mel).transpose(1, 2), padded)
+    assert layout.valid_indices == hf.get_valid_indices(chunk_lengths, n_window).tolist()
+    assert layout.cu_seqlens == hf.get_audio_cu_seqlens(chunk_lengths, lengths, n_window_infer, n_window).tolist()
+
+
+def test_the_tower_is_handed_its_layout_and_computes_none_of_it(engine, monkeypatch):
+    from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as hf
+
+    handed = []
+    for name in ("chunk_and_pad_features", "get_valid_indices", "get_audio_cu_seqlens"):
+        original = getattr(hf, name)
+
+        def spy(*args, _original=original, _name=name, **kwargs):
+            given = kwargs.get("kwargs") or {}
+            handed.append(_name in ("chunk_and_pad_features",) and "padded_feature" in given
+                          or _name == "get_valid_indices" and "valid_indices" in given
+                          or _name == "get_audio_cu_seqlens" and "cu_seqlens" in given)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(hf, name, spy)
+    frontend: AudioFrontEnd = _adapter(engine).frontend
+    out = frontend.encode([speech_like(2.0, seed=1), speech_like(0.5, seed=2)])
+    assert [o.shape[0] for o in out] == [26, frontend.tokens(RATE // 2)]
+    assert handed == [True, True, True]
 
 
 def test_window_attention_equals_per_window_sdpa():
