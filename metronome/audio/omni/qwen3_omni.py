@@ -167,19 +167,15 @@ class AudioFrontEnd(thinker.TowerFrontEnd):
 
     def extract(self, clips: list[np.ndarray]) -> list[torch.Tensor]:
         """Each clip's log-mel features [mel, frames], as the processor computes them for that clip alone
-        (one extractor call per distinct length, so padding never changes a clip's features)."""
+        (one batch per distinct length, so padding never changes a clip's features)."""
         out: list[torch.Tensor | None] = [None] * len(clips)
         by_length: dict[int, list[int]] = {}
         for i, clip in enumerate(clips):
             by_length.setdefault(clip.size, []).append(i)
-        device = "cuda" if self.device.type == "cuda" else "cpu"
         for indices in by_length.values():
-            feats = self.features([np.asarray(clips[i], np.float32) for i in indices], sampling_rate=self.sample_rate,
-                                  padding=True, truncation=False, return_attention_mask=True, return_tensors="pt",
-                                  device=device)
-            frames = int(feats["attention_mask"][0].sum())
+            feats = self.log_mel(np.stack([clips[i] for i in indices]))
             for row, i in enumerate(indices):
-                out[i] = feats["input_features"][row, :, :frames]
+                out[i] = feats[row]
         return out  # type: ignore[return-value]
 
     def encode_features(self, features: list[torch.Tensor]) -> list[torch.Tensor]:
