@@ -146,7 +146,8 @@ class _Plan:
 
 @dataclass
 class MiniCpmoTiming:
-    """What the last ``prepare`` spent (benchmarks, logs)."""
+    """What the last ``prepare`` spent on the host (benchmarks, logs): on a GPU the features are queued, not waited
+    for, so their device time lands in ``encoder_ms``."""
 
     sessions: int = 0
     chunks: int = 0

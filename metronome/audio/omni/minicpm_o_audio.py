@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from metronome.audio.omni.whisper_log_mel import WhisperLogMel
 from metronome.errors import ConfigError
 
 SAMPLE_RATE = 16000
@@ -147,12 +148,11 @@ class LogMel:
 
         self.extractor = WhisperFeatureExtractor(feature_size=mel_bins, sampling_rate=SAMPLE_RATE,
                                                  hop_length=HOP_LENGTH, n_fft=400)
-        self.device = "cuda" if torch.device(device).type == "cuda" else "cpu"
+        self.log_mel = WhisperLogMel(self.extractor, device)
 
     def __call__(self, chunks: list[np.ndarray]) -> torch.Tensor:
-        """n equal-length chunks → [n, mel_bins, samples / hop]."""
+        """n equal-length chunks → [n, mel_bins, samples / hop], on the tower's device."""
         frames = chunks[0].size // HOP_LENGTH
-        padded = [np.concatenate([c, np.zeros(self.PAD, np.float32)]) for c in chunks]
-        feats = self.extractor(padded, sampling_rate=SAMPLE_RATE, padding="longest", return_tensors="pt",
-                               device=self.device)
-        return feats.input_features[:, :, :frames]
+        padded = np.zeros((len(chunks), chunks[0].size + self.PAD), np.float32)
+        padded[:, :chunks[0].size] = np.stack(chunks)
+        return self.log_mel(padded)[:, :, :frames]

@@ -44,6 +44,7 @@ from metronome.audio.adapter import TickAudio
 from metronome.audio.chat import ChatTemplate
 from metronome.audio.detokenize import IncrementalDetokenizer
 from metronome.audio.omni.chat_session import ChatSession, ChatSessionAdapter
+from metronome.audio.omni.whisper_log_mel import WhisperLogMel
 from metronome.audio.turns import answer_close, default_stop_tokens, session_header
 from metronome.errors import ConfigError, ModelLoadError
 
@@ -154,25 +155,7 @@ class TowerFrontEnd:
         self.dtype = dtype
         self.sample_rate = int(feature_extractor.sampling_rate)
         self.hop = int(feature_extractor.hop_length)
-        self.mel_filters = torch.from_numpy(np.asarray(feature_extractor.mel_filters)).to(self.device, torch.float32)
-
-    def log_mel(self, waves: np.ndarray) -> torch.Tensor:
-        """Whisper log-mel features [clips, mel, samples // hop] of equal-length clips [clips, samples], on the
-        encoder's device.
-
-        The extractor's own torch path, step for step (its per-clip floor 8 below the clip's peak included),
-        except that the features stay on the device: the library returns them to the host as numpy, and the
-        tower copied them back (for 192 clips of 2 s, 20 MB each way and a host pass over every clip).
-        """
-        extractor = self.features
-        wave = torch.from_numpy(np.asarray(waves, np.float32)).to(self.device)
-        if extractor.dither:
-            wave = wave + extractor.dither * torch.randn_like(wave)
-        window = torch.hann_window(extractor.n_fft, device=self.device)
-        stft = torch.stft(wave, extractor.n_fft, extractor.hop_length, window=window, return_complex=True)
-        log_spec = (self.mel_filters.T @ (stft[..., :-1].abs() ** 2)).clamp_(min=1e-10).log10_()
-        floor = log_spec.amax(dim=(1, 2), keepdim=True) - 8.0
-        return (torch.maximum(log_spec, floor) + 4.0) / 4.0
+        self.log_mel = WhisperLogMel(feature_extractor, self.device)   # features kept on the tower's device
 
     def tokens_for_frames(self, frames: int) -> int:
         """Embeddings the encoder makes of ``frames`` mel frames (transformers' output-length formula)."""

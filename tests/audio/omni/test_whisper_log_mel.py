@@ -1,26 +1,25 @@
-"""The thinkers' shared audio front end: log-mel features on the encoder's device against transformers'
-WhisperFeatureExtractor (the oracle), clip by clip."""
+"""Whisper log-mel features on the tower's device against transformers' WhisperFeatureExtractor (the oracle),
+clip by clip."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
-from metronome.audio.omni.thinker import TowerFrontEnd, whisper_extractor
+from metronome.audio.omni.thinker import whisper_extractor
+from metronome.audio.omni.whisper_log_mel import WhisperLogMel
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize("mel,samples", [(128, 32000), (128, 16000 + 160 * 7), (80, 4000)])
-def test_log_mel_is_the_extractors_features_per_clip(mel, samples):
+def test_features_are_the_extractors_per_clip(mel, samples):
     extractor = whisper_extractor(None, mel)
-    frontend = TowerFrontEnd(nn.Identity(), extractor, DEVICE, torch.float32)
     rng = np.random.default_rng(samples)
     waves = (rng.standard_normal((3, samples)) * [[0.3], [0.01], [1.0]]).astype(np.float32)
     waves[1, : samples // 2] = 0.0    # a silent half: the floor 8 below the clip's own peak decides it
-    got = frontend.log_mel(waves)
+    got = WhisperLogMel(extractor, DEVICE)(waves)
     assert got.device.type == torch.device(DEVICE).type and got.shape == (3, mel, samples // extractor.hop_length)
     for row, wave in enumerate(waves):
         want = extractor([wave], sampling_rate=16000, padding=True, truncation=False, return_tensors="pt")
