@@ -358,6 +358,7 @@ class Qwen25OmniArm(Arm):
         sync(self.device)
         t0 = time.perf_counter()
         feats, lengths = self.frontend.extract(clips)
+        sync(self.device)   # the features stay on the device: wait for them, so the column is their time
         t1 = time.perf_counter()
         with torch.inference_mode():
             rows = self.frontend.encode_features(feats, lengths)

@@ -107,6 +107,7 @@ class Attention(nn.Module):
         if rope.cos is None:   # CUDA: q/k norms (Qwen3) and RoPE in one pass over the projection's q and k
             from metronome.models.rope_triton import rope_qk_
 
+            # Both norms take the spec's rms_norm_eps.
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
             rope_qk_(q, k, rope.positions, rope.rotary.inv_freq, rope.rotary.attention_scaling, norms)
             return self._attend(q, k, v, kv, attention, plan)

@@ -13,8 +13,9 @@ probabilities. Expert weights live stacked, ``gate_up_proj`` [E, 2I, H] and ``do
 
 Three expert paths compute the same function:
 
-* ``"triton"`` (CUDA default): a grouped GEMM over assignments sorted by expert
-  (``models/moe_triton.py``): two launches per layer, no host synchronisation (CUDA-graph safe).
+* ``"triton"`` (CUDA default): a grouped GEMM over assignments sorted by expert (``models/moe_triton.py``): the
+  layout (``models/moe_routing_triton.py``), the two products and the sum, one launch each, no host
+  synchronisation (CUDA-graph safe); on CUDA the router's top-k is one launch too.
 * ``"torch"`` (CPU default): sort assignments by expert, one matmul pair per used expert, scatter-add.
 * ``"loop"``: the naive per-expert loop with masks (as transformers' eager code); kept for benchmarks.
 

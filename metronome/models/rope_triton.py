@@ -85,7 +85,7 @@ def rope_qk_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq
     if t == 0:
         return
     half = d // 2
-    q_norm, k_norm, eps = norms if norms is not None else (inv_freq, inv_freq, 0.0)
+    q_norm, k_norm, eps = norms if norms is not None else (inv_freq, inv_freq, 0.0)   # placeholders: unread
     _rope_qk[(t,)](q, k, positions, inv_freq, q_norm, k_norm, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                    float(scaling), float(eps), QH=qh, KH=kh, HALF=half, BLOCK_H=triton.next_power_of_2(max(qh, kh)),
                    BLOCK_HALF=triton.next_power_of_2(half), NORM=norms is not None)

@@ -27,7 +27,8 @@ def _distinct_logits(t, e, seed=0, dtype=torch.float32):
     return values.to(DEVICE, dtype)
 
 
-@pytest.mark.parametrize("t,e,k", [(1, 128, 8), (37, 128, 8), (20, 60, 4), (5, 6, 2), (3, 8, 8)])
+@pytest.mark.parametrize("t,e,k", [(1, 128, 8), (37, 128, 8), (20, 60, 4), (5, 6, 2), (3, 8, 8), (17, 60, 3),
+                                   (33, 128, 6)])
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_select_experts_matches_softmax_topk(t, e, k, renormalize):
     logits = _distinct_logits(t, e, seed=t + e)
@@ -49,6 +50,24 @@ def test_select_experts_keeps_the_logits_dtype_and_breaks_ties_to_the_lower_id()
     assert ids.cpu().tolist() == [[3, 9], [5, 0]]
     torch.testing.assert_close(weights[0].float().cpu(), torch.tensor([0.5, 0.5]))
     assert torch.isfinite(weights.float()).all() and weights[1, 0] > weights[1, 1]
+
+
+def test_a_row_of_nan_or_inf_logits_still_chooses_experts_in_range():
+    """A captured round's padding rows may hold anything; their ids must not reach past the experts."""
+    logits = _distinct_logits(3, 60)
+    logits[0] = float("nan")
+    logits[2, 7] = float("inf")
+    ids, _ = select_experts(logits, 4, renormalize=True)
+    assert ((ids >= 0) & (ids < 60)).all()
+    r = route(ids, 60, 16)
+    assert r.count.sum().item() == ids.numel() and sorted(r.order.tolist()) == list(range(ids.numel()))
+
+
+def test_route_leaves_ids_out_of_range_out_of_every_experts_count():
+    ids = torch.tensor([[0, 9], [2, -1], [2, 0]], device=DEVICE)   # 9 and -1: no such expert of 4
+    r = route(ids, 4, 16)
+    assert r.count.cpu().tolist() == [2, 0, 2, 0]
+    assert r.order[:4].cpu().tolist() == [0, 5, 2, 4]
 
 
 def test_select_experts_refuses_more_experts_than_there_are():

@@ -43,6 +43,7 @@ def test_fused_head_norms_then_rope_match_rms_norm_and_eager_rope(qh, kh, d, dty
     qkv = (torch.randn(4, (qh + 2 * kh) * d, device=DEVICE) * 3).to(dtype)
     q, k, v = qkv.split((qh * d, kh * d, kh * d), dim=-1)
     q, k = q.reshape(4, qh, d), k.reshape(4, kh, d)
+    q[1, 0] = 1e-4   # a tiny head: eps decides its scale
     q_weight, k_weight = (torch.rand(d, device=DEVICE) + 0.5).to(dtype), (torch.rand(d, device=DEVICE) + 0.5).to(dtype)
     v_before = v.clone()
     cos, sin = (c.double() for c in rope.cos_sin(positions))

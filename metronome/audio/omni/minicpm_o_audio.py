@@ -146,9 +146,9 @@ class LogMel:
     def __init__(self, mel_bins: int, device: torch.device | str = "cpu") -> None:
         from transformers import WhisperFeatureExtractor
 
-        self.extractor = WhisperFeatureExtractor(feature_size=mel_bins, sampling_rate=SAMPLE_RATE,
-                                                 hop_length=HOP_LENGTH, n_fft=400)
-        self.log_mel = WhisperLogMel(self.extractor, device)
+        extractor = WhisperFeatureExtractor(feature_size=mel_bins, sampling_rate=SAMPLE_RATE, hop_length=HOP_LENGTH,
+                                            n_fft=400)
+        self.log_mel = WhisperLogMel(extractor, device)
 
     def __call__(self, chunks: list[np.ndarray]) -> torch.Tensor:
         """n equal-length chunks → [n, mel_bins, samples / hop], on the tower's device."""

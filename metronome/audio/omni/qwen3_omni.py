@@ -86,8 +86,9 @@ def build_audio_encoder(config, device: torch.device | str, dtype: torch.dtype, 
     return thinker.build_audio_encoder(Qwen3OmniMoeAudioEncoder, config, device, dtype, batched)
 
 
-def _conv_frames(n: int) -> int:
-    """Embeddings the encoder's three stride-2 convolutions make of ``n`` mel frames (one chunk)."""
+def _conv_frames(n):
+    """Embeddings the encoder's three stride-2 convolutions make of ``n`` mel frames (one chunk; an int or an
+    array of them)."""
     return ((((n - 1) // 2 + 1) - 1) // 2 + 1 - 1) // 2 + 1
 
 
@@ -108,34 +109,40 @@ def output_tokens(frames: int, n_window: int) -> int:
 class TowerLayout:
     """What transformers' encoder works out from the clips' frame counts, computed on the host.
 
-    Its own path walks the clips on the device (a host sync for each clip's windows, another per layer for
-    the longest window); handed these, it skips that bookkeeping. ``chunk_lengths``: mel frames of each
-    ``2 · n_window`` chunk, clip after clip; ``chunk_slots``: each input frame's row in the padded chunks
-    ([chunks · longest chunk]); ``valid_indices``: the rows of the padded conv output that are real;
-    ``cu_seqlens``: the attention windows' bounds over those rows.
+    From lengths on the device, its own path syncs the host once per clip to lay out the attention windows;
+    handed these, it skips that bookkeeping. ``chunk_lengths``: mel frames of each ``2 · n_window`` chunk,
+    clip after clip; ``valid_indices``: the rows of the padded conv output that are real; ``cu_seqlens``: the
+    attention windows' bounds over those rows.
     """
 
-    chunk_lengths: list[int]
-    chunk_slots: list[int]
-    valid_indices: list[int]
-    cu_seqlens: list[int]
+    chunk_lengths: np.ndarray   # [chunks]
+    valid_indices: np.ndarray   # [rows]
+    cu_seqlens: np.ndarray      # [windows + 1]
 
     @classmethod
     def of(cls, frames: list[int], n_window: int, n_window_infer: int) -> "TowerLayout":
         chunk = 2 * n_window
-        chunk_lengths = [min(chunk, n - start) for n in frames for start in range(0, n, chunk)]
-        longest = max(chunk_lengths)
-        slots = [c * longest + i for c, n in enumerate(chunk_lengths) for i in range(n)]
-        after = [_conv_frames(n) for n in chunk_lengths]
-        longest_after = _conv_frames(longest)
-        valid = [c * longest_after + i for c, n in enumerate(after) for i in range(n)]
+        chunk_lengths = np.array([min(chunk, n - start) for n in frames for start in range(0, n, chunk)])
+        after = _conv_frames(chunk_lengths)
+        longest_after = int(after.max())
+        valid = np.flatnonzero(np.arange(longest_after)[None, :] < after[:, None])
         window = longest_after * (n_window_infer // chunk)
         bounds = [0]
         for n in frames:
             tokens = output_tokens(n, n_window)
             for start in range(0, tokens, window):
                 bounds.append(bounds[-1] + min(window, tokens - start))
-        return cls(chunk_lengths, slots, valid, bounds)
+        return cls(chunk_lengths, valid, np.array(bounds, np.int32))
+
+    @property
+    def full(self) -> bool:
+        """Every chunk whole (the steady state): the padded chunks are a reshape, every conv row is kept."""
+        return bool((self.chunk_lengths == self.chunk_lengths.max()).all())
+
+    def chunk_slots(self) -> np.ndarray:
+        """Each input frame's row in the padded chunks ([chunks · longest chunk], row-major)."""
+        longest = int(self.chunk_lengths.max())
+        return np.flatnonzero(np.arange(longest)[None, :] < self.chunk_lengths[:, None])
 
 
 class AudioFrontEnd(thinker.TowerFrontEnd):
@@ -189,19 +196,21 @@ class AudioFrontEnd(thinker.TowerFrontEnd):
         frames = [int(n) for n in lengths]
         layout = TowerLayout.of(frames, self.n_window, int(self.encoder.config.n_window_infer))
         features = features.to(self.device, self.dtype)
-        mel, chunks, longest = features.shape[0], len(layout.chunk_lengths), max(layout.chunk_lengths)
-        if chunks * longest == features.shape[1]:     # every chunk full (the steady state): a view
+        mel, chunks, longest = features.shape[0], len(layout.chunk_lengths), int(layout.chunk_lengths.max())
+        if layout.full:   # a view of the features; every conv row kept (no index to copy to the device)
             padded = features.T.reshape(chunks, longest, mel)
+            valid = torch.arange(len(layout.valid_indices), device=self.device)
         else:
             padded = features.new_zeros(chunks * longest, mel)
-            padded[torch.tensor(layout.chunk_slots, device=self.device)] = features.T
+            padded[torch.from_numpy(layout.chunk_slots()).to(self.device)] = features.T
             padded = padded.view(chunks, longest, mel)
-        cu_seqlens = torch.tensor(layout.cu_seqlens, dtype=torch.int32)   # read on the host by window_sdpa
+            valid = torch.from_numpy(layout.valid_indices).to(self.device)
+        bounds = layout.cu_seqlens
         hidden = self.encoder(
             input_features=features, feature_lens=lengths, padded_feature=padded.transpose(1, 2),
-            chunk_lengths=torch.tensor(layout.chunk_lengths), cu_seqlens=cu_seqlens,
-            valid_indices=torch.tensor(layout.valid_indices, device=self.device),
-            max_seqlen=max(b - a for a, b in zip(layout.cu_seqlens[:-1], layout.cu_seqlens[1:]))).last_hidden_state
+            chunk_lengths=torch.from_numpy(layout.chunk_lengths), valid_indices=valid,
+            cu_seqlens=torch.from_numpy(bounds),   # on the host: window_sdpa reads it there
+            max_seqlen=int((bounds[1:] - bounds[:-1]).max())).last_hidden_state
         return list(hidden.split([self.tokens_for_frames(n) for n in frames], dim=0))
 
     def encode(self, clips: list[np.ndarray]) -> list[torch.Tensor]:

@@ -72,33 +72,38 @@ def test_tower_layout_is_what_transformers_computes(frames):
     features = torch.randn(mel, sum(frames))
     padded, chunk_lengths = hf.chunk_and_pad_features(features, lengths, n_window)
     layout = TowerLayout.of(frames, n_window, n_window_infer)
-    assert layout.chunk_lengths == chunk_lengths.tolist()
-    ours = torch.zeros(len(layout.chunk_lengths) * max(layout.chunk_lengths), mel)
-    ours[torch.tensor(layout.chunk_slots)] = features.T
+    assert layout.chunk_lengths.tolist() == chunk_lengths.tolist()
+    assert layout.full == (len(set(chunk_lengths.tolist())) == 1)
+    ours = torch.zeros(len(layout.chunk_lengths) * int(layout.chunk_lengths.max()), mel)
+    ours[torch.from_numpy(layout.chunk_slots())] = features.T
     assert torch.equal(ours.view(len(layout.chunk_lengths), -1, mel).transpose(1, 2), padded)
-    assert layout.valid_indices == hf.get_valid_indices(chunk_lengths, n_window).tolist()
-    assert layout.cu_seqlens == hf.get_audio_cu_seqlens(chunk_lengths, lengths, n_window_infer, n_window).tolist()
+    assert layout.valid_indices.tolist() == hf.get_valid_indices(chunk_lengths, n_window).tolist()
+    want = hf.get_audio_cu_seqlens(chunk_lengths, lengths, n_window_infer, n_window)
+    assert layout.cu_seqlens.tolist() == want.tolist()
 
 
 def test_the_tower_is_handed_its_layout_and_computes_none_of_it(engine, monkeypatch):
     from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as hf
 
     handed = []
-    for name in ("chunk_and_pad_features", "get_valid_indices", "get_audio_cu_seqlens"):
+    for name in ("chunk_and_pad_features", "get_valid_indices", "get_audio_cu_seqlens", "get_max_seqlen"):
         original = getattr(hf, name)
 
         def spy(*args, _original=original, _name=name, **kwargs):
             given = kwargs.get("kwargs") or {}
-            handed.append(_name in ("chunk_and_pad_features",) and "padded_feature" in given
+            handed.append((_name, _name == "chunk_and_pad_features" and "padded_feature" in given
                           or _name == "get_valid_indices" and "valid_indices" in given
-                          or _name == "get_audio_cu_seqlens" and "cu_seqlens" in given)
+                          or _name == "get_audio_cu_seqlens" and "cu_seqlens" in given
+                          or _name == "get_max_seqlen" and "max_seqlen" in given))
             return _original(*args, **kwargs)
 
         monkeypatch.setattr(hf, name, spy)
     frontend: AudioFrontEnd = _adapter(engine).frontend
     out = frontend.encode([speech_like(2.0, seed=1), speech_like(0.5, seed=2)])
     assert [o.shape[0] for o in out] == [26, frontend.tokens(RATE // 2)]
-    assert handed == [True, True, True]
+    assert {name for name, _ in handed} == {"chunk_and_pad_features", "get_valid_indices", "get_audio_cu_seqlens",
+                                            "get_max_seqlen"}
+    assert all(given for _, given in handed)   # the attention asks again per layer: handed the same
 
 
 def test_window_attention_equals_per_window_sdpa():
@@ -127,6 +132,9 @@ def test_encoder_outputs_equal_the_audio_tower(omni, engine):
         assert got.shape == want.shape == (frontend.tokens(clip.size), hidden)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     assert frontend.tokens_per_block == 13 and frontend.tokens(2 * RATE) == 26
+    whole = frontend.encode([clips[0], clips[2]])   # every chunk whole: the padded chunks are a reshape
+    for got, want in zip(whole, (ours[0], ours[2])):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
 def test_free_running_prompt_matches_transformers_with_input_features(omni, engine):

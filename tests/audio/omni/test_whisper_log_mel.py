@@ -13,7 +13,7 @@ from metronome.audio.omni.whisper_log_mel import WhisperLogMel
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("mel,samples", [(128, 32000), (128, 16000 + 160 * 7), (80, 4000)])
+@pytest.mark.parametrize("mel,samples", [(128, 32000), (128, 16000 + 160 * 7), (80, 4000), (128, 31999)])
 def test_features_are_the_extractors_per_clip(mel, samples):
     extractor = whisper_extractor(None, mel)
     rng = np.random.default_rng(samples)
