@@ -158,9 +158,27 @@ class AudioFrontEnd(thinker.TowerFrontEnd):
             return feats[:, :, :frames[0]].permute(1, 0, 2).reshape(feats.shape[1], -1), lengths
         return torch.cat([f[:, :n] for f, n in zip(feats, frames)], dim=1), lengths
 
+    def window_bounds(self, frames: list[int]) -> np.ndarray:
+        """The encoder's attention windows over its conv rows (one per ``block_frames`` of each clip), as the
+        cumulative bounds transformers computes from the chunk lengths on the device."""
+        block = self.block_frames
+        rows = [(min(block, n - start) - 1) // 2 + 1 for n in frames for start in range(0, n, block)]
+        return np.concatenate([[0], np.cumsum(rows)]).astype(np.int32)
+
     def encode_features(self, features: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
         """The audio tower over packed features ([mel, frames], frames per clip): one call, split per clip."""
         return self.run_tower(features, lengths)
+
+    @torch.inference_mode()
+    def run_tower(self, features: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
+        """transformers' encoder, handed its windows' bounds on the host: from the device, ``window_sdpa`` read
+        them back in every layer (a host sync each)."""
+        frames = [int(n) for n in lengths]
+        bounds = self.window_bounds(frames)
+        hidden = self.encoder(input_features=features.to(self.device, self.dtype), feature_lens=lengths.to(self.device),
+                              cu_seqlens=torch.from_numpy(bounds),
+                              max_seqlen=int((bounds[1:] - bounds[:-1]).max())).last_hidden_state
+        return list(hidden.split([self.tokens_for_frames(n) for n in frames], dim=0))
 
     def encode(self, clips: list[np.ndarray]) -> list[torch.Tensor]:
         return self.encode_features(*self.extract(clips)) if clips else []

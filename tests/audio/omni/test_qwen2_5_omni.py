@@ -129,6 +129,31 @@ def test_features_and_embeddings_equal_transformers_audio_tower(omni, engine):
     torch.testing.assert_close(torch.cat(ours), ref, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("frames", [[200], [200, 70, 400], [1], [199, 201]])
+def test_window_bounds_are_what_transformers_computes(omni, engine, frames):
+    from transformers.models.qwen2_5_omni import modeling_qwen2_5_omni as hf
+
+    frontend = make_adapter(omni, engine).frontend
+    _, chunk_lengths = hf.chunk_and_pad_features(torch.zeros(1, sum(frames)), torch.tensor(frames), 100)
+    assert frontend.window_bounds(frames).tolist() == hf.get_audio_cu_seqlens(chunk_lengths).tolist()
+
+
+def test_the_tower_is_handed_its_windows(omni, engine, monkeypatch):
+    from transformers.models.qwen2_5_omni import modeling_qwen2_5_omni as hf
+
+    handed = []
+    for name, key in (("get_audio_cu_seqlens", "cu_seqlens"), ("get_max_seqlen", "max_seqlen")):
+        def spy(*args, _original=getattr(hf, name), _name=name, _key=key, **kwargs):
+            handed.append((_name, _key in (kwargs.get("kwargs") or {})))
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(hf, name, spy)
+    frontend = make_adapter(omni, engine).frontend
+    assert [o.shape[0] for o in frontend.encode([speech_like(2.0, 1), speech_like(0.7, 2)])] == [50, 17]
+    assert {name for name, _ in handed} == {"get_audio_cu_seqlens", "get_max_seqlen"}
+    assert all(given for _, given in handed)
+
+
 def test_packed_attention_equals_window_by_window_attention():
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 23, 8) for _ in range(3))
