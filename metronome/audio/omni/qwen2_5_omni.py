@@ -151,9 +151,9 @@ class AudioFrontEnd(thinker.TowerFrontEnd):
         waves = np.zeros((len(clips), longest), np.float32)     # the processor's zero padding after each clip
         for row, clip in enumerate(clips):
             waves[row, :clip.size] = clip
-        lengths = torch.tensor([self.frames(c.size) for c in clips], dtype=torch.long)
+        frames = [self.frames(c.size) for c in clips]
+        lengths = torch.tensor(frames, dtype=torch.long)
         feats = self.log_mel(waves)
-        frames = lengths.tolist()
         if len(set(frames)) == 1:   # the steady state: one block per clip
             return feats[:, :, :frames[0]].permute(1, 0, 2).reshape(feats.shape[1], -1), lengths
         return torch.cat([f[:, :n] for f, n in zip(feats, frames)], dim=1), lengths
@@ -167,18 +167,7 @@ class AudioFrontEnd(thinker.TowerFrontEnd):
 
     def encode_features(self, features: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
         """The audio tower over packed features ([mel, frames], frames per clip): one call, split per clip."""
-        return self.run_tower(features, lengths)
-
-    @torch.inference_mode()
-    def run_tower(self, features: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
-        """transformers' encoder, handed its windows' bounds on the host: from the device, ``window_sdpa`` read
-        them back in every layer (a host sync each)."""
-        frames = [int(n) for n in lengths]
-        bounds = self.window_bounds(frames)
-        hidden = self.encoder(input_features=features.to(self.device, self.dtype), feature_lens=lengths.to(self.device),
-                              cu_seqlens=torch.from_numpy(bounds),
-                              max_seqlen=int((bounds[1:] - bounds[:-1]).max())).last_hidden_state
-        return list(hidden.split([self.tokens_for_frames(n) for n in frames], dim=0))
+        return self.run_tower(features, lengths, self.window_bounds(lengths.tolist()))
 
     def encode(self, clips: list[np.ndarray]) -> list[torch.Tensor]:
         return self.encode_features(*self.extract(clips)) if clips else []

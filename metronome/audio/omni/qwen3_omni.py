@@ -185,17 +185,14 @@ class AudioFrontEnd(thinker.TowerFrontEnd):
                 out[i] = feats[row]
         return out  # type: ignore[return-value]
 
-    def encode_features(self, features: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The audio tower over every clip's features in one call, split per clip."""
-        lengths = torch.tensor([f.shape[1] for f in features], dtype=torch.long)
-        return self.run_tower(torch.cat(features, dim=1), lengths)
-
     @torch.inference_mode()
-    def run_tower(self, features: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
-        """transformers' encoder over packed features ([mel, frames]) with its layout (``TowerLayout``) given."""
-        frames = [int(n) for n in lengths]
+    def encode_features(self, features: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The audio tower over every clip's features in one call, split per clip, handed its layout
+        (``TowerLayout``)."""
+        frames = [f.shape[1] for f in features]
+        lengths = torch.tensor(frames, dtype=torch.long)
         layout = TowerLayout.of(frames, self.n_window, int(self.encoder.config.n_window_infer))
-        features = features.to(self.device, self.dtype)
+        features = torch.cat(features, dim=1).to(self.device, self.dtype)
         mel, chunks, longest = features.shape[0], len(layout.chunk_lengths), int(layout.chunk_lengths.max())
         if layout.full:   # a view of the features; every conv row kept (no index to copy to the device)
             padded = features.T.reshape(chunks, longest, mel)
@@ -205,13 +202,8 @@ class AudioFrontEnd(thinker.TowerFrontEnd):
             padded[torch.from_numpy(layout.chunk_slots()).to(self.device)] = features.T
             padded = padded.view(chunks, longest, mel)
             valid = torch.from_numpy(layout.valid_indices).to(self.device)
-        bounds = layout.cu_seqlens
-        hidden = self.encoder(
-            input_features=features, feature_lens=lengths, padded_feature=padded.transpose(1, 2),
-            chunk_lengths=torch.from_numpy(layout.chunk_lengths), valid_indices=valid,
-            cu_seqlens=torch.from_numpy(bounds),   # on the host: window_sdpa reads it there
-            max_seqlen=int((bounds[1:] - bounds[:-1]).max())).last_hidden_state
-        return list(hidden.split([self.tokens_for_frames(n) for n in frames], dim=0))
+        return self.run_tower(features, lengths, layout.cu_seqlens, padded_feature=padded.transpose(1, 2),
+                              chunk_lengths=torch.from_numpy(layout.chunk_lengths), valid_indices=valid)
 
     def encode(self, clips: list[np.ndarray]) -> list[torch.Tensor]:
         return self.encode_features(self.extract(clips)) if clips else []

@@ -162,10 +162,17 @@ class TowerFrontEnd:
         raise NotImplementedError
 
     @torch.inference_mode()
-    def run_tower(self, features: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
-        """The audio tower over packed features ([mel, frames], frames per clip): one call, split per clip."""
-        hidden = self.encoder(input_features=features.to(self.device, self.dtype),
-                              feature_lens=lengths.to(self.device)).last_hidden_state
+    def run_tower(self, features: torch.Tensor, lengths: torch.Tensor, window_bounds: np.ndarray,
+                  **layout: torch.Tensor) -> list[torch.Tensor]:
+        """The audio tower over packed features ([mel, frames], frames per clip): one call, split per clip.
+
+        It is handed its attention windows' cumulative ``window_bounds`` on the host, where ``window_sdpa`` reads
+        them (computed on the device, they were read back in every layer, a host sync each), and whatever more of
+        its layout a model's encoder takes as keyword arguments (``layout``).
+        """
+        hidden = self.encoder(input_features=features.to(self.device, self.dtype), feature_lens=lengths.to(self.device),
+                              cu_seqlens=torch.from_numpy(window_bounds),
+                              max_seqlen=int(np.diff(window_bounds).max()), **layout).last_hidden_state
         return list(hidden.split([self.tokens_for_frames(int(n)) for n in lengths], dim=0))
 
 
