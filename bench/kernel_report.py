@@ -2,6 +2,7 @@
 
     python bench/kernel_report.py --out kernel_report.json          # Qwen2.5-7B 28/4x128, sm_90, 132 SMs
     python bench/kernel_report.py --model qwen3-30b-a3b --sessions 16,64,128,256,512
+    python bench/kernel_report.py --model qwen3-8b --kv-cache-dtype fp8   # E4M3 pages: "byte LDS" in the loop
 
 Figures: docs/benchmarks/gpu.md (kernel as compiled for sm_90); raw: docs/benchmarks/raw/kernel_report.json
 (Triton 3.6) and docs/benchmarks/raw/kernel_report_triton3.9.json.
@@ -41,7 +42,8 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-MODELS = {"smollm2-135m": (9, 3, 64), "qwen2.5-7b": (28, 4, 128), "qwen3-30b-a3b": (32, 4, 128)}
+MODELS = {"smollm2-135m": (9, 3, 64), "qwen2.5-7b": (28, 4, 128), "qwen3-30b-a3b": (32, 4, 128),
+          "qwen3-8b": (32, 8, 128)}
 
 # sm_90 occupancy limits (CUDA programming guide, compute capability 9.0).
 SMEM_PER_SM = 228 * 1024
@@ -94,6 +96,7 @@ class Report:
     loop_instructions: int       # SASS instructions in the main (tile) loop's body
     loop_opcodes: dict[str, int]
     programs_per_sm: int
+    loop_shared_byte_loads: int  # LDS.U8 / LDS.S8 in the main loop: an operand gathered from shared memory bytewise
 
 
 def _nvidia_tool(name: str) -> str:
@@ -106,11 +109,12 @@ def _nvidia_tool(name: str) -> str:
 
 
 def compile_variant(v: Variant, *, heads: int, kv_heads: int, head_dim: int, block_n: int = 64,
-                    block_size: int = 16, sinks: int = 16, window: int = 1024, arch: int = 90):
+                    block_size: int = 16, sinks: int = 16, window: int = 1024, arch: int = 90, kv_fp8: bool = False):
     """The kernel as a launch of the engine compiles it: pointers 16-byte aligned, ints specialised on
     divisibility by 16 (or == 1) except ``num_splits`` and ``stride_bt``, as ``do_not_specialize`` says, and
     32-bit cache offsets (``KV_I64`` is for one layer's cache past 2**31 elements: 262,144 blocks at the 7B
-    shape, more than an H200 holds)."""
+    shape, more than an H200 holds). ``kv_fp8``: E4M3 pages under bf16 queries, the values widened where loaded
+    as the engine's rule says for this shape."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -123,7 +127,8 @@ def compile_variant(v: Variant, *, heads: int, kv_heads: int, head_dim: int, blo
     g = heads // kv_heads
     block_d = max(16, 1 << (head_dim - 1).bit_length())
     partial = "*fp32" if v.split else "*bf16"
-    pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "BT": "*i32", "WF": "*i64",
+    cache = "*fp8e4nv" if kv_fp8 else "*bf16"
+    pointers = {"Q": "*bf16", "K": cache, "V": cache, "O": "*bf16", "BT": "*i32", "WF": "*i64",
                 "ITEMS": "*i32", "LSE_P": partial, "O_P": partial, "TIMES": "*i64" if v.timeline else "*i32",
                 "KV_SCALE": "*fp32"}
     qkv_width = (heads + 2 * kv_heads) * head_dim   # q is a view into the fused qkv projection
@@ -134,7 +139,8 @@ def compile_variant(v: Variant, *, heads: int, kv_heads: int, head_dim: int, blo
     not_specialised = {"num_splits", "stride_bt"}
     constexprs = dict(G=g, BLOCK_M=v.block_m, BLOCK_N=block_n, BLOCK_D=block_d, HEAD_D=head_dim,
                       BLOCK_SIZE=block_size, HAS_WINDOW=True, SPLIT=v.split, KV_I64=False, DOT_F32=False,
-                      IEEE=False, TIMELINE=v.timeline, KV_FP8=False)
+                      IEEE=False, TIMELINE=v.timeline, KV_FP8=kv_fp8,
+                      WIDEN_V_AT_LOAD=kv_fp8 and g <= tp.WIDEN_V_MAX_GROUP)
     signature, consts, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in pointers:
@@ -182,8 +188,9 @@ def opcode(line: str) -> str | None:
     return m.group(1) if m else None
 
 
-def main_loop(sass: list[str]) -> tuple[int, dict[str, int]]:
-    """Size and opcode counts of the SASS loop holding the tensor-core instructions (the tile loop)."""
+def main_loop(sass: list[str]) -> tuple[int, dict[str, int], int]:
+    """Size, opcode counts and one-byte shared-memory loads of the SASS loop holding the tensor-core
+    instructions (the tile loop)."""
     labels = {m.group(1): i for i, ln in enumerate(sass) if (m := re.match(r"^(\.L_x_\d+):", ln))}
     best: list[str] = []
     for i, ln in enumerate(sass):
@@ -196,7 +203,8 @@ def main_loop(sass: list[str]) -> tuple[int, dict[str, int]]:
     for ln in best:
         if op := opcode(ln):
             opcodes[op] = opcodes.get(op, 0) + 1
-    return sum(opcodes.values()), dict(sorted(opcodes.items(), key=lambda kv: -kv[1]))
+    byte_loads = sum(bool(re.search(r"\bLDS\.[US]8\b", ln)) for ln in best)
+    return sum(opcodes.values()), dict(sorted(opcodes.items(), key=lambda kv: -kv[1])), byte_loads
 
 
 def programs_per_sm(shared: int, static_shared: int, registers: int, num_warps: int) -> int:
@@ -215,12 +223,12 @@ def report(v: Variant, workdir: Path, **shape) -> Report:
     waits = [int(n) for n in re.findall(r"ttg\.async_wait [^{]*\{num = (\d+)", loop.split("scf.yield")[0])]
     res = resource_usage(kernel.asm["cubin"], workdir)
     sass = disassemble(kernel.asm["cubin"], workdir)
-    instructions, opcodes = main_loop(sass)
+    instructions, opcodes, byte_loads = main_loop(sass)
     spills = sum(opcode(ln) in ("STL", "LDL") for ln in sass)
     shared = int(kernel.metadata.shared)
     return Report(v.name, v.block_m, v.num_stages, v.split, v.num_warps, shared, res.get("SHARED", 0),
                   res["REG"], res.get("STACK", 0), spills, buffers, waits, instructions, opcodes,
-                  programs_per_sm(shared, res.get("SHARED", 0), res["REG"], v.num_warps))
+                  programs_per_sm(shared, res.get("SHARED", 0), res["REG"], v.num_warps), byte_loads)
 
 
 def decode_waves(reports: dict[str, Report], sessions: list[int], *, kv_heads: int, sinks: int, window: int,
@@ -253,6 +261,8 @@ def main(argv=None) -> int:
     p.add_argument("--num-sms", type=int, default=132, help="SMs of the target GPU (H200: 132)")
     p.add_argument("--sinks", type=int, default=16, help="SinkWindow sinks S")
     p.add_argument("--window", type=int, default=1024, help="SinkWindow window W")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                   help="the pages' element type: bf16 (auto) or E4M3 (fp8)")
     p.add_argument("--out", default="results/kernel_report.json", help="raw report (JSON)")
     args = p.parse_args(argv)
     os.environ["TRITON_INTERPRET"] = "0"
@@ -266,7 +276,7 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown variants {sorted(unknown)}")
     shape = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, sinks=args.sinks, window=args.window,
-                 arch=args.arch)
+                 kv_fp8=args.kv_cache_dtype == "fp8", arch=args.arch)
     reports: dict[str, Report] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for v in VARIANTS:
@@ -276,14 +286,15 @@ def main(argv=None) -> int:
     waves = decode_waves(reports, [int(n) for n in args.sessions.split(",") if n], kv_heads=kv_heads,
                          sinks=args.sinks, window=args.window, block_n=64, num_sms=args.num_sms)
     print(f"\nTriton {triton.__version__}, sm_{args.arch}, {args.model} {heads}/{kv_heads}x{head_dim}, "
-          f"S = {args.sinks}, W = {args.window}")
+          f"S = {args.sinks}, W = {args.window}, pages {'E4M3' if args.kv_cache_dtype == 'fp8' else 'bf16'}")
     print(f"{'variant':<28} {'BLOCK_M':>7} {'stages':>6} {'smem KB':>8} {'regs':>5} {'spill B':>7} "
-          f"{'K/V bufs':>9} {'in flight':>10} {'loop instrs':>12} {'per SM':>7}")
+          f"{'K/V bufs':>9} {'in flight':>10} {'loop instrs':>12} {'byte LDS':>9} {'per SM':>7}")
     for r in reports.values():
         bufs = "/".join(map(str, r.kv_buffers)) or "-"
         waits = "/".join(map(str, r.loop_wait_groups)) or "-"
         print(f"{r.variant:<28} {r.block_m:>7} {r.num_stages:>6} {r.shared_bytes / 1024:>8.1f} {r.registers:>5} "
-              f"{r.stack_bytes:>7} {bufs:>9} {waits:>10} {r.loop_instructions:>12} {r.programs_per_sm:>7}")
+              f"{r.stack_bytes:>7} {bufs:>9} {waits:>10} {r.loop_instructions:>12} {r.loop_shared_byte_loads:>9} "
+              f"{r.programs_per_sm:>7}")
     print(f"\n{'N':<5} {'programs':>8} {'splits':>7} {'stages':>7} {'per SM fit':>11} {'waves':>6}")
     for w in waves:
         print(f"{w['sessions']:<5} {w['programs']:>8} {w['splits']:>7} {w['stages']:>7} "
@@ -291,7 +302,7 @@ def main(argv=None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
         "triton": triton.__version__, "arch": args.arch, "model": args.model, "num_sms": args.num_sms,
-        "sinks": args.sinks, "window": args.window, "variants": [asdict(r) for r in reports.values()],
+        "sinks": args.sinks, "window": args.window, "kv_cache_dtype": args.kv_cache_dtype, "variants": [asdict(r) for r in reports.values()],
         "decode_waves": waves}, indent=1))
     print(f"raw report: {args.out}")
     return 0

@@ -25,7 +25,9 @@ Design
 * **Online softmax** in base 2 (``exp2``, scores pre-scaled by ``scale * log2(e)``), fp32 accumulators,
   ``tl.dot`` on the input dtype (bf16/fp16 tensor cores; fp32 in IEEE precision), and in fp16 over E4M3
   pages (each tile widened by one conversion per pair; the key and value scales fold into the scores and
-  the output). New keys and values go in by one launch a layer (``write_kv_triton``).
+  the output; up to ``WIDEN_V_MAX_GROUP`` query heads a KV head the values are widened in the layout they were
+  loaded in, not gathered bytewise into the dot's). New keys and values go in by one launch a layer
+  (``write_kv_triton``).
 * **Split-KV (flash-decoding).** When a launch has fewer than ``target_programs`` (default 1 × SMs)
   (item, KV head) programs, its tile list is cut into ``num_splits`` contiguous chunks (a pure
   function of the host lists: ``min(max_splits, ceil(target / programs), max_tiles // 2)``); each
@@ -54,7 +56,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import globaltimer, smid
 
-from metronome.attention.e4m3_triton import e4m3_grid
+from metronome.attention.e4m3_triton import e4m3_grid, e4m3_to_f16
 from metronome.attention.metadata import PagedAttentionMetadata
 from metronome.cpu import triton_interpreted
 from metronome.device_copy import to_device
@@ -74,6 +76,9 @@ PROGRAMS_PER_SM = 1
 # math while a decode launch has few programs per SM; past this many, single-buffered programs (num_stages 2,
 # ~40 KB) fit more per SM and hide the latency by their number (the wave counts: docs/benchmarks/gpu.md#launch-rule).
 DOUBLE_BUFFERED_PROGRAMS_PER_SM = 2
+# E4M3 values widened to fp16 where loaded (e4m3_triton.e4m3_to_f16) up to this many query heads a KV head: 7-8 %
+# off the decode launch at 4, none or a loss at 7 and 8 (docs/benchmarks/gpu.md#attention-over-e4m3-pages).
+WIDEN_V_MAX_GROUP = 4
 # Four single-buffered programs of 4 warps fit an SM's 64 K registers only at <= 128 registers a thread. Where
 # ptxas takes more, the warm-up caps the launch here so one wave still holds them; where it takes fewer, a cap
 # would only add spills, so none is set (bench/kernel_report.py; docs/benchmarks/gpu.md#register-cap).
@@ -125,7 +130,7 @@ def _paged_attn_fwd(
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HEAD_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr,
     KV_I64: tl.constexpr, DOT_F32: tl.constexpr, IEEE: tl.constexpr, TIMELINE: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, WIDEN_V_AT_LOAD: tl.constexpr,
 ):
     item = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -211,6 +216,10 @@ def _paged_attn_fwd(
         if DOT_F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
+        elif WIDEN_V_AT_LOAD:
+            # Left to Triton, the values' cast follows their change to the dot's layout: a byte-by-byte gather.
+            k = k.to(q.dtype)
+            v = e4m3_to_f16(v)
         else:
             k = k.to(q.dtype)
             v = v.to(q.dtype)
@@ -516,7 +525,8 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     window = meta.window if meta.window is not None else 0
     common = dict(G=g, BLOCK_D=block_d, HEAD_D=head_dim, BLOCK_SIZE=meta.block_size,
                   HAS_WINDOW=meta.window is not None, KV_I64=kv_i64, DOT_F32=interp,
-                  IEEE=query.dtype == torch.float32, KV_FP8=kv_fp8)
+                  IEEE=query.dtype == torch.float32, KV_FP8=kv_fp8,
+                  WIDEN_V_AT_LOAD=kv_fp8 and not interp and query.dtype != torch.float32 and g <= WIDEN_V_MAX_GROUP)
     if timelines is not None:
         if interp:
             raise ValueError("launch timelines read GPU clocks: they need compiled kernels on a CUDA device")

@@ -99,13 +99,15 @@ def test_triton_and_reference_match_float64_over_dequantised_kv(name):
     assert 0 < error <= e4m3_bound(query.cpu(), seqs, dense, deq)
 
 
-def test_fp8_kv_against_the_bf16_kernel():
-    """bf16 queries: the FP8-KV kernel against the same kernel over bf16 pages (GQA 3, head_dim 64)."""
-    seqs, sinks, window, meta, query, kq, vq, scale, dense, deq = _fp8_case("mixed prefill and decode", heads=6,
-                                                                           kv_heads=2, head_dim=64, seed=4)
-    _, _, k_cache, v_cache, _ = build_case(seqs, sinks, window, 16, 6, 2, 64, 4)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 64), (32, 4, 128)], ids=["gqa3-d64", "qwen3-moe"])
+def test_fp8_kv_against_the_bf16_kernel(heads, kv_heads, head_dim):
+    """bf16 queries: the FP8-KV kernel (tiles widened to fp16 where loaded, on a GPU) against the same kernel over
+    bf16 pages, at a small shape and at Qwen3-30B-A3B's."""
+    seqs, sinks, window, meta, query, kq, vq, scale, dense, deq = _fp8_case(
+        "mixed prefill and decode", heads=heads, kv_heads=kv_heads, head_dim=head_dim, seed=4)
+    _, _, k_cache, v_cache, _ = build_case(seqs, sinks, window, 16, heads, kv_heads, head_dim, 4)
     q = query.to(torch.bfloat16)
-    plan = plan_triton(meta, 6, 2, block_n=32, force_splits=1)
+    plan = plan_triton(meta, heads, kv_heads, block_n=32, force_splits=1)
     bf16 = paged_attention_triton(q, k_cache.to(DEVICE, torch.bfloat16), v_cache.to(DEVICE, torch.bfloat16), meta,
                                   plan=plan)
     fp8 = paged_attention_triton(q, kq, vq, meta, plan=plan, kv_scale=scale)
