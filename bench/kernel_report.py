@@ -109,15 +109,18 @@ def _nvidia_tool(name: str) -> str:
 
 
 def compile_variant(v: Variant, *, heads: int, kv_heads: int, head_dim: int, block_n: int = 64,
-                    block_size: int = 16, sinks: int = 16, window: int = 1024, arch: int = 90, kv_fp8: bool = False):
+                    block_size: int = 16, sinks: int = 16, window: int = 1024, arch: int = 90, kv_fp8: bool = False,
+                    widen_values: bool | None = None):
     """The kernel as a launch of the engine compiles it: pointers 16-byte aligned, ints specialised on
     divisibility by 16 (or == 1) except ``num_splits`` and ``stride_bt``, as ``do_not_specialize`` says, and
     32-bit cache offsets (``KV_I64`` is for one layer's cache past 2**31 elements: 262,144 blocks at the 7B
     shape, more than an H200 holds). ``kv_fp8``: E4M3 pages under bf16 queries, the values widened where loaded
-    as the engine's rule says for this shape."""
+    as the engine's rule says for this shape (``widen_values`` True or False overrides it)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
+    import torch
 
     from metronome.attention import triton_paged as tp
 
@@ -140,7 +143,8 @@ def compile_variant(v: Variant, *, heads: int, kv_heads: int, head_dim: int, blo
     constexprs = dict(G=g, BLOCK_M=v.block_m, BLOCK_N=block_n, BLOCK_D=block_d, HEAD_D=head_dim,
                       BLOCK_SIZE=block_size, HAS_WINDOW=True, SPLIT=v.split, KV_I64=False, DOT_F32=False,
                       IEEE=False, TIMELINE=v.timeline, KV_FP8=kv_fp8,
-                      WIDEN_V_AT_LOAD=kv_fp8 and g <= tp.WIDEN_V_MAX_GROUP)
+                      WIDEN_V_AT_LOAD=kv_fp8 and (tp.widen_values_at_load(kv_fp8, True, torch.bfloat16, g)
+                                                   if widen_values is None else widen_values))
     signature, consts, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in pointers:
@@ -263,6 +267,8 @@ def main(argv=None) -> int:
     p.add_argument("--window", type=int, default=1024, help="SinkWindow window W")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                    help="the pages' element type: bf16 (auto) or E4M3 (fp8)")
+    p.add_argument("--widen-values", choices=["auto", "on", "off"], default="auto",
+                   help="E4M3 pages: widen the values where loaded as the engine's rule says (auto), always or never")
     p.add_argument("--out", default="results/kernel_report.json", help="raw report (JSON)")
     args = p.parse_args(argv)
     os.environ["TRITON_INTERPRET"] = "0"
@@ -276,7 +282,8 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown variants {sorted(unknown)}")
     shape = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, sinks=args.sinks, window=args.window,
-                 kv_fp8=args.kv_cache_dtype == "fp8", arch=args.arch)
+                 kv_fp8=args.kv_cache_dtype == "fp8", arch=args.arch,
+                 widen_values={"auto": None, "on": True, "off": False}[args.widen_values])
     reports: dict[str, Report] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for v in VARIANTS:
@@ -302,7 +309,7 @@ def main(argv=None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
         "triton": triton.__version__, "arch": args.arch, "model": args.model, "num_sms": args.num_sms,
-        "sinks": args.sinks, "window": args.window, "kv_cache_dtype": args.kv_cache_dtype, "variants": [asdict(r) for r in reports.values()],
+        "sinks": args.sinks, "window": args.window, "kv_cache_dtype": args.kv_cache_dtype, "widen_values": args.widen_values, "variants": [asdict(r) for r in reports.values()],
         "decode_waves": waves}, indent=1))
     print(f"raw report: {args.out}")
     return 0

@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from metronome.attention.e4m3_triton import e4m3_grid  # noqa: E402
+from metronome.attention.e4m3_triton import e4m3_grid, e4m3_to_f16  # noqa: E402
 from metronome.attention.fp8 import E4M3, E4M3_MAX  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -49,3 +49,23 @@ def test_rounding_onto_the_e4m3_grid_is_torchs():
     assert torch.equal(got.view(torch.uint8), x.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).view(torch.uint8))
     if DEVICE == "cuda":
         assert torch.isnan(_triton_e4m3(torch.tensor([float("nan")], device=DEVICE)).float()).all()
+
+
+@triton.jit
+def _widen(X, Y, ROWS: tl.constexpr, COLS: tl.constexpr):
+    offs = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+    tl.store(Y + offs, e4m3_to_f16(tl.load(X + offs)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="e4m3_to_f16 is PTX: it needs a compiled kernel on a GPU")
+@pytest.mark.parametrize("rows,cols", [(16, 16), (64, 128)])
+def test_widening_in_ptx_is_torchs_cast_for_every_code(rows, cols):
+    """All 256 codes (NaN, both zeros, subnormals, ±448), in tiles whose elements each thread holds in fours: the
+    fp16 bits torch's cast gives, element for element (NaN as NaN)."""
+    codes = torch.arange(rows * cols, device="cuda").remainder(256).to(torch.uint8).view(E4M3).reshape(rows, cols)
+    out = torch.empty((rows, cols), dtype=torch.float16, device="cuda")
+    _widen[(1,)](codes, out, ROWS=rows, COLS=cols)
+    want = codes.to(torch.float16)
+    nan = want.isnan()
+    assert nan.sum() == 2 * rows * cols // 256 and torch.equal(out.isnan(), nan)   # the payload may differ
+    assert torch.equal(out[~nan].view(torch.int16), want[~nan].view(torch.int16))   # -0 and subnormals bit for bit

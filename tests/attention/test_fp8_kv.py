@@ -99,10 +99,12 @@ def test_triton_and_reference_match_float64_over_dequantised_kv(name):
     assert 0 < error <= e4m3_bound(query.cpu(), seqs, dense, deq)
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 64), (32, 4, 128)], ids=["gqa3-d64", "qwen3-moe"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 64), (32, 8, 128), (32, 4, 128)],
+                         ids=["gqa3-d64", "qwen3-8b", "qwen3-30b-a3b"])
 def test_fp8_kv_against_the_bf16_kernel(heads, kv_heads, head_dim):
-    """bf16 queries: the FP8-KV kernel (tiles widened to fp16 where loaded, on a GPU) against the same kernel over
-    bf16 pages, at a small shape and at Qwen3-30B-A3B's."""
+    """bf16 queries: the FP8-KV kernel against the same kernel over bf16 pages. On a GPU the first two shapes widen
+    their values where loaded (``widen_values_at_load``) and the last (8 query heads a KV head) leaves the cast to
+    Triton."""
     seqs, sinks, window, meta, query, kq, vq, scale, dense, deq = _fp8_case(
         "mixed prefill and decode", heads=heads, kv_heads=kv_heads, head_dim=head_dim, seed=4)
     _, _, k_cache, v_cache, _ = build_case(seqs, sinks, window, 16, heads, kv_heads, head_dim, 4)
@@ -154,3 +156,20 @@ def test_float8_caches_need_scales():
         paged_attention_triton(query, kq, vq, meta)
     with pytest.raises(ValueError, match="scales"):
         paged_attention_triton(query, kq.float(), vq.float(), meta, kv_scale=scale)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="e4m3_to_f16 is PTX: it needs a compiled kernel on a GPU")
+@pytest.mark.parametrize("heads,kv_heads", [(32, 8), (32, 32)], ids=["gqa4", "mha"])
+def test_values_widened_where_loaded_equal_the_cast(heads, kv_heads, monkeypatch):
+    """The widened values give the output the cast gives (the same fp16 values, summed in the same order)."""
+    import metronome.attention.triton_paged as tp
+
+    seqs, sinks, window, meta, query, kq, vq, scale, dense, deq = _fp8_case(
+        "mixed prefill and decode", heads=heads, kv_heads=kv_heads, head_dim=128, seed=5)
+    q = query.to(torch.bfloat16)
+    plan = plan_triton(meta, heads, kv_heads, block_n=32, force_splits=1)
+    assert tp.widen_values_at_load(True, True, q.dtype, heads // kv_heads)
+    widened = paged_attention_triton(q, kq, vq, meta, plan=plan, kv_scale=scale)
+    monkeypatch.setattr(tp, "WIDEN_V_MAX_GROUP", 0)
+    cast = paged_attention_triton(q, kq, vq, meta, plan=plan, kv_scale=scale)
+    torch.testing.assert_close(widened, cast, atol=1e-3, rtol=1e-3)

@@ -19,7 +19,7 @@ from metronome.models.fp8_triton import QUANT_ROW_MAX_BLOCK, fp8_weight_linear, 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("width", [1500, QUANT_ROW_MAX_BLOCK + 300], ids=["one-load", "looped"])
+@pytest.mark.parametrize("width", [1500, 18944, QUANT_ROW_MAX_BLOCK + 300], ids=["one-load", "7b-down-proj", "looped"])
 def test_row_quantisation_kernel_matches_torch(width):
     """The same scales as the torch ops, and codes that differ by at most one E4M3 step where the division
     rounds differently (float32 division is not correctly rounded on a GPU); rows that fit one load, and rows
