@@ -11,7 +11,8 @@ Figures: docs/benchmarks/gpu.md (attention kernel).
 What one run measures, in bf16, for every (model, mode, N):
 
 * models (query heads / KV heads x head_dim): SmolLM2-135M 9/3x64, Qwen2.5-7B 28/4x128,
-  Qwen3-30B-A3B 32/4x128 (and Qwen3-8B 32/8x128, MiniCPM-o's decoder, and Moshi-7B 32/32x128 with ``--models``); sinks S = 16, window W = 1024, block size 16;
+  Qwen3-30B-A3B 32/4x128 (and Qwen3-8B 32/8x128, MiniCPM-o's decoder, and Moshi-7B 32/32x128 with
+  ``--models``); sinks S = 16, window W = 1024, block size 16;
 * N in {1, 16, 64, 256, 512} sessions, each well past the window (4096 + 0..15 tokens old, so windows end
   mid-block), modes: decode (1 query token per session) and prefill chunks of 26 and 50 tokens;
 * **triton**: ``paged_attention_triton`` over a paged pool (physical blocks shuffled; the slots after each

@@ -143,8 +143,8 @@ def compile_variant(v: Variant, *, heads: int, kv_heads: int, head_dim: int, blo
     constexprs = dict(G=g, BLOCK_M=v.block_m, BLOCK_N=block_n, BLOCK_D=block_d, HEAD_D=head_dim,
                       BLOCK_SIZE=block_size, HAS_WINDOW=True, SPLIT=v.split, KV_I64=False, DOT_F32=False,
                       IEEE=False, TIMELINE=v.timeline, KV_FP8=kv_fp8,
-                      WIDEN_V_AT_LOAD=kv_fp8 and (tp.widen_values_at_load(kv_fp8, True, torch.bfloat16, g)
-                                                   if widen_values is None else widen_values))
+                      WIDEN_V_AT_LOAD=(tp.widen_values_at_load(kv_fp8, True, torch.bfloat16, g)
+                                       if widen_values is None else kv_fp8 and widen_values))
     signature, consts, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in pointers:
@@ -309,7 +309,8 @@ def main(argv=None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
         "triton": triton.__version__, "arch": args.arch, "model": args.model, "num_sms": args.num_sms,
-        "sinks": args.sinks, "window": args.window, "kv_cache_dtype": args.kv_cache_dtype, "widen_values": args.widen_values, "variants": [asdict(r) for r in reports.values()],
+        "sinks": args.sinks, "window": args.window, "kv_cache_dtype": args.kv_cache_dtype,
+        "widen_values": args.widen_values, "variants": [asdict(r) for r in reports.values()],
         "decode_waves": waves}, indent=1))
     print(f"raw report: {args.out}")
     return 0

@@ -77,7 +77,8 @@ PROGRAMS_PER_SM = 1
 # ~40 KB) fit more per SM and hide the latency by their number (the wave counts: docs/benchmarks/gpu.md#launch-rule).
 DOUBLE_BUFFERED_PROGRAMS_PER_SM = 2
 # E4M3 values widened to fp16 where loaded (e4m3_triton.e4m3_to_f16) up to this many query heads a KV head: 6-12 %
-# off the decode launch at 4, none or a loss past 128 sessions at 7 and 8 (docs/benchmarks/gpu.md#attention-over-e4m3-pages).
+# off the decode launch at 4, none or a loss past 128 sessions at 7 and 8
+# (docs/benchmarks/gpu.md#attention-over-e4m3-pages).
 WIDEN_V_MAX_GROUP = 4
 # Four single-buffered programs of 4 warps fit an SM's 64 K registers only at <= 128 registers a thread. Where
 # ptxas takes more, the warm-up caps the launch here so one wave still holds them; where it takes fewer, a cap
@@ -227,14 +228,14 @@ def _paged_attn_fwd(
         if DOT_F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        elif WIDEN_V_AT_LOAD:
-            # Left to Triton, the values' cast follows their change to the dot's layout: a byte-by-byte gather.
-            tl.static_assert(KV_FP8 and not IEEE, "values are widened from E4M3 to fp16 only")
-            k = k.to(q.dtype)
-            v = e4m3_to_f16(v)
         else:
             k = k.to(q.dtype)
-            v = v.to(q.dtype)
+            if WIDEN_V_AT_LOAD:
+                # Left to Triton, the values' cast follows their change to the dot's layout: a bytewise gather.
+                tl.static_assert(KV_FP8 and not IEEE, "values are widened from E4M3 to fp16 only")
+                v = e4m3_to_f16(v)
+            else:
+                v = v.to(q.dtype)
         if IEEE:
             qk = tl.dot(q, k, input_precision="ieee")
         else:
@@ -538,7 +539,8 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     common = dict(G=g, BLOCK_D=block_d, HEAD_D=head_dim, BLOCK_SIZE=meta.block_size,
                   HAS_WINDOW=meta.window is not None, KV_I64=kv_i64, DOT_F32=interp,
                   IEEE=query.dtype == torch.float32, KV_FP8=kv_fp8,
-                  WIDEN_V_AT_LOAD=widen_values_at_load(kv_fp8, not interp and torch.version.hip is None, query.dtype, g))
+                  WIDEN_V_AT_LOAD=widen_values_at_load(kv_fp8, not interp and torch.version.hip is None,
+                                                       query.dtype, g))
     if timelines is not None:
         if interp:
             raise ValueError("launch timelines read GPU clocks: they need compiled kernels on a CUDA device")

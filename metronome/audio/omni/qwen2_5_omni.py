@@ -107,6 +107,11 @@ def feature_extractor_for(checkpoint: Path | None, num_mel_bins: int):
     return thinker.whisper_extractor(checkpoint, num_mel_bins)
 
 
+def _conv_rows(frames: int) -> int:
+    """Rows the encoder's first convolution (stride 2) makes of ``frames`` mel frames: its attention runs over them."""
+    return (frames - 1) // 2 + 1
+
+
 class AudioFrontEnd(thinker.TowerFrontEnd):
     """Whisper features + the audio tower over a batch of clips: ``encode(clips)`` → one [n_i, hidden] each.
 
@@ -130,8 +135,7 @@ class AudioFrontEnd(thinker.TowerFrontEnd):
 
     def tokens_for_frames(self, frames: int) -> int:
         """Embeddings the encoder makes of ``frames`` mel frames (transformers' output-length formula)."""
-        after_conv = (frames - 1) // 2 + 1
-        return max(0, (after_conv - 2) // 2 + 1)
+        return max(0, (_conv_rows(frames) - 2) // 2 + 1)
 
     def tokens(self, samples: int) -> int:
         return self.tokens_for_frames(self.frames(samples))
@@ -162,7 +166,7 @@ class AudioFrontEnd(thinker.TowerFrontEnd):
         """The encoder's attention windows over its conv rows (one per ``block_frames`` of each clip), as the
         cumulative bounds transformers computes from the chunk lengths on the device."""
         block = self.block_frames
-        rows = [(min(block, n - start) - 1) // 2 + 1 for n in frames for start in range(0, n, block)]
+        rows = [_conv_rows(min(block, n - start)) for n in frames for start in range(0, n, block)]
         return np.concatenate([[0], np.cumsum(rows)]).astype(np.int32)
 
     def encode_features(self, features: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:

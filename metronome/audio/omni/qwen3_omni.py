@@ -105,6 +105,11 @@ def output_tokens(frames: int, n_window: int) -> int:
     return (_conv_frames(rest) if rest else 0) + (frames // chunk) * _conv_frames(chunk)
 
 
+def _leading_slots(lengths: np.ndarray) -> np.ndarray:
+    """Flat indices of the first ``lengths[i]`` slots of each row of a [len(lengths), max(lengths)] grid."""
+    return np.flatnonzero(np.arange(int(lengths.max()))[None, :] < lengths[:, None])
+
+
 @dataclass(frozen=True)
 class TowerLayout:
     """What transformers' encoder works out from the clips' frame counts, computed on the host.
@@ -125,7 +130,7 @@ class TowerLayout:
         chunk_lengths = np.array([min(chunk, n - start) for n in frames for start in range(0, n, chunk)])
         after = _conv_frames(chunk_lengths)
         longest_after = int(after.max())
-        valid = np.flatnonzero(np.arange(longest_after)[None, :] < after[:, None])
+        valid = _leading_slots(after)
         window = longest_after * (n_window_infer // chunk)
         bounds = [0]
         for n in frames:
@@ -141,8 +146,7 @@ class TowerLayout:
 
     def chunk_slots(self) -> np.ndarray:
         """Each input frame's row in the padded chunks ([chunks · longest chunk], row-major)."""
-        longest = int(self.chunk_lengths.max())
-        return np.flatnonzero(np.arange(longest)[None, :] < self.chunk_lengths[:, None])
+        return _leading_slots(self.chunk_lengths)
 
 
 class AudioFrontEnd(thinker.TowerFrontEnd):
