@@ -119,12 +119,32 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return to_e4m3(x, scale), scale
 
 
+@dataclass(frozen=True)
+class QuantizedRows:
+    """Activation rows already on the E4M3 grid, one scale a row, as ``quantize_rows`` makes them: written by a
+    kernel that produces the rows and quantises them in the same pass (the fused RMSNorm, SwiGLU) for an
+    ``Fp8Linear`` whose product takes E4M3 rows (``takes_e4m3_rows``). ``dtype``: the activations' own dtype,
+    the product's output dtype."""
+
+    codes: torch.Tensor   # [M, K] E4M3
+    scale: torch.Tensor   # [M, 1] float32
+    dtype: torch.dtype
+
+    def dequantized(self) -> torch.Tensor:
+        return (self.codes.float() * self.scale).to(self.dtype)
+
+
 def fp8_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x @ (codes * scale).T`` on the FP8 tensor cores: x [M, K] bf16, codes [N, K], per-channel scale [N, 1]."""
-    if x.shape[0] == 0:
-        return x.new_empty((0, codes.shape[0]))
-    xq, x_scale = quantize_rows(x)
-    return torch._scaled_mm(xq, codes.t(), scale_a=x_scale, scale_b=scale.t(), out_dtype=x.dtype)
+    return e4m3_matmul(*quantize_rows(x), codes, scale, x.dtype)
+
+
+def e4m3_matmul(xq: torch.Tensor, x_scale: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    """cuBLAS's FP8 GEMM of E4M3 rows [M, K] (scales [M, 1]) and E4M3 codes [N, K] (per-channel scales [N, 1])."""
+    if xq.shape[0] == 0:
+        return torch.empty((0, codes.shape[0]), dtype=out_dtype, device=xq.device)
+    return torch._scaled_mm(xq, codes.t(), scale_a=x_scale, scale_b=scale.t(), out_dtype=out_dtype)
 
 
 def tiled_product_available(device: torch.device) -> bool:
@@ -159,6 +179,16 @@ def choose_product(rows: int, in_features: int, out_features: int, dtype: torch.
             and _tensor_core_dims(in_features, out_features)):
         return Product.TILED_W8A8 if tiled and rows <= TILED_MAX_ROWS else Product.SCALED_MM
     return Product.DEQUANTIZED
+
+
+# The products that multiply E4M3 rows: a layer whose product is one of them takes ``QuantizedRows``.
+E4M3_ROW_PRODUCTS = (Product.STREAMED_W8A8, Product.TILED_W8A8, Product.SCALED_MM)
+
+
+def takes_e4m3_rows(layer: nn.Module | None, rows: int, dtype: torch.dtype) -> bool:
+    """Whether ``layer`` multiplies ``rows`` rows of ``dtype`` as E4M3 rows (so a kernel that writes its input
+    may quantise them there, in one pass, ``QuantizedRows``)."""
+    return isinstance(layer, Fp8Linear) and layer.product(rows, dtype) in E4M3_ROW_PRODUCTS
 
 
 class Fp8Linear(nn.Module):
@@ -205,33 +235,46 @@ class Fp8Linear(nn.Module):
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize(self.weight, self.weight_scale, self.group, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
-        product = choose_product(rows, self.in_features, self.out_features, x.dtype, cuda=self.weight.is_cuda,
-                                 per_channel=self.weight_scale.shape[1] == 1,
-                                 fp8_tensor_cores=self.weight.is_cuda and scaled_mm_available(self.weight.device),
-                                 tiled=self.weight.is_cuda and tiled_product_available(self.weight.device))
-        if product in (Product.STREAMED_W8A16, Product.STREAMED_W8A8):
+    def product(self, rows: int, dtype: torch.dtype) -> Product:
+        """How this layer multiplies ``rows`` rows of ``dtype``."""
+        cuda = self.weight.is_cuda
+        return choose_product(rows, self.in_features, self.out_features, dtype, cuda=cuda,
+                              per_channel=self.weight_scale.shape[1] == 1,
+                              fp8_tensor_cores=cuda and scaled_mm_available(self.weight.device),
+                              tiled=cuda and tiled_product_available(self.weight.device))
+
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        if isinstance(x, QuantizedRows):
+            product = self.product(x.codes.shape[0], x.dtype)
+            if product not in E4M3_ROW_PRODUCTS:
+                return self(x.dequantized())
+            return self._e4m3_product(product, x.codes, x.scale, x.dtype)
+        rows = x.reshape(-1, self.in_features)
+        product = self.product(rows.shape[0], x.dtype)
+        if product == Product.STREAMED_W8A16:
             from metronome.models.fp8_triton import fp8_weight_linear
 
-            rows_in = x.reshape(-1, self.in_features)
-            x_scale = None
-            if product == Product.STREAMED_W8A8:
-                rows_in, x_scale = quantize_rows(rows_in)
-            out = fp8_weight_linear(rows_in, self.weight, self.weight_scale, self.bias, x_scale=x_scale,
-                                    out_dtype=x.dtype)
-            return out.reshape(*x.shape[:-1], self.out_features)
+            out = fp8_weight_linear(rows, self.weight, self.weight_scale, self.bias, out_dtype=x.dtype)
+        elif product in E4M3_ROW_PRODUCTS:
+            out = self._e4m3_product(product, *quantize_rows(rows), x.dtype)
+        else:
+            return F.linear(x, self.dequantized(x.dtype), self.bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _e4m3_product(self, product: Product, codes: torch.Tensor, x_scale: torch.Tensor,
+                      dtype: torch.dtype) -> torch.Tensor:
+        """E4M3 rows [M, K] with their scales [M, 1] times this layer's weight, plus its bias: [M, N] in ``dtype``."""
+        if product == Product.STREAMED_W8A8:
+            from metronome.models.fp8_triton import fp8_weight_linear
+
+            return fp8_weight_linear(codes, self.weight, self.weight_scale, self.bias, x_scale=x_scale,
+                                     out_dtype=dtype)
         if product == Product.TILED_W8A8:
             from metronome.models.fp8_tiled_triton import fp8_tiled_linear
 
-            rows_in, x_scale = quantize_rows(x.reshape(-1, self.in_features))
-            out = fp8_tiled_linear(rows_in, x_scale, self.weight, self.weight_scale, self.bias, out_dtype=x.dtype)
-            return out.reshape(*x.shape[:-1], self.out_features)
-        if product == Product.SCALED_MM:
-            out = fp8_matmul(x.reshape(-1, self.in_features), self.weight, self.weight_scale)
-            out = out.reshape(*x.shape[:-1], self.out_features)
-            return out if self.bias is None else out.add_(self.bias)
-        return F.linear(x, self.dequantized(x.dtype), self.bias)
+            return fp8_tiled_linear(codes, x_scale, self.weight, self.weight_scale, self.bias, out_dtype=dtype)
+        out = e4m3_matmul(codes, x_scale, self.weight, self.weight_scale, dtype)
+        return out if self.bias is None else out.add_(self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, group={self.group}"

@@ -36,15 +36,34 @@ _MAX = tl.constexpr(E4M3_MAX)
 
 
 @triton.jit
+def row_scale(amax, amax_floor):
+    """A row's E4M3 scale from its elementwise running amax (float32): the row's amax maps to 448."""
+    return tl.maximum(tl.max(amax, 0), amax_floor) / _MAX
+
+
+@triton.jit
+def store_codes(x, scale, codes_ptrs, mask):
+    """``x`` (float32) divided by its row's ``scale``, rounded onto E4M3, stored at ``codes_ptrs``."""
+    tl.store(codes_ptrs, e4m3_grid(x / scale).to(codes_ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def store_row_codes(x, mask, codes_ptrs, scale_ptr, amax_floor):
+    """One whole row ``x`` (float32, masked-off lanes 0) onto E4M3 with its own scale: the codes at
+    ``codes_ptrs``, the scale at ``scale_ptr``. For kernels that hold the row they produce in registers."""
+    scale = row_scale(tl.abs(x), amax_floor)
+    tl.store(scale_ptr, scale)
+    store_codes(x, scale, codes_ptrs, mask)
+
+
+@triton.jit
 def _quantize_rows(X, Q, S, K, stride_x, stride_q, amax_floor, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     if ONE_BLOCK:   # the row stays in registers between the amax and the codes: one load, not two
         mask = offs < K
         x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), 0), amax_floor) / _MAX
-        tl.store(S + row, scale)
-        tl.store(Q + row * stride_q + offs, e4m3_grid(x / scale).to(Q.dtype.element_ty), mask=mask)
+        store_row_codes(x, mask, Q + row * stride_q + offs, S + row, amax_floor)
         return
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK):
@@ -58,6 +77,18 @@ def _quantize_rows(X, Q, S, K, stride_x, stride_q, amax_floor, BLOCK: tl.constex
         tl.store(Q + row * stride_q + k0 + offs, e4m3_grid(x / scale).to(Q.dtype.element_ty), mask=mask)
 
 
+def row_block(width: int) -> int | None:
+    """The block of a one-program-a-row kernel that holds a whole row of ``width`` in registers; None past
+    ``QUANT_ROW_MAX_BLOCK``."""
+    block = triton.next_power_of_2(max(width, 1))
+    return block if block <= QUANT_ROW_MAX_BLOCK else None
+
+
+def row_launch(block: int) -> dict:
+    """Warps for a program that holds ``block`` elements of a row: 1,024 a warp, 4 to 16 (none interpreted)."""
+    return {} if triton_interpreted() else {"num_warps": max(4, min(16, block // 1024))}
+
+
 def quantize_rows_triton(x: torch.Tensor, amax_floor: float) -> tuple[torch.Tensor, torch.Tensor]:
     """E4M3 codes of ``x`` [M, K] (last dim contiguous) and float32 scales [M, 1]: each row's amax maps to 448."""
     m, k = x.shape
@@ -67,7 +98,7 @@ def quantize_rows_triton(x: torch.Tensor, amax_floor: float) -> tuple[torch.Tens
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m:
         block = min(QUANT_ROW_MAX_BLOCK, triton.next_power_of_2(k))
-        launch = {} if triton_interpreted() else {"num_warps": max(4, min(16, block // 1024))}
+        launch = row_launch(block)
         _quantize_rows[(m,)](x, codes, scale, k, x.stride(0), codes.stride(0), amax_floor, BLOCK=block,
                              ONE_BLOCK=k <= block, **launch)
     return codes, scale

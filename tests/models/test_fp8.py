@@ -279,6 +279,44 @@ def test_the_layer_quantises_rows_only_for_the_w8a8_product(monkeypatch):
         assert seen.pop() == (*expected, torch.bfloat16)
 
 
+def test_quantised_rows_reach_the_e4m3_products_as_they_are(monkeypatch):
+    """Rows a fused kernel quantised (``QuantizedRows``) go to the W8A8 products with their own codes and scales,
+    not quantised again; a product that takes bf16 rows (here W8A16, and the CPU's dequantised product) gets
+    the rows dequantised."""
+    import metronome.models.fp8 as fp8
+    import metronome.models.fp8_tiled_triton as fp8_tiled_triton
+    import metronome.models.fp8_triton as fp8_triton
+
+    linear = torch.nn.Linear(64, 32, bias=False)
+    layer = fp8.Fp8Linear.from_linear(linear).to(torch.bfloat16)
+    rows = fp8.QuantizedRows(*fp8.quantize_rows(torch.randn(3, 64)), torch.bfloat16)
+    assert not fp8.takes_e4m3_rows(layer, 3, torch.bfloat16) and not fp8.takes_e4m3_rows(linear, 3, torch.bfloat16)
+    assert torch.equal(layer(rows), layer(rows.dequantized()))   # the CPU: the dequantised product
+    seen = []
+
+    def product(x, codes, scale, bias, *, x_scale=None, out_dtype=None, split_k=None):
+        seen.append((x, x_scale))
+        return torch.zeros(x.shape[0], codes.shape[0], dtype=out_dtype)
+
+    def tiled(x, x_scale, codes, scale, bias, *, out_dtype):
+        seen.append((x, x_scale))
+        return torch.zeros(x.shape[0], codes.shape[0], dtype=out_dtype)
+
+    monkeypatch.setattr(fp8_triton, "fp8_weight_linear", product)
+    monkeypatch.setattr(fp8_tiled_triton, "fp8_tiled_linear", tiled)
+    monkeypatch.setattr(fp8, "quantize_rows", lambda x: pytest.fail("rows quantised twice"))
+    for chosen in ("streamed-w8a8", "tiled-w8a8"):
+        monkeypatch.setattr(fp8, "choose_product", lambda *a, chosen=chosen, **k: chosen)
+        assert fp8.takes_e4m3_rows(layer, 3, torch.bfloat16)
+        assert layer(rows).shape == (3, 32)
+        x, x_scale = seen.pop()
+        assert x is rows.codes and x_scale is rows.scale
+    monkeypatch.setattr(fp8, "choose_product", lambda *a, **k: "streamed-w8a16")
+    layer(rows)
+    x, x_scale = seen.pop()
+    assert x_scale is None and torch.equal(x, rows.dequantized())
+
+
 def test_fp8_is_refused_at_start_on_a_gpu_without_e4m3(monkeypatch):
     import metronome.models.fp8 as fp8
     from metronome.errors import ConfigError

@@ -83,3 +83,26 @@ def test_grouped_moe_with_fp8_experts_in_bf16(group, fp8_activations):
         rounded = _oracle_fp8_activations(x.float(), gu_f, dn_f, ids, w.float())
         assert (got - rounded).norm() / exact.norm() < 2 ** -6
         assert (got - exact).norm() / exact.norm() < 2 ** -4
+
+
+@pytest.mark.parametrize("rows", [8, 48, 128, 300])
+def test_quantised_rows_give_the_layers_own_product(rows):
+    """Rows quantised ahead by a fused kernel (``QuantizedRows``) take the same product as bf16 rows the layer
+    quantises itself, to the bit, on each path that multiplies E4M3 rows (streamed, tiled, cuBLAS); a layer
+    whose product at that row count widens its codes instead takes the dequantised rows."""
+    from metronome.models.fp8 import E4M3_ROW_PRODUCTS, QuantizedRows, quantize_rows, takes_e4m3_rows
+
+    g = torch.Generator().manual_seed(rows)
+    for n in (3072, 768):   # wide (E4M3 rows from the streamed range) and narrow (bf16 rows up to 32)
+        linear = torch.nn.Linear(1024, n, bias=True)
+        torch.nn.init.normal_(linear.weight, std=0.03, generator=g)
+        layer = Fp8Linear.from_linear(linear.cuda())
+        x = torch.randn(rows, 1024, generator=g).to("cuda", torch.bfloat16)
+        quantized = QuantizedRows(*quantize_rows(x), torch.bfloat16)
+        got = layer(quantized)
+        assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+        if takes_e4m3_rows(layer, rows, torch.bfloat16):
+            assert layer.product(rows, torch.bfloat16) in E4M3_ROW_PRODUCTS
+            assert torch.equal(got, layer(x))
+        else:
+            assert torch.equal(got, layer(quantized.dequantized()))
