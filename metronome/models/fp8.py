@@ -246,8 +246,8 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         if isinstance(x, QuantizedRows):
             product = self.product(x.codes.shape[0], x.dtype)
-            if product not in E4M3_ROW_PRODUCTS:
-                return self(x.dequantized())
+            if product not in E4M3_ROW_PRODUCTS:   # lossy: the rows keep their E4M3 rounding
+                return self.forward(x.dequantized())
             return self._e4m3_product(product, x.codes, x.scale, x.dtype)
         rows = x.reshape(-1, self.in_features)
         product = self.product(rows.shape[0], x.dtype)

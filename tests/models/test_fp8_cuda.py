@@ -90,19 +90,23 @@ def test_quantised_rows_give_the_layers_own_product(rows):
     """Rows quantised ahead by a fused kernel (``QuantizedRows``) take the same product as bf16 rows the layer
     quantises itself, to the bit, on each path that multiplies E4M3 rows (streamed, tiled, cuBLAS); a layer
     whose product at that row count widens its codes instead takes the dequantised rows."""
-    from metronome.models.fp8 import E4M3_ROW_PRODUCTS, QuantizedRows, quantize_rows, takes_e4m3_rows
+    from metronome.models.fp8 import QuantizedRows, quantize_rows, takes_e4m3_rows, tiled_product_available
 
+    tiled = "tiled-w8a8" if tiled_product_available(torch.device("cuda")) else "scaled-mm"
+    expected = {(8, 3072): "streamed-w8a8", (8, 768): "streamed-w8a16", (48, 3072): "streamed-w8a8",
+                (48, 768): "streamed-w8a8", (128, 3072): tiled, (128, 768): tiled, (300, 3072): "scaled-mm",
+                (300, 768): "scaled-mm"}
     g = torch.Generator().manual_seed(rows)
     for n in (3072, 768):   # wide (E4M3 rows from the streamed range) and narrow (bf16 rows up to 32)
         linear = torch.nn.Linear(1024, n, bias=True)
         torch.nn.init.normal_(linear.weight, std=0.03, generator=g)
         layer = Fp8Linear.from_linear(linear.cuda())
+        assert layer.product(rows, torch.bfloat16) == expected[rows, n]
         x = torch.randn(rows, 1024, generator=g).to("cuda", torch.bfloat16)
         quantized = QuantizedRows(*quantize_rows(x), torch.bfloat16)
         got = layer(quantized)
         assert got.shape == (rows, n) and got.dtype == torch.bfloat16
         if takes_e4m3_rows(layer, rows, torch.bfloat16):
-            assert layer.product(rows, torch.bfloat16) in E4M3_ROW_PRODUCTS
             assert torch.equal(got, layer(x))
         else:
             assert torch.equal(got, layer(quantized.dequantized()))
