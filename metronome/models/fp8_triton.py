@@ -69,12 +69,12 @@ def _quantize_rows(X, Q, S, K, stride_x, stride_q, amax_floor, BLOCK: tl.constex
     for k0 in range(0, K, BLOCK):
         x = tl.load(X + row * stride_x + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, 0), amax_floor) / _MAX
+    scale = row_scale(amax, amax_floor)
     tl.store(S + row, scale)
     for k0 in range(0, K, BLOCK):
         mask = k0 + offs < K
         x = tl.load(X + row * stride_x + k0 + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(Q + row * stride_q + k0 + offs, e4m3_grid(x / scale).to(Q.dtype.element_ty), mask=mask)
+        store_codes(x, scale, Q + row * stride_q + k0 + offs, mask)
 
 
 def row_block(width: int) -> int | None:

@@ -28,21 +28,27 @@ QUANTIZE_WARPS = 16
 
 
 @triton.jit
+def _silu_times_up(X, row, stride_x, n_cols, cols, mask):
+    """``silu(gate) * up`` in float32 for columns ``cols`` of token ``row`` (both forms compute it here, so the
+    quantising one writes the codes of the plain one's output)."""
+    gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(X + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
 def _silu_mul(X, OUT, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)   # row * stride passes 2**31 for long prefills of wide MLPs
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
-    gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(X + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    out = gate / (1.0 + tl.exp(-gate)) * up
+    out = _silu_times_up(X, row, stride_x, n_cols, cols, mask)
     tl.store(OUT + row * stride_o + cols, out.to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _silu_mul_row_chunk(X, row, stride_x, n_cols, cols, mask):
-    gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(X + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    return (gate / (1.0 + tl.exp(-gate)) * up).to(X.dtype.element_ty).to(tl.float32)
+    """The product rounded to the activations' dtype, as the plain form stores it, back in float32."""
+    return _silu_times_up(X, row, stride_x, n_cols, cols, mask).to(X.dtype.element_ty).to(tl.float32)
 
 
 @triton.jit
