@@ -350,7 +350,7 @@ class Qwen25OmniArm(Arm):
 
     def tick(self, n: int) -> dict:
         from metronome import StepInput
-        from metronome.audio.omni.qwen2_5_omni import splice
+        from metronome.audio.omni.thinker import splice_all
 
         sids, m = self.sids[:n], self.markers
         block = int(round(self.args.budget_ms / 1000.0 * self.frontend.sample_rate))
@@ -362,8 +362,8 @@ class Qwen25OmniArm(Arm):
         t1 = time.perf_counter()
         with torch.inference_mode():
             rows = self.frontend.encode_features(feats, lengths)
-            embeds = [splice(self.engine.model.embed, [m.start] + [m.pad] * r.shape[0] + [m.end], m.pad, [r],
-                             self.device) for r in rows]
+            embeds = splice_all(self.engine.model.embed, [[m.start] + [m.pad] * r.shape[0] + [m.end] for r in rows],
+                                m.pad, [[r] for r in rows], self.device)
         sync(self.device)
         t2 = time.perf_counter()
         outs = self.engine.step([StepInput(s, embeds=e, max_new_tokens=self.args.decode)
@@ -675,8 +675,8 @@ class MiniCpmOArm(Arm):
         with torch.inference_mode():
             rows = self.tower(self.mel(chunks).to(self.device))
             markers = torch.tensor(self.shape["markers"], device=self.device)
-            start, end = self.engine.model.embed(markers).to(rows.dtype).split(1)
-            embeds = [torch.cat([start, r, end]) for r in rows]
+            start, end = self.engine.model.embed(markers).to(rows.dtype).expand(len(rows), -1, -1).split(1, dim=1)
+            embeds = torch.cat([start, rows, end], dim=1).unbind(0)
         sync(self.device)
         t1 = time.perf_counter()
         self.engine.step([StepInput(s, embeds=e, max_new_tokens=self.args.decode) for s, e in zip(sids, embeds)])

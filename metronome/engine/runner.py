@@ -193,16 +193,26 @@ class ModelRunner:
         return meta, positions
 
     def _inputs_embeds(self, segments: list[ForwardSegment]) -> torch.Tensor:
-        ids = [t for s in segments for t in s.token_ids]
-        if all(s.embeds is None for s in segments):
-            return self.model.embed(self.to_device(torch.tensor(ids, dtype=torch.long)))
-        parts = []
-        for s in segments:
-            if s.token_ids:
-                parts.append(self.model.embed(self.to_device(torch.tensor(s.token_ids, dtype=torch.long))))
-            if s.embeds is not None:
-                parts.append(self.to_device(s.embeds).to(self.dtype))
-        return torch.cat(parts, 0)
+        """Every segment's rows, its token ids' embeddings then its ``embeds``, back to back: one lookup for
+        all the ids and one gather that puts each row in its place (a lookup and a copy a segment cost the
+        host more than the GPU's work for them, hundreds of sessions a tick)."""
+        ids = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in segments), dtype=np.int64)
+        given = [self.to_device(s.embeds).to(self.dtype) for s in segments if s.embeds is not None]
+        if not given:
+            return self.model.embed(self.to_device(ids))
+        if not len(ids):
+            return torch.cat(given, 0)
+        source = torch.cat([self.model.embed(self.to_device(ids))] + given, 0)
+        # Where each row of the forward is in ``source``: the ids' rows first, then every segment's embeds.
+        n_ids = np.fromiter((len(s.token_ids) for s in segments), dtype=np.int64, count=len(segments))
+        n_given = np.fromiter((0 if s.embeds is None else s.embeds.shape[0] for s in segments), dtype=np.int64,
+                              count=len(segments))
+        lengths = n_ids + n_given
+        seg = np.repeat(np.arange(len(segments)), lengths)
+        offset = np.arange(len(seg)) - (np.cumsum(lengths) - lengths)[seg]
+        id_start, given_start = np.cumsum(n_ids) - n_ids, len(ids) + np.cumsum(n_given) - n_given
+        order = np.where(offset < n_ids[seg], id_start[seg] + offset, given_start[seg] + offset - n_ids[seg])
+        return source.index_select(0, self.to_device(order))
 
     def capture_decode_graphs(self, max_batch: int, table_width: int) -> None:
         """CUDA + Triton only: replay captured graphs for decode rounds of up to ``max_batch`` sessions."""

@@ -111,6 +111,25 @@ def test_embeddings_input_equals_token_input(engine, llama):
     engine.close_session(b)
 
 
+def test_one_forward_puts_ids_and_embeddings_rows_in_each_sessions_order(engine, llama):
+    """Embeddings only, a pending token then embeddings, and token ids only, in one forward: each session's
+    rows reach the model in its own order (the runner gathers them from one lookup and one copy)."""
+    _, model = llama
+    table = model.get_input_embeddings()
+    first, second, third = [11, 12, 13], [14, 15, 16, 17], [18, 19]
+    a, b, c = engine.open_session(), engine.open_session(), engine.open_session()
+    pending, = engine.step([StepInput(b, embeds=table(torch.tensor(first)).detach(), max_new_tokens=1)])
+    oc, ob, oa = engine.step([
+        StepInput(c, embeds=table(torch.tensor(third)).detach(), max_new_tokens=3),
+        StepInput(b, embeds=table(torch.tensor(second)).detach(), max_new_tokens=3),
+        StepInput(a, token_ids=second, max_new_tokens=3)])
+    assert oa.token_ids == hf_greedy(model, second, 3)
+    assert ob.token_ids == hf_greedy(model, first + pending.token_ids + second, 3)
+    assert oc.token_ids == hf_greedy(model, third, 3)
+    for sid in (a, b, c):
+        engine.close_session(sid)
+
+
 def test_decode_only_steps_continue_from_the_context(engine, llama):
     _, model = llama
     sid = engine.open_session()

@@ -59,6 +59,7 @@ from metronome.audio.detokenize import IncrementalDetokenizer
 from metronome.audio.omni.chat_session import ChatSession, ChatSessionAdapter
 from metronome.audio.omni.minicpm_o_audio import SAMPLE_RATE, AudioSpec, AudioTower, LogMel  # noqa: F401 (AudioSpec: importable here)
 from metronome.audio.turns import fitting_header
+from metronome.device_copy import embed_lists
 from metronome.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -228,13 +229,24 @@ class MiniCpmoAdapter(ChatSessionAdapter):
     def _realise(self, planned: list[tuple[_Session, _Plan]]
                  ) -> list[tuple[list[int] | None, torch.Tensor | None]]:
         audio = self._encode([c for _, plan in planned for c in plan.chunks], len(planned))
-        out: list[tuple[list[int] | None, torch.Tensor | None]] = []
-        k = 0
+        laid_out, k = [], 0
         for state, plan in planned:
             rows = list(audio[k:k + len(plan.chunks)]) if plan.chunks else []
             k += len(plan.chunks)
-            embeds, token_ids = self._assemble(state, plan.pieces, rows)
-            out.append((token_ids, embeds))
+            laid_out.append(self._lay_out(state, plan.pieces, rows))
+        # Every session's marker and text ids in one lookup: a lookup a piece waited on the device each.
+        heard = [segments for segments in laid_out if not all(isinstance(seg, list) for seg in segments)]
+        lists = [seg for segments in heard for seg in segments if isinstance(seg, list)]
+        device = next(seg for seg in heard[0] if isinstance(seg, torch.Tensor)).device if heard else None
+        with torch.inference_mode():
+            embedded = iter(embed_lists(self.embed, lists, device) if lists else [])
+            out: list[tuple[list[int] | None, torch.Tensor | None]] = []
+            for segments in laid_out:
+                if all(isinstance(seg, list) for seg in segments):
+                    out.append(([t for seg in segments for t in seg] or None, None))
+                    continue
+                parts = [next(embedded) if isinstance(seg, list) else seg for seg in segments]
+                out.append((None, torch.cat([part.to(parts[0].dtype) for part in parts])))
         return out
 
     def _close_after(self, token_ids: list[int]) -> list[int]:
@@ -311,9 +323,9 @@ class MiniCpmoAdapter(ChatSessionAdapter):
             s.response_tokens = 0
         return pieces
 
-    def _assemble(self, s: _Session, pieces: list[Piece], rows: list[torch.Tensor]
-                  ) -> tuple[torch.Tensor | None, list[int] | None]:
-        """Token ids and audio units → one [n, hidden] tensor (or plain token ids when there is no audio)."""
+    def _lay_out(self, s: _Session, pieces: list[Piece], rows: list[torch.Tensor]
+                 ) -> list[torch.Tensor | list[int]]:
+        """Token ids and audio units in prompt order: runs of ids (lists) and encoder rows (tensors)."""
         held = list(s.held)
         fresh = iter(rows)
         segments: list[torch.Tensor | list[int]] = []
@@ -329,13 +341,7 @@ class MiniCpmoAdapter(ChatSessionAdapter):
                 segments.append([p])
         if any(isinstance(p, _Audio) and p.held is not None for p in pieces):
             s.held.clear()
-        if all(isinstance(seg, list) for seg in segments):
-            return None, ([t for seg in segments for t in seg] or None)
-        device = next(seg for seg in segments if isinstance(seg, torch.Tensor)).device
-        with torch.inference_mode():
-            parts = [self.embed(torch.tensor(seg, dtype=torch.long, device=device)) if isinstance(seg, list)
-                     else seg for seg in segments]
-            return torch.cat([part.to(parts[0].dtype) for part in parts]), None
+        return segments
 
     def on_output(self, session_id: str, token_ids: list[int], finished: bool) -> str:
         text = super().on_output(session_id, token_ids, finished)

@@ -29,6 +29,7 @@ default system prompt and the bound on held audio.
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import math
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ from metronome.audio.detokenize import IncrementalDetokenizer
 from metronome.audio.omni.chat_session import ChatSession, ChatSessionAdapter
 from metronome.audio.omni.whisper_log_mel import WhisperLogMel
 from metronome.audio.turns import answer_close, default_stop_tokens, session_header
+from metronome.device_copy import to_device
 from metronome.errors import ConfigError, ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -179,14 +181,27 @@ class TowerFrontEnd:
 def splice(embed, tokens: list[int], pad: int, audio: list[torch.Tensor], device) -> torch.Tensor:
     """Embed ``tokens`` with the decoder's table and put the encoder rows at the ``pad`` places, in order:
     what transformers' thinkers do with ``masked_scatter``."""
-    ids = torch.tensor(tokens, dtype=torch.long)
-    places = (ids == pad).nonzero().squeeze(1)     # found on the host: no device sync per session
-    embeds = embed(ids.to(device))
-    rows = torch.cat(audio, dim=0).to(embeds.dtype)
-    if places.numel() != rows.shape[0]:
-        raise RuntimeError(f"{places.numel()} audio placeholders for {rows.shape[0]} encoder outputs")
-    embeds[places.to(device)] = rows
-    return embeds
+    return splice_all(embed, [tokens], pad, [audio], device)[0]
+
+
+def splice_all(embed, tokens: list[list[int]], pad: int, audio: list[list[torch.Tensor]], device
+               ) -> list[torch.Tensor]:
+    """``splice`` for many prompts at once: one copy of the ids and the places, one lookup and one write of
+    the rows, where a prompt at a time waits on the device twice a prompt (its copies are pageable)."""
+    sizes = [len(t) for t in tokens]
+    ids = np.fromiter(itertools.chain.from_iterable(tokens), dtype=np.int64, count=sum(sizes))
+    places = np.flatnonzero(ids == pad)   # found on the host: no device sync
+    counts = np.bincount(np.repeat(np.arange(len(sizes)), sizes)[places], minlength=len(sizes))
+    for i, (count, rows) in enumerate(zip(counts, audio)):
+        given = sum(int(r.shape[0]) for r in rows)
+        if count != given:
+            raise RuntimeError(f"{count} audio placeholders for {given} encoder outputs (prompt {i})")
+    on_device = to_device(np.concatenate([ids, places]), device)
+    embeds = embed(on_device[:ids.size])
+    rows = [r for prompt in audio for r in prompt]
+    if rows:
+        embeds[on_device[ids.size:]] = torch.cat(rows, dim=0).to(embeds.dtype)
+    return list(embeds.split(sizes))
 
 
 # ---------------------------------------------------------------------------------------------- adapter
@@ -284,15 +299,12 @@ class ThinkerAdapter(ChatSessionAdapter):
     def _realise(self, planned: list[tuple[ThinkerSession, _Plan]]
                  ) -> list[tuple[list[int] | None, torch.Tensor | None]]:
         # One feature extraction and one encoder call for every clip of every session this tick.
-        encoded = iter(self.frontend.encode([plan.clip for _, plan in planned if plan.clip is not None]))
-        out: list[tuple[list[int] | None, torch.Tensor | None]] = []
-        for _, plan in planned:
-            if plan.clip is None:
-                out.append((plan.tokens or None, None))
-            else:
-                out.append((None, splice(self.embed, plan.tokens, self.markers.pad, [next(encoded)],
-                                         self.frontend.device)))
-        return out
+        encoded = self.frontend.encode([plan.clip for _, plan in planned if plan.clip is not None])
+        heard = [plan.tokens for _, plan in planned if plan.clip is not None]
+        spliced = iter(splice_all(self.embed, heard, self.markers.pad, [[rows] for rows in encoded],
+                                  self.frontend.device) if heard else [])
+        return [(None, next(spliced)) if plan.clip is not None else (plan.tokens or None, None)
+                for _, plan in planned]
 
     # ------------------------------------------------------------------ audio
     def _take(self, s: ThinkerSession, pcm: np.ndarray, flush: bool) -> np.ndarray | None:

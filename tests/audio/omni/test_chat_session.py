@@ -14,7 +14,7 @@ import torch
 from metronome.audio.adapter import TickAudio
 from metronome.audio.detokenize import IncrementalDetokenizer
 from metronome.audio.omni.chat_session import ChatSession, ChatSessionAdapter, pcm_problem
-from metronome.audio.omni.thinker import AudioMarkers, ThinkerAdapter, splice
+from metronome.audio.omni.thinker import AudioMarkers, ThinkerAdapter, splice, splice_all
 from metronome.audio.turns import answer_close
 
 HIDDEN = 4
@@ -110,6 +110,18 @@ def test_splice_puts_encoder_rows_at_the_pads_in_order():
     assert out[:, 0].tolist() == [-5.0, 1.0, 1.0, -6.0, 2.0]
     with pytest.raises(RuntimeError, match="placeholders"):
         splice(embed, [5, 11], pad=11, audio=rows, device="cpu")
+
+
+def test_splice_all_gives_each_prompt_what_splice_gives_it():
+    prompts = [[5, 11, 11, 6], [7], [11, 8, 11, 11]]
+    audio = [[torch.full((2, HIDDEN), 1.0)], [], [torch.full((1, HIDDEN), 2.0), torch.full((2, HIDDEN), 3.0)]]
+    together = splice_all(embed, prompts, pad=11, audio=audio, device="cpu")
+    for tokens, rows, out in zip(prompts, audio, together):
+        assert torch.equal(out, splice(embed, tokens, pad=11, audio=rows, device="cpu"))
+    assert together[2][:, 0].tolist() == [2.0, -8.0, 3.0, 3.0]
+    with pytest.raises(RuntimeError, match=r"2 audio placeholders for 1 encoder outputs \(prompt 1\)"):
+        splice_all(embed, [[11], [11, 11]], pad=11, audio=[[torch.ones(1, HIDDEN)], [torch.ones(1, HIDDEN)]],
+                   device="cpu")
 
 
 def test_sessions_are_refused_cleanly_and_left_unchanged(smollm2_tokenizer):
