@@ -6,9 +6,7 @@ over *strided* views, which fall off PyTorch's vectorised path: in a profiled Qw
 loading both halves contiguously and writing the product once, in float32 before the final rounding.
 Where the down projection multiplies E4M3 rows, one program per token computes its row's amax, then recomputes
 the product and writes its E4M3 codes, instead of a second launch (the row quantiser) reading the product back:
-the same codes, the product rounded to the activations' dtype first as the two launches round it. Rows few
-enough to stay in the L2 (decode rounds) are split over programs instead: one launch writes each chunk's amax,
-a second recomputes the chunk and writes its codes.
+the same codes, the product rounded to the activations' dtype first as the two launches round it.
 Runs under ``TRITON_INTERPRET=1`` on the CPU (tests compare it with the eager expression).
 """
 
@@ -27,10 +25,6 @@ BLOCK = 1024
 # The quantising form: one program a token (16 warps) takes its row in chunks of QUANTIZE_BLOCK columns.
 QUANTIZE_BLOCK = 4096
 QUANTIZE_WARPS = 16
-# The split quantising form, for rows that stay in the L2 between its two launches (decode rounds): a program
-# per SPLIT_BLOCK columns of a row, where one program a row waits on its chunks one after another.
-SPLIT_BLOCK = 2048
-L2_BYTES_UNKNOWN = 32 << 20   # a device that does not report its L2 (the interpreter): a Hopper-class one
 
 
 @triton.jit
@@ -75,44 +69,9 @@ def _silu_mul_quantize(X, Q, S, stride_x, stride_q, n_cols, amax_floor, BLOCK: t
                     mask)
 
 
-@triton.jit
-def _silu_mul_chunk_amax(X, AMAX, stride_x, n_cols, n_chunks, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    cols = chunk * BLOCK + tl.arange(0, BLOCK)
-    x = _silu_mul_row_chunk(X, row, stride_x, n_cols, cols, cols < n_cols)
-    tl.store(AMAX + row * n_chunks + chunk, tl.max(tl.abs(x), 0))
-
-
-@triton.jit
-def _silu_mul_chunk_codes(X, AMAX, Q, S, stride_x, stride_q, n_cols, n_chunks, amax_floor, BLOCK: tl.constexpr,
-                          CHUNKS: tl.constexpr):
-    # The row's scale from its chunks' amaxes (the max of maxima is the row's amax exactly), then this
-    # chunk's product again, from the L2, onto E4M3.
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    c = tl.arange(0, CHUNKS)
-    scale = row_scale(tl.load(AMAX + row * n_chunks + c, mask=c < n_chunks, other=0.0), amax_floor)
-    if chunk == 0:
-        tl.store(S + row, scale)
-    cols = chunk * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    store_codes(_silu_mul_row_chunk(X, row, stride_x, n_cols, cols, mask), scale, Q + row * stride_q + cols, mask)
-
-
-def splits_rows(gate_up: torch.Tensor) -> bool:
-    """Whether the quantising form splits each row over programs: where the rows, read twice, fit half the L2."""
-    l2 = L2_BYTES_UNKNOWN
-    if gate_up.is_cuda:
-        l2 = getattr(torch.cuda.get_device_properties(gate_up.device), "L2_cache_size", L2_BYTES_UNKNOWN)
-    return gate_up.numel() * gate_up.element_size() <= l2 // 2
-
-
-def silu_mul(gate_up: torch.Tensor, *, quantize: bool = False, split: bool | None = None
-             ) -> torch.Tensor | QuantizedRows:
+def silu_mul(gate_up: torch.Tensor, *, quantize: bool = False) -> torch.Tensor | QuantizedRows:
     """``silu(gate_up[:, :I]) * gate_up[:, I:]`` for ``gate_up`` [T, 2I] (last dim contiguous) → [T, I]; with
-    ``quantize``, as per-token E4M3 ``QuantizedRows`` for an FP8 layer, a row split over programs where ``split``
-    (by default where ``splits_rows``: the same codes either way)."""
+    ``quantize``, as per-token E4M3 ``QuantizedRows`` for an FP8 layer."""
     t, two_i = gate_up.shape
     if two_i % 2:
         raise ValueError(f"gate_up must have an even width, got {two_i}")
@@ -122,14 +81,7 @@ def silu_mul(gate_up: torch.Tensor, *, quantize: bool = False, split: bool | Non
     if quantize:
         codes = torch.empty((t, n), dtype=E4M3, device=gate_up.device)
         scale = torch.empty((t, 1), dtype=torch.float32, device=gate_up.device)
-        if t and (splits_rows(gate_up) if split is None else split):
-            chunks = triton.cdiv(n, SPLIT_BLOCK)
-            amax = torch.empty((t, chunks), dtype=torch.float32, device=gate_up.device)
-            _silu_mul_chunk_amax[(t, chunks)](gate_up, amax, gate_up.stride(0), n, chunks, BLOCK=SPLIT_BLOCK)
-            _silu_mul_chunk_codes[(t, chunks)](gate_up, amax, codes, scale, gate_up.stride(0), codes.stride(0), n,
-                                               chunks, ACTIVATION_AMAX_FLOOR, BLOCK=SPLIT_BLOCK,
-                                               CHUNKS=triton.next_power_of_2(chunks))
-        elif t:
+        if t:
             launch = {} if triton_interpreted() else {"num_warps": QUANTIZE_WARPS}
             _silu_mul_quantize[(t,)](gate_up, codes, scale, gate_up.stride(0), codes.stride(0), n,
                                      ACTIVATION_AMAX_FLOOR, BLOCK=QUANTIZE_BLOCK, **launch)

@@ -33,13 +33,11 @@ def test_silu_mul_refuses_odd_widths():
         silu_mul(torch.zeros(2, 7, device=DEVICE))
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["program-a-row", "split-rows"])
 @pytest.mark.parametrize("width", [1030, QUANTIZE_BLOCK + 300], ids=["one-chunk", "two-chunks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quantised_silu_mul_is_the_quantiser_of_the_product(dtype, width, split):
-    """Quantised where the product is made, the rows are the codes and scales the row quantiser writes for the
-    unfused product: fusing changes no code, whether a row takes one chunk or several, in one program or split
-    over programs."""
+def test_quantised_silu_mul_is_the_quantiser_of_the_product(dtype, width):
+    """Quantised in the same launch, the rows are the codes and scales the row quantiser writes for the unfused
+    product: fusing changes no code, whether a row takes one chunk of the kernel or several."""
     from metronome.models import fp8
     from metronome.models.silu_mul_triton import silu_mul
 
@@ -47,7 +45,7 @@ def test_quantised_silu_mul_is_the_quantiser_of_the_product(dtype, width, split)
     gate_up = torch.randn(4, 2 * width, device=DEVICE, dtype=dtype) * 4
     gate_up[1] = 0
     gate_up[2, width - 1] = 40   # the row's amax in its last column (the last chunk)
-    rows = silu_mul(gate_up, quantize=True, split=split)
+    rows = silu_mul(gate_up, quantize=True)
     assert isinstance(rows, fp8.QuantizedRows) and rows.dtype == dtype and rows.codes.shape == (4, width)
     want_codes, want_scale = fp8.quantize_rows(silu_mul(gate_up))
     assert torch.equal(rows.codes.view(torch.uint8), want_codes.view(torch.uint8))
