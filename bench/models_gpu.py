@@ -245,27 +245,54 @@ def kernel_group(name: str) -> str:
     return name[:140] if name.startswith("at::native::") else name.split("<")[0][:100]
 
 
+def idle_gaps(ticks: list[list[tuple[float, float, str]]], floor_us: float = 20.0, top: int = 10) -> dict:
+    """Where the device waits within each tick: the stretches over ``floor_us`` in which no kernel or copy runs,
+    from each tick's kernels (start and end in µs, name), grouped by the kernels on either side; ms per tick."""
+    groups: dict[str, list[float]] = {}
+    for spans in ticks:
+        order = sorted(spans)
+        busy_until, last = (order[0][1], order[0][2]) if order else (0.0, "")
+        for start, end, name in order[1:]:
+            if start - busy_until > floor_us:
+                entry = groups.setdefault(f"{last} -> {name}", [0.0, 0])
+                entry[0] += (start - busy_until) / 1e3 / len(ticks)
+                entry[1] += 1
+            if end > busy_until:
+                busy_until, last = end, name
+    rows = sorted(({"between": k, "ms_per_tick": round(v[0], 3), "per_tick": v[1] / len(ticks)}
+                   for k, v in groups.items()), key=lambda r: -r["ms_per_tick"])
+    return {"idle_ms_per_tick": round(sum(r["ms_per_tick"] for r in rows), 3), "gaps": rows[:top]}
+
+
 def profile_ticks(arm: Arm, n: int, ticks: int, top: int = 25) -> dict:
-    """``ticks`` ticks under the torch profiler: device time per kernel family (graph replays included),
-    against the ticks' wall time, so a part that waits on the host shows as wall time no kernel fills."""
+    """``ticks`` ticks under the torch profiler, one profile a tick: device time per kernel family (graph replays
+    included) against the ticks' wall time, and the stretches in which the device waits on the host."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if arm.device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        walls = [arm.tick(n)["tick_ms"] for _ in range(ticks)]
     families: dict[str, list[float]] = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            entry = families.setdefault(kernel_group(event.name), [0.0, 0])
-            entry[0] += event.time_range.elapsed_us() / 1e3 / ticks
+    walls, per_tick = [], []
+    for _ in range(ticks):
+        with profile(activities=activities) as prof:
+            walls.append(arm.tick(n)["tick_ms"])
+        spans = [(e.time_range.start, e.time_range.end, kernel_group(e.name)) for e in prof.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA]
+        for start, end, name in spans:
+            entry = families.setdefault(name, [0.0, 0])
+            entry[0] += (end - start) / 1e3 / ticks
             entry[1] += 1
+        per_tick.append(spans)
     kernels = sorted(({"kernel": k, "ms_per_tick": round(v[0], 3), "launches_per_tick": v[1] // ticks}
                       for k, v in families.items()), key=lambda r: -r["ms_per_tick"])
     busy = sum(r["ms_per_tick"] for r in kernels)
-    print(f"profile at N = {n}: tick {statistics.median(walls):.1f} ms (under the profiler), kernels {busy:.1f} ms")
+    idle = idle_gaps(per_tick)
+    print(f"profile at N = {n}: tick {statistics.median(walls):.1f} ms (under the profiler), kernels {busy:.1f} ms, "
+          f"device waiting {idle['idle_ms_per_tick']:.1f} ms")
     for r in kernels[:top]:
         print(f"  {r['ms_per_tick']:9.3f} ms {r['launches_per_tick']:6d}x  {r['kernel']}")
-    return {"tick_ms": walls, "kernel_ms_per_tick": busy, "kernels": kernels[:top]}
+    for r in idle["gaps"]:
+        print(f"  idle {r['ms_per_tick']:8.3f} ms {r['per_tick']:6.0f}x  {r['between'][:150]}")
+    return {"tick_ms": walls, "kernel_ms_per_tick": busy, "kernels": kernels[:top], "idle": idle}
 
 
 def sweep(arm: Arm, spec: ModelBench, args, results: dict) -> None:

@@ -83,6 +83,20 @@ def test_profile_adds_the_profiled_ticks_at_the_chosen_n_only(tmp_path):
     profile = rows[1]["profile"]
     assert len(profile["tick_ms"]) == 1 and profile["tick_ms"][0] > 0
     assert profile["kernels"] == [] and profile["kernel_ms_per_tick"] == 0   # the CPU launches no kernels
+    assert profile["idle"] == {"idle_ms_per_tick": 0, "gaps": []}
+
+
+def test_idle_gaps_are_the_stretches_no_kernel_covers_named_by_their_neighbours():
+    from bench.models_gpu import idle_gaps
+
+    # µs: "b" runs inside "a" (no gap), 10 µs before "c" is under the floor, then 500 µs idle before "d".
+    first = [(0, 100, "a"), (20, 60, "b"), (110, 200, "c"), (700, 800, "d")]
+    second = [(0, 100, "c"), (1100, 1200, "d"), (1300, 1400, "a")]   # 1 ms idle, then 100 µs
+    idle = idle_gaps([first, second], floor_us=20)
+    assert idle["gaps"] == [{"between": "c -> d", "ms_per_tick": 0.75, "per_tick": 1.0},
+                            {"between": "d -> a", "ms_per_tick": 0.05, "per_tick": 0.5}]
+    assert idle["idle_ms_per_tick"] == 0.8
+    assert idle_gaps([[]]) == {"idle_ms_per_tick": 0, "gaps": []}
 
 
 def test_kernel_names_keep_what_tells_torchs_elementwise_kernels_apart():
