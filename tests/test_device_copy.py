@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from metronome.device_copy import to_device
+from metronome.device_copy import embed_lists, to_device
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -24,6 +24,22 @@ def test_lists_arrays_and_tensors_arrive_with_their_values(device):
     source = torch.arange(6, dtype=torch.int32).reshape(2, 3)
     got = to_device(source, device)
     assert got.dtype == torch.int32 and torch.equal(got.cpu(), source)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_embed_lists_gives_each_list_its_own_rows_from_one_lookup(device):
+    table = torch.nn.Embedding(50, 4).to(device)
+    lookups = []
+
+    def embed(ids):
+        lookups.append(ids)
+        return table(ids)
+
+    lists = [[3, 1], [], [7], [1, 2, 3]]
+    rows = embed_lists(embed, lists, device)
+    assert len(lookups) == 1 and [r.shape[0] for r in rows] == [2, 0, 1, 3]
+    for ids, got in zip(lists, rows):
+        assert torch.equal(got, table(torch.tensor(ids, dtype=torch.long, device=device)))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
