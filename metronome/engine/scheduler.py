@@ -340,7 +340,11 @@ class Scheduler:
             if seg.token_ids:
                 session.history.append(HistorySegment(token_ids=list(seg.token_ids)))
             if seg.embeds is not None:
-                session.history.append(HistorySegment(embeds=seg.embeds))
+                # A view of a larger tensor (a tick's rows spliced at once) would keep all of it alive.
+                embeds = seg.embeds
+                if embeds.untyped_storage().nbytes() > embeds.numel() * embeds.element_size():
+                    embeds = embeds.clone()
+                session.history.append(HistorySegment(embeds=embeds))
 
     # ------------------------------------------------------------------ invariants
     def check_invariants(self) -> None:

@@ -83,7 +83,7 @@ def test_profile_adds_the_profiled_ticks_at_the_chosen_n_only(tmp_path):
     profile = rows[1]["profile"]
     assert len(profile["tick_ms"]) == 1 and profile["tick_ms"][0] > 0
     assert profile["kernels"] == [] and profile["kernel_ms_per_tick"] == 0   # the CPU launches no kernels
-    assert profile["idle"] == {"idle_ms_per_tick": 0, "gaps": []}
+    assert profile["idle"] == {"uncovered_ms_per_tick": 0, "idle_ms_per_tick": 0, "gaps": []}
 
 
 def test_idle_gaps_are_the_stretches_no_kernel_covers_named_by_their_neighbours():
@@ -96,7 +96,8 @@ def test_idle_gaps_are_the_stretches_no_kernel_covers_named_by_their_neighbours(
     assert idle["gaps"] == [{"between": "c -> d", "ms_per_tick": 0.75, "per_tick": 1.0},
                             {"between": "d -> a", "ms_per_tick": 0.05, "per_tick": 0.5}]
     assert idle["idle_ms_per_tick"] == 0.8
-    assert idle_gaps([[]]) == {"idle_ms_per_tick": 0, "gaps": []}
+    assert idle["uncovered_ms_per_tick"] == 0.805   # the 10 µs under the floor too
+    assert idle_gaps([[]]) == {"uncovered_ms_per_tick": 0, "idle_ms_per_tick": 0, "gaps": []}
 
 
 def test_kernel_names_keep_what_tells_torchs_elementwise_kernels_apart():

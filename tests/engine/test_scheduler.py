@@ -105,6 +105,20 @@ def test_unbounded_baseline_plans_a_preemption_of_the_newest_session():
     assert new.status is SessionStatus.PREEMPTED and new.live_blocks == 0 and new.last_hidden is None
 
 
+def test_unbounded_history_keeps_embeddings_without_the_tensor_they_were_cut_from():
+    """A tick's rows spliced at once reach the engine as views of one tensor: the history keeps its own rows."""
+    s = scheduler(KVPolicy(window=None, block_size=4), chunk=4)
+    a, b = s.admit(), s.admit()
+    tick = torch.arange(24.0).reshape(6, 4)
+    own = torch.ones(2, 4)
+    s.record_history(a, ForwardSegment(a, [], tick[:3]))
+    s.record_history(b, ForwardSegment(b, [], own))
+    kept, = a.history
+    assert torch.equal(kept.embeds, tick[:3])
+    assert kept.embeds.untyped_storage().nbytes() == 3 * 4 * tick.element_size()
+    assert b.history[0].embeds is own   # a whole tensor is kept as it is, not copied
+
+
 def test_a_session_past_the_position_limit_fails_alone():
     s = scheduler(KVPolicy(sinks=2, window=8, block_size=4, positions="absolute"), max_model_len=12)
     a, b = s.admit(), s.admit()

@@ -187,7 +187,10 @@ def splice(embed, tokens: list[int], pad: int, audio: list[torch.Tensor], device
 def splice_all(embed, tokens: list[list[int]], pad: int, audio: list[list[torch.Tensor]], device
                ) -> list[torch.Tensor]:
     """``splice`` for many prompts at once: one copy of the ids and the places, one lookup and one write of
-    the rows, where a prompt at a time waits on the device twice a prompt (its copies are pageable)."""
+    the rows, where a prompt at a time waits on the device twice a prompt (its copies are pageable). The prompts'
+    rows are views of one tensor."""
+    if len(audio) != len(tokens):
+        raise ValueError(f"{len(tokens)} prompts and {len(audio)} lists of encoder rows: one list a prompt")
     sizes = [len(t) for t in tokens]
     ids = np.fromiter(itertools.chain.from_iterable(tokens), dtype=np.int64, count=sum(sizes))
     places = np.flatnonzero(ids == pad)   # found on the host: no device sync

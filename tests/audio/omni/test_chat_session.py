@@ -122,6 +122,8 @@ def test_splice_all_gives_each_prompt_what_splice_gives_it():
     with pytest.raises(RuntimeError, match=r"2 audio placeholders for 1 encoder outputs \(prompt 1\)"):
         splice_all(embed, [[11], [11, 11]], pad=11, audio=[[torch.ones(1, HIDDEN)], [torch.ones(1, HIDDEN)]],
                    device="cpu")
+    with pytest.raises(ValueError, match="one list a prompt"):
+        splice_all(embed, [[11], [11]], pad=11, audio=[[torch.ones(1, HIDDEN)]], device="cpu")
 
 
 def test_sessions_are_refused_cleanly_and_left_unchanged(smollm2_tokenizer):
@@ -189,6 +191,29 @@ def test_thinker_free_running_waits_for_a_block_and_encodes_every_session_at_onc
     adapter.on_output("a", [42], finished=False)
     typed, = adapter.prepare([TickAudio("a", text="Stop.", max_tokens=4)])
     assert typed.token_ids == answer_close(chat, [42]) + chat.user_turn("Stop.")
+
+
+def test_thinker_splices_each_sessions_own_audio_into_its_own_prompt(smollm2_tokenizer):
+    """Sessions heard in one tick, between them one that only types: one encoder batch and one splice for the
+    tick, and each heard prompt holds its own clip's rows (the fake encoder writes a clip's length in them)."""
+    adapter = Tiny(smollm2_tokenizer)
+    for sid in "abc":
+        adapter.open_session(sid, "", "")
+    for ticks in ([("a", 100), ("b", None), ("c", 200)], [("c", 100), ("b", None), ("a", 300)]):
+        out = adapter.prepare([TickAudio(sid, text="Hi." if n is None else "",
+                                         pcm=np.zeros(0 if n is None else n, np.float32), max_tokens=4)
+                               for sid, n in ticks])
+        assert adapter.frontend.batches[-1] == [n for _, n in ticks if n is not None]
+        for (sid, n), p in zip(ticks, out):
+            assert p.error is None and p.max_new_tokens == 4
+            if n is None:
+                assert p.embeds is None and p.token_ids
+                continue
+            values = p.embeds[:, 0].tolist()
+            audio = [i for i, v in enumerate(values) if v >= 0]
+            assert [values[i] for i in audio] == [float(n)] * (n // 20)
+            assert audio == list(range(audio[0], audio[0] + n // 20))
+            assert values[audio[0] - 1] == -MARKERS.start and values[audio[-1] + 1] == -MARKERS.end
 
 
 def test_thinker_turn_mode_commit_holds_audio_while_answering_and_barges_in(smollm2_tokenizer):
