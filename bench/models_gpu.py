@@ -292,7 +292,8 @@ def profile_ticks(arm: Arm, n: int, ticks: int, top: int = 25) -> dict:
     busy = sum(r["ms_per_tick"] for r in kernels)
     idle = idle_gaps(per_tick)
     print(f"profile at N = {n}: tick {statistics.median(walls):.1f} ms (under the profiler), kernels {busy:.1f} ms, "
-          f"device waiting {idle['uncovered_ms_per_tick']:.1f} ms ({idle['idle_ms_per_tick']:.1f} in stretches over 20 µs)")
+          f"device waiting {idle['uncovered_ms_per_tick']:.1f} ms "
+          f"({idle['idle_ms_per_tick']:.1f} in stretches over 20 µs)")
     for r in kernels[:top]:
         print(f"  {r['ms_per_tick']:9.3f} ms {r['launches_per_tick']:6d}x  {r['kernel']}")
     for r in idle["gaps"]:
