@@ -228,6 +228,33 @@ def assert_layout(engine, embeds: torch.Tensor, text_before: str, chunks: int, t
         torch.testing.assert_close(embeds[len(embeds) - len(after):], embed(after))
 
 
+def test_sessions_prepared_in_one_tick_get_what_each_gets_alone(engine):
+    """Every session's markers are embedded in one lookup and its chunks encoded in one batch: each prompt is
+    still the one that session's tick alone makes (the encoder's batch independence is tested above)."""
+    modes = {"x": "free_running", "y": "turn", "z": "free_running"}
+    ticks = [{"x": dict(pcm=speech_like(1.0, seed=90)), "y": dict(pcm=speech_like(1.5, seed=91)), "z": dict(text="hi")},
+             {"x": dict(pcm=speech_like(2.0, seed=92), text="ok"), "y": dict(new_turn=True),
+              "z": dict(pcm=speech_like(1.0, seed=93))}]
+    together = MiniCpmoAdapter.from_context(context(engine))
+    alone = {sid: MiniCpmoAdapter.from_context(context(engine)) for sid in modes}
+    for sid, mode in modes.items():
+        together.open_session(sid, mode, "Be brief.")
+        alone[sid].open_session(sid, mode, "Be brief.")
+    for tick in ticks:
+        inputs = [TickAudio(sid, **{"pcm": np.zeros(0, np.float32), **given}, max_tokens=3)
+                  for sid, given in tick.items()]
+        for inp, got in zip(inputs, together.prepare(inputs)):
+            want, = alone[inp.session_id].prepare([inp])
+            assert got.error is None and got.token_ids == want.token_ids
+            assert (got.embeds is None) == (want.embeds is None)
+            if got.embeds is not None:
+                torch.testing.assert_close(got.embeds, want.embeds, rtol=1e-5, atol=1e-5)
+            together.on_output(inp.session_id, [33], finished=False)
+            alone[inp.session_id].on_output(inp.session_id, [33], finished=False)
+    assert {sid: together.session_state(sid) for sid in modes} == \
+        {sid: alone[sid].session_state(sid) for sid in modes}
+
+
 def test_free_running_typed_text_closes_the_answer_and_opens_a_user_turn(engine):
     adapter = MiniCpmoAdapter.from_context(context(engine))
     adapter.open_session("f", "free_running", "Be brief.")
