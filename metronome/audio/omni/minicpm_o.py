@@ -235,14 +235,16 @@ class MiniCpmoAdapter(ChatSessionAdapter):
             k += len(plan.chunks)
             laid_out.append(self._lay_out(state, plan.pieces, rows))
         # Every session's marker and text ids in one lookup: a lookup a piece waited on the device each.
-        heard = [segments for segments in laid_out if not all(isinstance(seg, list) for seg in segments)]
-        lists = [seg for segments in heard for seg in segments if isinstance(seg, list)]
-        device = next(seg for seg in heard[0] if isinstance(seg, torch.Tensor)).device if heard else None
+        text_only = [all(isinstance(seg, list) for seg in segments) for segments in laid_out]
+        lists = [seg for segments, text in zip(laid_out, text_only) if not text
+                 for seg in segments if isinstance(seg, list)]
+        device = next((seg.device for segments in laid_out for seg in segments if isinstance(seg, torch.Tensor)),
+                      None)
         with torch.inference_mode():
             embedded = iter(embed_lists(self.embed, lists, device) if lists else [])
             out: list[tuple[list[int] | None, torch.Tensor | None]] = []
-            for segments in laid_out:
-                if all(isinstance(seg, list) for seg in segments):
+            for segments, text in zip(laid_out, text_only):
+                if text:
                     out.append(([t for seg in segments for t in seg] or None, None))
                     continue
                 parts = [next(embedded) if isinstance(seg, list) else seg for seg in segments]
