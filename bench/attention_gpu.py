@@ -92,6 +92,9 @@ def parse_args(argv=None):
     p.add_argument("--prefill-block-m", type=int, default=64, help="rows (tokens x GQA heads) per prefill program")
     p.add_argument("--num-warps", type=int, default=None, help="override the launch's warps (None: 4)")
     p.add_argument("--num-stages", type=int, default=None, help="override the launch's stages (None: the engine's rule)")
+    p.add_argument("--crowded-stages", type=int, default=None,
+                   help="stages of a decode launch past 2 programs per SM, capped at 128 registers where ptxas "
+                        "takes more (None: the engine's)")
     p.add_argument("--quick", action="store_true", help="qwen2.5-7b only, N in {1, 64, 512}")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="no GPU: tiny shapes through the Triton interpreter (checks this script only)")
@@ -552,7 +555,8 @@ def main(argv=None) -> int:
     plan_kw = {"num_sms": num_sms, "block_n": args.block_n, "decode_block_n": args.decode_block_n,
                "force_splits": args.force_splits,
                "target_programs": args.target_programs, "prefill_block_m": args.prefill_block_m,
-               "num_warps": args.num_warps, "num_stages": args.num_stages}
+               "num_warps": args.num_warps, "num_stages": args.num_stages,
+               **({"crowded_stages": args.crowded_stages} if args.crowded_stages else {})}
     info = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
             "num_sms": num_sms, "args": vars(args), "started": time.strftime("%Y-%m-%d %H:%M:%S")}

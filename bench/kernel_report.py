@@ -76,6 +76,8 @@ VARIANTS = (
     Variant("decode-1buf-timeline", 16, 2, timeline=True),
     Variant("decode-1buf-128reg", 16, 2, maxnreg=128),
     Variant("decode-1buf-timeline-128reg", 16, 2, timeline=True, maxnreg=128),
+    Variant("decode-128reg", 16, 3, maxnreg=128),
+    Variant("decode-4stage-128reg", 16, 4, maxnreg=128),
 )
 
 

@@ -36,8 +36,8 @@ Design
 
 * **Pipelining.** Each tile's physical block ids are loaded one tile ahead, so the K/V loads of a tile do not
   wait on a load from the same iteration and ``num_stages=3`` keeps two K/V tiles in flight. Decode launches
-  with more than ``DOUBLE_BUFFERED_PROGRAMS_PER_SM`` programs per SM use ``num_stages=2`` (one buffer, more
-  programs resident): :func:`choose_stages`.
+  with more than ``DOUBLE_BUFFERED_PROGRAMS_PER_SM`` programs per SM ("crowded") use ``CROWDED_DECODE_STAGES``
+  (2: one buffer, more programs resident) and the warm-up's register cap: :func:`choose_stages`.
 
 CPU: the same kernels run under ``TRITON_INTERPRET=1`` (set before triton is imported). The
 interpreter multiplies bf16 bit patterns in ``tl.dot`` (triton-lang/triton#11584, unsupported
@@ -76,6 +76,8 @@ PROGRAMS_PER_SM = 1
 # math while a decode launch has few programs per SM; past this many, single-buffered programs (num_stages 2,
 # ~40 KB) fit more per SM and hide the latency by their number (the wave counts: docs/benchmarks/gpu.md#launch-rule).
 DOUBLE_BUFFERED_PROGRAMS_PER_SM = 2
+# Pipeline depth of a decode launch past that many programs per SM ("crowded"): 2 stages, one K/V buffer.
+CROWDED_DECODE_STAGES = 2
 # E4M3 values widened to fp16 where loaded (e4m3_triton.e4m3_to_f16) up to this many query heads a KV head: 6-12 %
 # off the decode launch at 4, none or a loss past 128 sessions at 7 and 8
 # (docs/benchmarks/gpu.md#attention-over-e4m3-pages).
@@ -383,6 +385,7 @@ class TritonLaunch:
     num_stages: int = 3                              # software-pipeline depth (choose_stages)
     decode: bool = False                             # the launch of query tiles that fit a decode program
     block_n: int = BLOCK_N                           # keys per tile
+    crowded: bool = False                            # a decode launch past DOUBLE_BUFFERED_PROGRAMS_PER_SM
 
 
 @dataclass
@@ -393,9 +396,9 @@ class TritonPlan:
     launches: list[TritonLaunch]
     num_warps: int | None = None    # None: 4 (8 for BLOCK_M > 64)
     num_stages: int | None = None   # None: each launch's own (2 for head_dim > 128)
-    # ptxas register cap per thread for the single-buffered decode launch (None: ptxas chooses); see
+    # ptxas register cap per thread for a crowded decode launch (None: ptxas chooses); see
     # SINGLE_BUFFERED_MAX_REGISTERS, and TritonPagedAttention.warm_up, which sets it where it pays. Prefill and
-    # double-buffered launches are never capped: shared memory sets their occupancy, and a cap only spills.
+    # uncrowded decode launches are never capped: shared memory sets their occupancy, and a cap only spills.
     max_registers: int | None = None
 
 
@@ -420,14 +423,19 @@ def choose_splits(num_programs: int, max_tiles: int, *, target_programs: int, ma
     return max(1, min(max_splits, _cdiv(target_programs, num_programs), max_tiles // max(1, min_tiles_per_split)))
 
 
-def choose_stages(programs: int, num_sms: int, *, decode: bool) -> int:
+def crowded(programs: int, num_sms: int, *, decode: bool) -> bool:
+    """Whether a launch is a decode launch of more than ``DOUBLE_BUFFERED_PROGRAMS_PER_SM`` programs per SM."""
+    return decode and programs > DOUBLE_BUFFERED_PROGRAMS_PER_SM * num_sms
+
+
+def choose_stages(programs: int, num_sms: int, *, decode: bool, crowded_stages: int = CROWDED_DECODE_STAGES) -> int:
     """Pipeline depth of a launch of ``programs`` programs (host-only): 3 (two K/V tiles in flight per program)
-    unless a decode launch has more than ``DOUBLE_BUFFERED_PROGRAMS_PER_SM`` programs per SM, then 2.
+    unless it is a crowded decode launch, then ``crowded_stages``.
 
     >>> choose_stages(64 * 4, 132, decode=True), choose_stages(128 * 4, 132, decode=True)
     (3, 2)
     """
-    return 2 if decode and programs > DOUBLE_BUFFERED_PROGRAMS_PER_SM * num_sms else 3
+    return crowded_stages if crowded(programs, num_sms, decode=decode) else 3
 
 
 def plan_triton(meta: PagedAttentionMetadata, num_heads: int, num_kv_heads: int, *, num_sms: int = DEFAULT_SMS,
@@ -435,9 +443,11 @@ def plan_triton(meta: PagedAttentionMetadata, num_heads: int, num_kv_heads: int,
                 min_tiles_per_split: int = MIN_TILES_PER_SPLIT, force_splits: int | None = None,
                 decode_block_m: int = DECODE_BLOCK_M, prefill_block_m: int = PREFILL_BLOCK_M,
                 block_n: int = BLOCK_N, decode_block_n: int | None = None, num_warps: int | None = None,
-                num_stages: int | None = None, max_registers: int | None = None) -> TritonPlan:
+                num_stages: int | None = None, max_registers: int | None = None,
+                crowded_stages: int = CROWDED_DECODE_STAGES) -> TritonPlan:
     """Launch plan of one forward, from the metadata's host lists (shared by every layer). ``decode_block_n``:
-    the decode launch's keys per tile (None: ``block_n``, as the prefill launch)."""
+    the decode launch's keys per tile (None: ``block_n``, as the prefill launch); ``crowded_stages``: the
+    pipeline depth of a crowded decode launch (``choose_stages``)."""
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     for width in (block_n, decode_block_n or block_n):
@@ -470,10 +480,12 @@ def plan_triton(meta: PagedAttentionMetadata, num_heads: int, num_kv_heads: int,
         else:
             splits = choose_splits(len(items) * num_kv_heads, tiles[bm], target_programs=target,
                                    max_splits=max_splits, min_tiles_per_split=min_tiles_per_split)
-        stages = choose_stages(len(items) * num_kv_heads * splits, num_sms, decode=bm == bm_small)
+        programs = len(items) * num_kv_heads * splits
+        stages = choose_stages(programs, num_sms, decode=bm == bm_small, crowded_stages=crowded_stages)
         launches.append(TritonLaunch(bm, to_device(torch.tensor(items, dtype=torch.int32).reshape(-1, 4), device),
                                      len(items), splits, tiles[bm], num_stages=stages,
-                                     decode=bm == bm_small, block_n=widths[bm]))
+                                     decode=bm == bm_small, block_n=widths[bm],
+                                     crowded=crowded(programs, num_sms, decode=bm == bm_small)))
     return TritonPlan(meta, num_heads, num_kv_heads, launches, num_warps, num_stages, max_registers)
 
 
@@ -489,12 +501,7 @@ def _launch_config(plan: TritonPlan, launch: TritonLaunch, head_dim: int, is_cud
         return {}
     return {"num_warps": plan.num_warps or (4 if launch.block_m <= 64 else 8),
             "num_stages": launch_stages(plan, launch, head_dim),
-            **({"maxnreg": plan.max_registers} if plan.max_registers and _single_buffered_decode(
-                plan, launch, head_dim) else {})}
-
-
-def _single_buffered_decode(plan: TritonPlan, launch: TritonLaunch, head_dim: int) -> bool:
-    return launch.decode and launch_stages(plan, launch, head_dim) == 2
+            **({"maxnreg": plan.max_registers} if plan.max_registers and launch.crowded else {})}
 
 
 def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -597,7 +604,7 @@ class TritonPagedAttention:
                  force_splits: int | None = None, decode_block_m: int = DECODE_BLOCK_M,
                  prefill_block_m: int = PREFILL_BLOCK_M, block_n: int = BLOCK_N, decode_block_n: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None,
-                 max_registers: int | None = None) -> None:
+                 max_registers: int | None = None, crowded_stages: int = CROWDED_DECODE_STAGES) -> None:
         self.num_heads = num_heads
         self.scale = scale
         self.num_kv_heads = num_kv_heads
@@ -608,7 +615,7 @@ class TritonPagedAttention:
                             force_splits=force_splits, decode_block_m=decode_block_m,
                             prefill_block_m=prefill_block_m, block_n=block_n, decode_block_n=decode_block_n,
                             num_warps=num_warps,
-                            num_stages=num_stages, max_registers=max_registers)
+                            num_stages=num_stages, max_registers=max_registers, crowded_stages=crowded_stages)
 
     @property
     def decode_block_n(self) -> int:
@@ -627,8 +634,8 @@ class TritonPagedAttention:
                 window: int | None, sink_blocks: int, block: int,
                 dtype: torch.dtype, kv_scale: torch.Tensor | None = None) -> set[tuple[int, bool, int]]:
         """Launch every kernel variant a forward can use once, before the first step: decode and prefill
-        tiles, each without and with split-KV, and an unsplit single-buffered decode tile (what a decode
-        launch of many programs uses, see :func:`choose_stages`). A variant compiles at its first launch,
+        tiles, each without and with split-KV, and an unsplit crowded decode tile (what a decode launch of many
+        programs uses, see :func:`choose_stages`). A variant compiles at its first launch,
         about a second on an H200; inside a served tick that was a one-off tick of 1.4 s
         (docs/experiments/admission-gpu-short).
 
@@ -636,7 +643,7 @@ class TritonPagedAttention:
         scales): the K/V write kernel is compiled by writing zeros to its first slot. Returns the
         ``(BLOCK_M, split, num_stages)`` triples launched, e.g. ``{(16, False, 3), (16, True, 3), (16, False, 2), (64, False, 3), (64, True, 3)}``.
 
-        On a GPU it also settles the single-buffered decode launch's register cap, unless one was given: where
+        On a GPU it also settles the crowded decode launch's register cap, unless one was given: where
         ptxas compiled that kernel past ``SINGLE_BUFFERED_MAX_REGISTERS``, ``options["max_registers"]`` caps it
         there (and the capped kernel is compiled too), so plans made after this keep 4 programs per SM.
         """
@@ -659,17 +666,18 @@ class TritonPagedAttention:
                 window_first=torch.tensor([sink_blocks], dtype=torch.long, device=dev),
                 slot_mapping=torch.zeros(n_q, dtype=torch.long, device=dev))
             query = torch.zeros((n_q, self.num_heads, head_dim), dtype=dtype, device=dev)
-            for splits, stages in [(1, None), (2, None)] + ([(1, 2)] if n_q == 1 else []):
+            crowded_stages = self.options["crowded_stages"]
+            for splits, stages in [(1, None), (2, None)] + ([(1, crowded_stages)] if n_q == 1 else []):
                 plan = plan_triton(meta, self.num_heads, kv_heads, **{**self.options, "force_splits": splits})
                 if stages is not None:
-                    plan.launches = [dataclasses.replace(ln, num_stages=stages) for ln in plan.launches]
+                    plan.launches = [dataclasses.replace(ln, num_stages=stages, crowded=True) for ln in plan.launches]
                 kernels: list = []
                 paged_attention_triton(query, k_cache, v_cache, meta, self.scale, plan, kernels=kernels,
                                        kv_scale=kv_scale)
                 launched.update((ln.block_m, ln.num_splits > 1, launch_stages(plan, ln, head_dim))
                                 for ln in plan.launches)
                 registers = getattr(kernels[0], "n_regs", None) if kernels else None
-                if (stages == 2 and self.options["max_registers"] is None and registers is not None
+                if (stages is not None and self.options["max_registers"] is None and registers is not None
                         and registers > SINGLE_BUFFERED_MAX_REGISTERS):
                     self.options["max_registers"] = SINGLE_BUFFERED_MAX_REGISTERS
                     plan.max_registers = SINGLE_BUFFERED_MAX_REGISTERS

@@ -62,7 +62,7 @@ def staging_rows(segments: list[ForwardSegment], block_size: int) -> np.ndarray:
 class DecodeGraphs:
     def __init__(self, runner, max_batch: int, table_width: int) -> None:
         from metronome.attention.triton_paged import (PROGRAMS_PER_SM, TritonLaunch, TritonPlan, choose_splits,
-                                                      choose_stages, live_tiles)
+                                                      choose_stages, crowded, live_tiles)
 
         # A proxy: the runner holds these graphs, and a cycle would keep the KV cache alive past the engine.
         self.runner = weakref.proxy(runner)
@@ -104,9 +104,12 @@ class DecodeGraphs:
                     slot_mapping=self.slot_mapping[:batch])
                 num_sms = attention.options["num_sms"]
                 splits = choose_splits(batch * spec.num_kv_heads, full_tiles, target_programs=PROGRAMS_PER_SM * num_sms)
-                stages = choose_stages(batch * spec.num_kv_heads * splits, num_sms, decode=True)
+                programs = batch * spec.num_kv_heads * splits
+                stages = choose_stages(programs, num_sms, decode=True,
+                                       crowded_stages=attention.options["crowded_stages"])
                 launch = TritonLaunch(block_m, self.items[:batch], batch, splits, full_tiles, num_stages=stages,
-                                      decode=True, block_n=attention.decode_block_n)
+                                      decode=True, block_n=attention.decode_block_n,
+                                      crowded=crowded(programs, num_sms, decode=True))
                 plan = TritonPlan(meta, spec.num_heads, spec.num_kv_heads, [launch],
                                   attention.options["num_warps"], attention.options["num_stages"],
                                   attention.options["max_registers"])

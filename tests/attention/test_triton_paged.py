@@ -20,8 +20,8 @@ pytest.importorskip("triton")
 
 from metronome.attention.reference import paged_attention_reference, plan_reference  # noqa: E402
 from metronome.attention.triton_paged import (  # noqa: E402
-    SINGLE_BUFFERED_MAX_REGISTERS, TritonPagedAttention, choose_splits, choose_stages, launch_stages, live_tiles,
-    paged_attention_triton, plan_triton)
+    CROWDED_DECODE_STAGES, SINGLE_BUFFERED_MAX_REGISTERS, TritonPagedAttention, choose_splits, choose_stages,
+    launch_stages, live_tiles, paged_attention_triton, plan_triton)
 from tests.attention.test_reference import CASES, build_case, dense_oracle  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -174,6 +174,24 @@ def test_decode_launches_of_many_programs_are_single_buffered():
     assert [launch_stages(forced, ln, 128) for ln in forced.launches] == [4, 4]
 
 
+def test_crowded_decode_launches_take_their_own_stages_and_the_register_cap():
+    """Only a decode launch of more than 2 programs per SM is crowded: it takes ``crowded_stages`` and the plan's
+    register cap; the prefill launch and a decode launch of few programs keep 3 stages and no cap."""
+    from metronome.attention.triton_paged import _launch_config
+
+    assert choose_stages(512, 132, decode=True, crowded_stages=4) == 4
+    assert choose_stages(256, 132, decode=True, crowded_stages=4) == 3
+    seqs = [(1100, 1)] * 70 + [(1100, 26)] * 40
+    meta, *_ = build_case(seqs, 16, 1024, 16, heads=28, kv_heads=4)
+    for num_sms, crowded_launch in ((132, True), (132 * 2, False)):
+        plan = plan_triton(meta, 28, 4, num_sms=num_sms, crowded_stages=4, max_registers=128)
+        decode, prefill = plan.launches
+        assert (decode.crowded, decode.num_stages) == (crowded_launch, 4 if crowded_launch else 3)
+        assert (prefill.crowded, prefill.num_stages) == (False, 3)
+        configs = [_launch_config(plan, ln, 128, is_cuda=True) for ln in plan.launches]
+        assert [c.get("maxnreg") for c in configs] == [128 if crowded_launch else None, None]
+
+
 def test_backend_writes_new_keys_then_attends():
     seqs, sinks, window = [(10, 3), (30, 1)], 2, 4
     meta, query, k_cache, v_cache, dense = _case(seqs, sinks, window, 4)
@@ -276,10 +294,10 @@ def test_launch_timelines_record_every_program_and_leave_the_output_unchanged(de
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device (compiled register counts)")
-def test_warm_up_caps_single_buffered_decode_registers_only_where_ptxas_takes_more():
-    """Qwen3-30B-A3B's 32/4 x 128 decode: ptxas gives the single-buffered kernel 150 registers with Triton 3.6
-    (3 programs per SM where the launch rule wants 4). After the warm-up, plans cap it, and the output stays
-    the function it was."""
+def test_warm_up_caps_crowded_decode_registers_only_where_ptxas_takes_more():
+    """Qwen3-30B-A3B's 32/4 x 128 decode: ptxas gives the crowded (single-buffered) kernel 150 registers with
+    Triton 3.6 (3 programs per SM where the launch rule wants 4). After the warm-up, plans cap it, and the output
+    stays the function it was."""
     heads, kv_heads, head_dim, bs = 32, 4, 128, 16
     scratch = [torch.randn((4, bs, kv_heads, head_dim), device=DEVICE, dtype=torch.bfloat16) for _ in range(2)]
     attention = TritonPagedAttention(heads, num_kv_heads=kv_heads)
@@ -288,7 +306,7 @@ def test_warm_up_caps_single_buffered_decode_registers_only_where_ptxas_takes_mo
     meta, query, k_cache, v_cache, dense = _case(seqs, 16, 1024, bs, heads=heads, kv_heads=kv_heads,
                                                  head_dim=head_dim, dtype=torch.bfloat16, seed=6)
     plan = attention._plan(meta, kv_heads)
-    assert [(ln.decode, ln.num_stages) for ln in plan.launches] == [(True, 2)]
+    assert [(ln.decode, ln.crowded, ln.num_stages) for ln in plan.launches] == [(True, True, CROWDED_DECODE_STAGES)]
     outs, kernels = [], []
     for p in (plan, dataclasses.replace(plan, max_registers=None)):
         out = torch.full_like(query, float("nan"))
