@@ -95,6 +95,9 @@ def parse_args(argv=None):
     p.add_argument("--crowded-stages", type=int, default=None,
                    help="stages of a decode launch past 2 programs per SM, capped at 128 registers where ptxas "
                         "takes more (None: the engine's)")
+    p.add_argument("--widen-v-max-group", type=int, default=None,
+                   help="E4M3 pages: widen the values where loaded up to this many query heads a KV head (None: "
+                        "the engine's)")
     p.add_argument("--quick", action="store_true", help="qwen2.5-7b only, N in {1, 64, 512}")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="no GPU: tiny shapes through the Triton interpreter (checks this script only)")
@@ -556,7 +559,8 @@ def main(argv=None) -> int:
                "force_splits": args.force_splits,
                "target_programs": args.target_programs, "prefill_block_m": args.prefill_block_m,
                "num_warps": args.num_warps, "num_stages": args.num_stages,
-               **({"crowded_stages": args.crowded_stages} if args.crowded_stages else {})}
+               **({"crowded_stages": args.crowded_stages} if args.crowded_stages else {}),
+               **({"widen_v_max_group": args.widen_v_max_group} if args.widen_v_max_group is not None else {})}
     info = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
             "num_sms": num_sms, "args": vars(args), "started": time.strftime("%Y-%m-%d %H:%M:%S")}

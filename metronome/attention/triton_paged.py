@@ -88,15 +88,16 @@ WIDEN_V_MAX_GROUP = 4
 SINGLE_BUFFERED_MAX_REGISTERS = 128
 
 
-def widen_values_at_load(kv_fp8: bool, compiled_for_cuda: bool, query_dtype: torch.dtype, group: int) -> bool:
+def widen_values_at_load(kv_fp8: bool, compiled_for_cuda: bool, query_dtype: torch.dtype, group: int,
+                         max_group: int = WIDEN_V_MAX_GROUP) -> bool:
     """Whether a launch widens its E4M3 values with ``e4m3_to_f16`` (PTX: a kernel compiled for NVIDIA GPUs, not the
-    interpreter or ROCm) rather than leaving the cast to Triton: 16-bit queries, at most ``WIDEN_V_MAX_GROUP``
-    query heads a KV head.
+    interpreter or ROCm) rather than leaving the cast to Triton: 16-bit queries, at most ``max_group`` query heads
+    a KV head.
 
     >>> widen_values_at_load(True, True, torch.bfloat16, 4), widen_values_at_load(True, True, torch.bfloat16, 8)
     (True, False)
     """
-    return kv_fp8 and compiled_for_cuda and query_dtype != torch.float32 and group <= WIDEN_V_MAX_GROUP
+    return kv_fp8 and compiled_for_cuda and query_dtype != torch.float32 and group <= max_group
 
 
 def _next_pow2(x: int) -> int:
@@ -400,6 +401,7 @@ class TritonPlan:
     # SINGLE_BUFFERED_MAX_REGISTERS, and TritonPagedAttention.warm_up, which sets it where it pays. Prefill and
     # uncrowded decode launches are never capped: shared memory sets their occupancy, and a cap only spills.
     max_registers: int | None = None
+    widen_v_max_group: int = WIDEN_V_MAX_GROUP   # E4M3 values widened where loaded up to this GQA group
 
 
 def live_tiles(t0: int, n_q: int, sinks: int, window: int | None, block_n: int) -> int:
@@ -444,10 +446,11 @@ def plan_triton(meta: PagedAttentionMetadata, num_heads: int, num_kv_heads: int,
                 decode_block_m: int = DECODE_BLOCK_M, prefill_block_m: int = PREFILL_BLOCK_M,
                 block_n: int = BLOCK_N, decode_block_n: int | None = None, num_warps: int | None = None,
                 num_stages: int | None = None, max_registers: int | None = None,
-                crowded_stages: int = CROWDED_DECODE_STAGES) -> TritonPlan:
+                crowded_stages: int = CROWDED_DECODE_STAGES, widen_v_max_group: int = WIDEN_V_MAX_GROUP) -> TritonPlan:
     """Launch plan of one forward, from the metadata's host lists (shared by every layer). ``decode_block_n``:
     the decode launch's keys per tile (None: ``block_n``, as the prefill launch); ``crowded_stages``: the
-    pipeline depth of a crowded decode launch (``choose_stages``)."""
+    pipeline depth of a crowded decode launch (``choose_stages``); ``widen_v_max_group``: see
+    ``widen_values_at_load``."""
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     for width in (block_n, decode_block_n or block_n):
@@ -486,7 +489,7 @@ def plan_triton(meta: PagedAttentionMetadata, num_heads: int, num_kv_heads: int,
                                      len(items), splits, tiles[bm], num_stages=stages,
                                      decode=bm == bm_small, block_n=widths[bm],
                                      crowded=crowded(programs, num_sms, decode=bm == bm_small)))
-    return TritonPlan(meta, num_heads, num_kv_heads, launches, num_warps, num_stages, max_registers)
+    return TritonPlan(meta, num_heads, num_kv_heads, launches, num_warps, num_stages, max_registers, widen_v_max_group)
 
 
 # ----------------------------------------------------------------------------------------------- launch
@@ -547,7 +550,7 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                   HAS_WINDOW=meta.window is not None, KV_I64=kv_i64, DOT_F32=interp,
                   IEEE=query.dtype == torch.float32, KV_FP8=kv_fp8,
                   WIDEN_V_AT_LOAD=widen_values_at_load(kv_fp8, not interp and torch.version.hip is None,
-                                                       query.dtype, g))
+                                                       query.dtype, g, plan.widen_v_max_group))
     if timelines is not None:
         if interp:
             raise ValueError("launch timelines read GPU clocks: they need compiled kernels on a CUDA device")
@@ -604,7 +607,8 @@ class TritonPagedAttention:
                  force_splits: int | None = None, decode_block_m: int = DECODE_BLOCK_M,
                  prefill_block_m: int = PREFILL_BLOCK_M, block_n: int = BLOCK_N, decode_block_n: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None,
-                 max_registers: int | None = None, crowded_stages: int = CROWDED_DECODE_STAGES) -> None:
+                 max_registers: int | None = None, crowded_stages: int = CROWDED_DECODE_STAGES,
+                 widen_v_max_group: int = WIDEN_V_MAX_GROUP) -> None:
         self.num_heads = num_heads
         self.scale = scale
         self.num_kv_heads = num_kv_heads
@@ -615,7 +619,8 @@ class TritonPagedAttention:
                             force_splits=force_splits, decode_block_m=decode_block_m,
                             prefill_block_m=prefill_block_m, block_n=block_n, decode_block_n=decode_block_n,
                             num_warps=num_warps,
-                            num_stages=num_stages, max_registers=max_registers, crowded_stages=crowded_stages)
+                            num_stages=num_stages, max_registers=max_registers, crowded_stages=crowded_stages,
+                            widen_v_max_group=widen_v_max_group)
 
     @property
     def decode_block_n(self) -> int:

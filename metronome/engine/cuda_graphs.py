@@ -112,7 +112,7 @@ class DecodeGraphs:
                                       crowded=crowded(programs, num_sms, decode=True))
                 plan = TritonPlan(meta, spec.num_heads, spec.num_kv_heads, [launch],
                                   attention.options["num_warps"], attention.options["num_stages"],
-                                  attention.options["max_registers"])
+                                  attention.options["max_registers"], attention.options["widen_v_max_group"])
                 self._pad(0, batch)
                 self.embeds[:batch] = runner.model.embed(self.input_ids[:batch])
                 forward = self._forward_fn(batch, plan)

@@ -192,6 +192,17 @@ def test_crowded_decode_launches_take_their_own_stages_and_the_register_cap():
         assert [c.get("maxnreg") for c in configs] == [128 if crowded_launch else None, None]
 
 
+def test_the_values_widening_group_limit_is_a_backend_option():
+    from metronome.attention.triton_paged import WIDEN_V_MAX_GROUP, widen_values_at_load
+
+    assert not widen_values_at_load(True, True, torch.bfloat16, 8)
+    assert widen_values_at_load(True, True, torch.bfloat16, 8, max_group=8)
+    assert not widen_values_at_load(True, False, torch.bfloat16, 1, max_group=8)   # the interpreter casts
+    meta, *_ = build_case([(300, 1)], 16, 64, 16, heads=8, kv_heads=1)
+    assert plan_triton(meta, 8, 1).widen_v_max_group == WIDEN_V_MAX_GROUP
+    assert TritonPagedAttention(8, num_kv_heads=1, widen_v_max_group=8).prepare(meta).widen_v_max_group == 8
+
+
 def test_backend_writes_new_keys_then_attends():
     seqs, sinks, window = [(10, 3), (30, 1)], 2, 4
     meta, query, k_cache, v_cache, dense = _case(seqs, sinks, window, 4)
