@@ -104,7 +104,8 @@ class MetronomeArm:
         blocks = blocks_per_session(policy, 256, SMOLLM2["max_position_embeddings"]) * max(args.session_list + (args.profile or [])) + 2
         self.engine = Engine(EngineConfig(model=checkpoint, policy=policy, device="cpu", dtype=dtype,
                                           num_blocks=blocks, max_chunk_tokens=256, cpu_linear=args.cpu_linear,
-                                          cpu_attention=args.cpu_attention, cpu_elementwise=args.cpu_elementwise))
+                                          cpu_attention=args.cpu_attention, cpu_elementwise=args.cpu_elementwise,
+                                          kv_cache_dtype=args.kv_cache_dtype))
         self.args = args
 
     def open(self, histories: list[list[int]]):
@@ -501,6 +502,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "or aten's F.linear (EngineConfig)")
     p.add_argument("--cpu-attention", choices=["auto", "kernel", "sdpa"], default="auto",
                    help="Metronome's decode-round attention: the C kernel or SDPA (EngineConfig)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                   help="Metronome's KV pages: the compute dtype or E4M3 with a scale per head (EngineConfig)")
     p.add_argument("--cpu-elementwise", choices=["auto", "kernel", "torch"], default="auto",
                    help="Metronome's norms, rotary embedding and activation: one C call each or torch's "
                         "operators (EngineConfig)")

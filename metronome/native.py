@@ -98,8 +98,8 @@ def load_library(directory: Path | None = None) -> NativeLibrary:
     cdll.metronome_vector_width.restype = ctypes.c_int
     cdll.metronome_decode_attention.restype = ctypes.c_int
     cdll.metronome_decode_attention.argtypes = (
-        [ctypes.c_int] * 6 + [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2
-        + [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_float, ctypes.c_int])
+        [ctypes.c_int] * 7 + [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2
+        + [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_int])
     cdll.metronome_scatter_rows.restype = ctypes.c_int
     cdll.metronome_scatter_rows.argtypes = ([ctypes.c_int] * 2 + [ctypes.c_long, ctypes.c_void_p] + [ctypes.c_long] * 2
                                             + [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p])

@@ -14,10 +14,13 @@ from pathlib import Path
 
 import torch
 
+from metronome.attention.fp8 import E4M3
 from metronome.native import NativeLibrary, load_library
 
 # The C kernels' dtype codes (csrc/*.c: 0 float32, 1 bfloat16).
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+# What the decode-attention kernel reads keys and values as: the query's dtype, or E4M3 with per-head scales.
+KV_KINDS = {**DTYPES, E4M3: 2}
 
 
 @dataclass(frozen=True)
@@ -34,21 +37,31 @@ class CpuDecodeKernel:
     def path(self) -> Path:
         return self.library.path
 
-    def supports(self, dtype: torch.dtype, head_dim: int) -> bool:
-        return dtype in DTYPES and head_dim % self.vector_width == 0
+    def supports(self, kv_dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether it attends over keys and values of ``kv_dtype`` (float32, bfloat16 or E4M3) at ``head_dim``."""
+        return kv_dtype in KV_KINDS and head_dim % self.vector_width == 0
 
     def __call__(self, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                 scale: float) -> torch.Tensor:
+                 scale: float, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of ``query`` [n, kv_heads, group, dim] over ``k``/``v`` [>= n, kv_heads, >= width, dim]
         (rows of ``dim`` contiguous values, any row and head strides) for the ``width`` columns ``mask``
         [n, width] (bool, True = attend) allows; returns [n, kv_heads, group, dim] in ``query``'s dtype.
+        Keys and values are in ``query``'s dtype, or E4M3 with ``kv_scale`` [2, kv_heads] (float32: each head's
+        key scale, then its value scale, as ``attention/fp8.py`` stores them).
         The kernel reads raw memory, so everything it assumes is checked here (``ValueError``)."""
         n, kv_heads, group, dim = query.shape
         width = mask.shape[1]
-        if not self.supports(query.dtype, dim) or not (k.dtype == v.dtype == query.dtype):
-            raise ValueError(f"the CPU kernel takes float32 or bfloat16 alike for query, keys and values and a head "
-                             f"dim that is a multiple of {self.vector_width}; got {query.dtype}, {k.dtype}, "
-                             f"{v.dtype}, head dim {dim}")
+        fp8 = k.dtype == E4M3
+        if query.dtype not in DTYPES or not self.supports(k.dtype, dim) or k.dtype != v.dtype \
+                or (k.dtype != query.dtype and not fp8) or fp8 != (kv_scale is not None):
+            raise ValueError(f"the CPU kernel takes float32 or bfloat16 queries, keys and values of the query's dtype "
+                             f"or E4M3 with their scales, and a head dim that is a multiple of {self.vector_width}; "
+                             f"got {query.dtype}, {k.dtype}, {v.dtype}, head dim {dim}, scales "
+                             f"{'given' if kv_scale is not None else 'none'}")
+        if fp8:
+            if kv_scale.shape != (2, kv_heads) or kv_scale.device.type != "cpu":
+                raise ValueError(f"E4M3 keys and values take CPU scales [2, {kv_heads}]; got {tuple(kv_scale.shape)}")
+            kv_scale = kv_scale.to(torch.float32).contiguous()
         if not all(t.device.type == "cpu" for t in (query, k, v, mask)) or mask.dtype != torch.bool \
                 or mask.shape[0] != n or k.shape != v.shape or k.stride() != v.stride() \
                 or k.shape[0] < n or k.shape[1] != kv_heads or k.shape[2] < width or k.shape[3] != dim \
@@ -60,12 +73,12 @@ class CpuDecodeKernel:
         query, mask = query.contiguous(), mask.contiguous()
         out = torch.empty_like(query)
         failed = self.library.cdll.metronome_decode_attention(
-            n, kv_heads, group, dim, width, DTYPES[query.dtype], query.data_ptr(), k.data_ptr(), v.data_ptr(),
-            k.stride(0), k.stride(1), mask.data_ptr(), mask.stride(0), out.data_ptr(), scale,
-            torch.get_num_threads())
+            n, kv_heads, group, dim, width, DTYPES[query.dtype], KV_KINDS[k.dtype], query.data_ptr(), k.data_ptr(),
+            v.data_ptr(), k.stride(0), k.stride(1), mask.data_ptr(), mask.stride(0),
+            kv_scale.data_ptr() if fp8 else None, out.data_ptr(), scale, torch.get_num_threads())
         if failed:
             raise MemoryError("the CPU attention kernel could not allocate its scratch memory") if failed == 2 \
-                else ValueError(f"head dim {dim} is not a multiple of the vector width {self.vector_width}")
+                else ValueError(f"the CPU attention kernel refused its inputs (code {failed})")
         return out
 
     def scatter_rows_(self, rows: torch.Tensor, dest: torch.Tensor, index: torch.Tensor) -> bool:
@@ -114,7 +127,7 @@ def load_kernel(directory: Path | None = None) -> CpuDecodeKernel:
 
 def kernel_for(choice: str, library: NativeLibrary | None, dtype: torch.dtype,
                head_dim: int) -> tuple[CpuDecodeKernel | None, str]:
-    """What ``EngineConfig.cpu_attention`` gives a model of ``dtype`` and ``head_dim``, with the engine's C
+    """What ``EngineConfig.cpu_attention`` gives KV pages of ``dtype`` and a model's ``head_dim``, with the engine's C
     kernels (``library``; None where they could not be built): the kernel or None, and a line saying which and
     why. SDPA where asked, where there is no library, or where the kernel does not take the dtype or head dim."""
     if choice == "sdpa":
@@ -123,6 +136,6 @@ def kernel_for(choice: str, library: NativeLibrary | None, dtype: torch.dtype,
         return None, "decode attention: SDPA (the C kernels are not available; the warning above says why)"
     kernel = CpuDecodeKernel(library)
     if not kernel.supports(dtype, head_dim):
-        return None, (f"decode attention: SDPA (the C kernel takes float32 or bfloat16 with a head dim that is a "
-                      f"multiple of {kernel.vector_width}; this model has {dtype} and {head_dim})")
+        return None, (f"decode attention: SDPA (the C kernel takes float32, bfloat16 or E4M3 keys with a head dim that "
+                      f"is a multiple of {kernel.vector_width}; this model has {dtype} and {head_dim})")
     return kernel, f"decode attention: C kernel ({library.vector_width * 32}-bit vectors, {library.path.name})"

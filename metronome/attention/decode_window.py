@@ -9,7 +9,8 @@ window slides one token a round; keys behind it stay in the buffer, masked). The
 
 A session is gathered again when it joins, when its keys moved in the cache (a rebase re-rotated them)
 or when its buffer row is full (the fresh gather drops the keys behind the window); sessions that
-leave are dropped by compacting the rows. The buffers stay allocated between steps (about one more
+leave are dropped by compacting the rows. E4M3 pages stay E4M3 in the buffers (half the bytes a round reads),
+their per-head scales applied by the kernel. The buffers stay allocated between steps (about one more
 copy of the decoding sessions' live K/V, up to half again as many rows and twice the columns as slack for
 growth), zero-initialised once, so padding is always finite and a freed block is never read.
 """
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from metronome.attention.cpu_kernel import CpuDecodeKernel
+from metronome.attention.fp8 import E4M3, to_e4m3
 from metronome.attention.metadata import PagedAttentionMetadata, write_kv
 from metronome.attention.reference import live_keys
 
@@ -62,7 +64,7 @@ class DecodeWindow:
 
     name = "torch-decode-window"
 
-    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_heads: int,
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, ...]], num_heads: int,
                  scale: float | None = None, max_live_keys: int | None = None,
                  kernel: CpuDecodeKernel | None = None) -> None:
         """``max_live_keys``: the most keys a session can hold (a bounded policy's sinks + window, with the
@@ -73,7 +75,7 @@ class DecodeWindow:
         self.num_heads = num_heads
         self.scale = scale
         self.kernel = kernel
-        self.layers = {k.data_ptr(): i for i, (k, _) in enumerate(kv_caches)}
+        self.layers = {k.data_ptr(): i for i, (k, *_) in enumerate(kv_caches)}
         self.device = kv_caches[0][0].device
         self.kv_heads, self.head_dim = kv_caches[0][0].shape[2:]
         # [rows_cap, kv_heads, cols_cap, head_dim]: head-major, the layout the CPU SDPA kernel reads fastest
@@ -186,15 +188,15 @@ class DecodeWindow:
     def _move_rows(self, source: list[int], dest: list[int]) -> None:
         """Copy buffer rows ``source`` to rows ``dest`` in every layer (through a copy: they may overlap)."""
         src, dst = torch.tensor(source, device=self.device), torch.tensor(dest, device=self.device)
-        for k, v in self.buffers:
-            k.index_copy_(0, dst, k.index_select(0, src))
-            v.index_copy_(0, dst, v.index_select(0, src))
+        for pair in self.buffers:
+            for buf in map(_bytes, pair):
+                buf.index_copy_(0, dst, buf.index_select(0, src))
 
     def _grow(self, rows: int, cols: int) -> None:
         """Larger zeroed buffers holding what the current ones hold."""
         old_rows, old_cols = self.rows_cap, self.cols_cap
         grown = []
-        for k_cache, _ in self.kv_caches:
+        for k_cache, *_ in self.kv_caches:
             shape = (rows, self.kv_heads, cols, self.head_dim)
             grown.append(tuple(torch.zeros(shape, dtype=k_cache.dtype, device=k_cache.device) for _ in range(2)))
         for (k_new, v_new), (k_old, v_old) in zip(grown, self.buffers):
@@ -211,21 +213,24 @@ class DecodeWindow:
                v_cache: torch.Tensor, plan: DecodeRoundPlan, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         """Write the round's K/V to the cache and the buffers, then attend: ``query`` [n, heads, head_dim].
 
-        Pages in the compute dtype only (``kv_scale`` None): the runner sends E4M3 pages to the reference."""
-        if kv_scale is not None:
-            raise ValueError("the decode window holds compute-dtype keys; E4M3 pages go through the reference")
+        ``kv_scale`` [2, kv_heads]: the pages (and so the buffers) hold E4M3 codes of ``x / scale``."""
+        if (kv_scale is not None) != (k_cache.dtype == E4M3):
+            raise ValueError("E4M3 pages come with their scales [2, KV heads], and other pages without")
         kernel, kv_heads, head_dim = self.kernel, self.kv_heads, self.head_dim
-        write_kv(key, value, k_cache, v_cache, plan.meta.slot_mapping, kernel=kernel)
+        write_kv(key, value, k_cache, v_cache, plan.meta.slot_mapping, kv_scale, kernel=kernel)
         k_buf, v_buf = self.buffers[self.layers[k_cache.data_ptr()]]
         if plan.append_q is not None:
             key, value = key.index_select(0, plan.append_q), value.index_select(0, plan.append_q)
+        if kv_scale is not None:   # the codes write_kv stored
+            key, value = (to_e4m3(x, s[:, None]) for x, s in ((key, kv_scale[0]), (value, kv_scale[1])))
         for buf, x in ((k_buf, key), (v_buf, value)):     # the C row scatter where built, as write_kv
-            rows = buf.view(-1, head_dim)
+            rows, x = _bytes(buf).view(-1, head_dim), _bytes(x)
             if kernel is None or not kernel.scatter_rows_(x, rows, plan.append_at):
-                rows.index_copy_(0, plan.append_at, x.reshape(-1, head_dim).to(buf.dtype))
+                rows.index_copy_(0, plan.append_at, x.reshape(-1, head_dim).to(rows.dtype))
         if plan.gather_rows is not None:
             rows, slots = plan.gather_slots.shape
             for buf, cache in ((k_buf, k_cache), (v_buf, v_cache)):
+                buf, cache = _bytes(buf), _bytes(cache)
                 if plan.gather_from is not None and kernel.copy_rows_(
                         cache.view(-1, head_dim), plan.gather_from, buf.view(-1, head_dim), plan.gather_to):
                     continue
@@ -237,9 +242,15 @@ class DecodeWindow:
         grouped = query.view(n, kv_heads, heads // kv_heads, head_dim)
         if self.kernel is not None:
             scale = self.scale if self.scale is not None else head_dim ** -0.5
-            o = self.kernel(grouped, k_buf, v_buf, plan.mask.view(n, plan.width), scale)
+            o = self.kernel(grouped, k_buf, v_buf, plan.mask.view(n, plan.width), scale, kv_scale)
         else:
-            k, v = k_buf[:n, :, :plan.width], v_buf[:n, :, :plan.width]
-            o = F.scaled_dot_product_attention(grouped, k.to(query.dtype), v.to(query.dtype), attn_mask=plan.mask,
-                                               scale=self.scale)
+            k, v = k_buf[:n, :, :plan.width].to(query.dtype), v_buf[:n, :, :plan.width].to(query.dtype)
+            if kv_scale is not None:
+                k, v = (x * s[:, None, None].to(query.dtype) for x, s in ((k, kv_scale[0]), (v, kv_scale[1])))
+            o = F.scaled_dot_product_attention(grouped, k, v, attn_mask=plan.mask, scale=self.scale)
         return o.reshape(n, heads, head_dim)
+
+
+def _bytes(x: torch.Tensor) -> torch.Tensor:
+    """E4M3 tensors as their bytes: index_copy_ and index_select have no float8 kernels on the CPU."""
+    return x.view(torch.uint8) if x.dtype == E4M3 else x

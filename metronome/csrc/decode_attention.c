@@ -5,7 +5,9 @@
    tiles that stay in L1, with the scores of all its keys in a per-thread buffer between the two passes.
    The scores come straight from bfloat16 keys with AVX512-BF16's pair products where the CPU has them, and
    bfloat16 values are widened in registers, once for three (AVX2: two) rows of the group; other bfloat16
-   inputs are widened to float32 a tile at a time. Sums and the softmax are float32.
+   inputs are widened to float32 a tile at a time. E4M3 keys and values (an FP8 cache: half the bytes of
+   bfloat16) are widened to float32 a tile at a time, their head's key scale folded into the scores' scale and
+   its value scale into the output. Sums and the softmax are float32.
 
    Built by metronome/native.py with -O3 -march=native -fopenmp. */
 #include <stdint.h>
@@ -21,6 +23,9 @@
 
 #define TILE 64             /* keys a tile: 16 KB of float32 rows at head_dim 64 */
 #define MASKED (-1e30f)     /* a masked key's score: exp() of it less the row's max is exactly 0 */
+
+/* Element types of the rows (the C kernels' dtype codes; E4M3 for keys and values only). */
+enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_E4M3 = 2 };
 
 #if VL >= 8
 typedef float vf8 __attribute__((vector_size(32)));
@@ -47,11 +52,18 @@ static inline void lane_sums8(const vf *a, float *out) {
 static inline void lane_sums8(const vf *a, float *out) { for (int u = 0; u < 8; u++) out[u] = lane_sum(a[u]); }
 #endif
 
-/* `count` rows of `dim` values from element `first` on, as float32: the rows themselves, or a copy in `scratch` */
-static inline const float *rows_f32(const void *base, int bf16, long first, int count, int dim, float *scratch) {
-    if (!bf16) return (const float *)base + first;
-    const uint16_t *p = (const uint16_t *)base + first;
+/* `count` rows of `dim` values of element type `kind` from element `first` on, as float32: the rows themselves, or
+   a copy in `scratch` */
+static inline const float *rows_f32(const void *base, int kind, long first, int count, int dim, float *scratch) {
     long total = (long)count * dim;
+    if (kind == KIND_F32) return (const float *)base + first;
+    if (kind == KIND_E4M3) {
+        const uint8_t *p = (const uint8_t *)base + first;
+        #pragma omp simd
+        for (long e = 0; e < total; e++) scratch[e] = e4m3_to_f32(p[e]);
+        return scratch;
+    }
+    const uint16_t *p = (const uint16_t *)base + first;
     #pragma omp simd
     for (long e = 0; e < total; e++) scratch[e] = bf16_to_f32(p[e]);
     return scratch;
@@ -92,16 +104,16 @@ static void scores_bf16(int group, int dim, int width, const uint16_t *q, const 
 #endif
 
 /* scores[i, j] = q[i] . k[j] for the group's rows (at q_at) over `width` keys (at kv_at), eight keys at a time:
-   eight independent chains of multiply-adds. bf16 rows are widened into qf and, a tile of keys at a time, tile. */
-static void scores_f32(int group, int dim, int width, int bf16, const void *q, long q_at, const void *k, long kv_at,
-                       float *qf, float *tile, float *scores) {
+   eight independent chains of multiply-adds. Narrower rows are widened into qf and, a tile of keys at a time, tile. */
+static void scores_f32(int group, int dim, int width, int q_kind, int kv_kind, const void *q, long q_at,
+                       const void *k, long kv_at, float *qf, float *tile, float *scores) {
     for (int i = 0; i < group; i++) {
-        const float *row = rows_f32(q, bf16, q_at + (long)i * dim, 1, dim, qf + i * dim);
+        const float *row = rows_f32(q, q_kind, q_at + (long)i * dim, 1, dim, qf + i * dim);
         if (row != qf + i * dim) memcpy(qf + i * dim, row, sizeof(float) * dim);
     }
     for (int j0 = 0; j0 < width; j0 += TILE) {
         int count = width - j0 < TILE ? width - j0 : TILE;
-        const float *kt = rows_f32(k, bf16, kv_at + (long)j0 * dim, count, dim, tile);
+        const float *kt = rows_f32(k, kv_kind, kv_at + (long)j0 * dim, count, dim, tile);
         for (int i = 0; i < group; i++) {
             const float *qi = qf + i * dim;
             float *si = scores + (size_t)i * width + j0;
@@ -155,17 +167,19 @@ static inline __attribute__((always_inline)) void values_bf16(const int rows, in
         for (int c = 0; c < 4; c++) STORE(acc + (long)r * dim + e + c * VL, a[r][c]);
 }
 
-/* One (session, KV head): `group` query rows at q_at, keys and values at kv_at, `width` keys under `mask`. */
-static void attend_unit(int group, int dim, int width, int bf16, const void *q, long q_at, const void *k,
-                        const void *v, long kv_at, const uint8_t *mask, void *out, float scale, float *work) {
+/* One (session, KV head): `group` query rows at q_at, keys and values at kv_at, `width` keys under `mask`; the
+   output is scaled by `out_scale` (an E4M3 value scale, else 1). */
+static void attend_unit(int group, int dim, int width, int bf16, int kv_kind, const void *q, long q_at,
+                        const void *k, const void *v, long kv_at, const uint8_t *mask, void *out, float scale,
+                        float out_scale, float *work) {
     float *scores = work, *qf = scores + (size_t)group * width, *acc = qf + (size_t)group * dim;
     float *tile = acc + (size_t)group * dim;
 #if defined(__AVX512BF16__)
-    if (bf16 && dim % 32 == 0)
+    if (bf16 && kv_kind == KIND_BF16 && dim % 32 == 0)
         scores_bf16(group, dim, width, (const uint16_t *)q + q_at, (const uint16_t *)k + kv_at, scores);
     else
 #endif
-        scores_f32(group, dim, width, bf16, q, q_at, k, kv_at, qf, tile, scores);
+        scores_f32(group, dim, width, bf16 ? KIND_BF16 : KIND_F32, kv_kind, q, q_at, k, kv_at, qf, tile, scores);
     /* softmax of each row; masked keys get exactly 0 */
     for (int i = 0; i < group; i++) {
         float *si = scores + (size_t)i * width, top = MASKED, total = 0.f;
@@ -187,7 +201,7 @@ static void attend_unit(int group, int dim, int width, int bf16, const void *q, 
     }
     /* outputs: the values weighted by the softmax */
     memset(acc, 0, sizeof(float) * group * dim);
-    if (bf16 && dim % (4 * VL) == 0) {
+    if (kv_kind == KIND_BF16 && dim % (4 * VL) == 0) {
         const uint16_t *vb = (const uint16_t *)v + kv_at;
         for (int j0 = 0; j0 < width; j0 += TILE) {
             int count = width - j0 < TILE ? width - j0 : TILE;
@@ -205,7 +219,7 @@ static void attend_unit(int group, int dim, int width, int bf16, const void *q, 
         /* four vectors of a row at a time over a tile's keys, even and odd keys in separate sums */
         for (int j0 = 0; j0 < width; j0 += TILE) {
             int count = width - j0 < TILE ? width - j0 : TILE;
-            const float *vt = rows_f32(v, bf16, kv_at + (long)j0 * dim, count, dim, tile);
+            const float *vt = rows_f32(v, kv_kind, kv_at + (long)j0 * dim, count, dim, tile);
             for (int i = 0; i < group; i++) {
                 const float *pi = scores + (size_t)i * width + j0;
                 float *ai = acc + i * dim;
@@ -236,6 +250,10 @@ static void attend_unit(int group, int dim, int width, int bf16, const void *q, 
             }
         }
     }
+    if (out_scale != 1.f) {
+        #pragma omp simd
+        for (long e = 0; e < (long)group * dim; e++) acc[e] *= out_scale;
+    }
     for (int i = 0; i < group; i++) {
         long o = q_at + (long)i * dim;
         const float *ai = acc + i * dim;
@@ -251,12 +269,16 @@ static void attend_unit(int group, int dim, int width, int bf16, const void *q, 
 /* out[r, h, i] = softmax over j < width where mask[r, j] of scale * q[r, h, i] . k[r, h, j], applied to v[r, h, j].
    q and out: contiguous [n, kv_heads, group, dim]; key/value j of (r, h) at r * row_stride + h * head_stride
    + j * dim (elements), its `dim` values contiguous; mask: [n, width] bytes, row r at r * mask_stride.
+   q and out are float32 or bfloat16 (`bf16`); keys and values of `kv_kind` (KIND_*): q's type, or E4M3 with
+   kv_scale [2, kv_heads] (key scales, then value scales: a stored code times its head's scale is the value).
    A row whose keys are all masked gets zeros. Returns 0, 1 when dim is not a multiple of the vector width,
-   2 when the scratch memory could not be allocated. */
-int metronome_decode_attention(int n, int kv_heads, int group, int dim, int width, int bf16,
+   2 when the scratch memory could not be allocated, 3 for keys and values of another type than q's without scales. */
+int metronome_decode_attention(int n, int kv_heads, int group, int dim, int width, int bf16, int kv_kind,
                                const void *q, const void *k, const void *v, long row_stride, long head_stride,
-                               const uint8_t *mask, long mask_stride, void *out, float scale, int threads) {
+                               const uint8_t *mask, long mask_stride, const float *kv_scale, void *out, float scale,
+                               int threads) {
     if (dim % VL) return 1;
+    if (kv_kind == KIND_E4M3 ? !kv_scale : kv_kind != (bf16 ? KIND_BF16 : KIND_F32)) return 3;
     int failed = 0;
     #pragma omp parallel num_threads(threads)
     {
@@ -267,10 +289,13 @@ int metronome_decode_attention(int n, int kv_heads, int group, int dim, int widt
         }
         #pragma omp for schedule(static)
         for (long unit = 0; unit < (long)n * kv_heads; unit++) {
+            int head = (int)(unit % kv_heads);
+            int fp8 = kv_kind == KIND_E4M3;
             if (work)
-                attend_unit(group, dim, width, bf16, q, unit * group * dim, k, v,
-                            (unit / kv_heads) * row_stride + (unit % kv_heads) * head_stride,
-                            mask + (unit / kv_heads) * mask_stride, out, scale, work);
+                attend_unit(group, dim, width, bf16, kv_kind, q, unit * group * dim, k, v,
+                            (unit / kv_heads) * row_stride + head * head_stride,
+                            mask + (unit / kv_heads) * mask_stride, out, fp8 ? scale * kv_scale[head] : scale,
+                            fp8 ? kv_scale[kv_heads + head] : 1.f, work);
         }
         free(work);
     }

@@ -113,12 +113,11 @@ class ModelRunner:
             self.attention = TritonPagedAttention(self.spec.num_heads, num_kv_heads=self.spec.num_kv_heads)
         else:
             self.attention = TorchPagedAttention(self.spec.num_heads)
-        # The CPU path's torch attention over compute-dtype pages: decode rounds attend over keys gathered once
-        # per step (see decode_rounds); E4M3 pages go through the reference, which applies their scales.
+        # The CPU path's torch attention: decode rounds attend over keys gathered once per step (see decode_rounds).
         # A decode round adds one token a session: the reservation formula at a chunk of 1, in keys.
         max_live = blocks_per_session(config.policy, 1, self.spec.max_position_embeddings) * self.block_size
         self.decode_window = None
-        if isinstance(self.attention, TorchPagedAttention) and self.device.type == "cpu" and self.kv_dtype != E4M3:
+        if isinstance(self.attention, TorchPagedAttention) and self.device.type == "cpu":
             kernel, line = kernel_for(config.cpu_attention, cpu_kernels, self.kv_dtype, self.spec.head_dim)
             log.info(line)
             self.attention.kernel = kernel     # prefills write their K/V through its row scatter too
@@ -237,7 +236,7 @@ class ModelRunner:
         else:
             embeds = self._inputs_embeds(segments)
         meta, positions = self._metadata(segments)
-        if self._in_rounds and all(q == 1 for q in meta.query_lens):
+        if self._in_rounds and self.kv_calibrated and all(q == 1 for q in meta.query_lens):
             plan = self.decode_window.plan_round(meta, [s.session.session_id for s in segments])
             return self.model(embeds, positions, self.kv_caches, self.decode_window, plan)
         attention = self.attention if self.kv_calibrated else CalibratingAttention(self.attention)

@@ -9,6 +9,7 @@ import torch
 from metronome import native
 from metronome.attention import cpu_kernel
 from metronome.attention.cpu_kernel import kernel_for, load_kernel
+from metronome.attention.fp8 import E4M3, to_e4m3
 from metronome.native import KernelBuildError, find_compiler
 
 pytestmark = pytest.mark.skipif(find_compiler() is None, reason="no C compiler to build the kernel with")
@@ -47,6 +48,51 @@ def test_kernel_matches_a_float64_softmax(kernel, dtype, tol, n, kv_heads, group
     assert out.dtype == dtype and out.shape == q.shape
     expect = oracle(q, k[:n, :, :width], v[:n, :, :width], mask, scale)
     torch.testing.assert_close(out.double(), expect, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("n,kv_heads,group,dim,width", [(1, 1, 1, 64, 1), (3, 3, 3, 64, 300), (5, 2, 4, 128, 65),
+                                                        (2, 1, 3, 48, 70)])
+def test_e4m3_keys_and_values_match_a_float64_softmax_of_their_values(kernel, dtype, tol, n, kv_heads, group, dim,
+                                                                      width):
+    """E4M3 codes with a scale per (K or V, KV head), the FP8 cache's layout: the oracle reads code x scale."""
+    if not kernel.supports(E4M3, dim):
+        pytest.skip(f"head dim {dim} is not a multiple of this CPU's vector width {kernel.vector_width}")
+    gen = torch.Generator().manual_seed(n * 1000 + width)
+    q = torch.randn(n, kv_heads, group, dim, generator=gen).to(dtype)
+    kv_scale = torch.rand(2, kv_heads, generator=gen) * 0.05 + 0.01
+    k, v = (to_e4m3(torch.randn(n + 2, kv_heads, width + 40, dim, generator=gen) * 3, s[:, None, None])
+            for s in kv_scale)
+    mask = torch.rand(n, width, generator=gen) > 0.3
+    mask[:, -1] = True
+    out = kernel(q, k, v, mask, dim ** -0.5, kv_scale)
+    assert out.dtype == dtype and out.shape == q.shape
+    k_values, v_values = (x[:n, :, :width].double() * s.double()[:, None, None] for x, s in zip((k, v), kv_scale))
+    torch.testing.assert_close(out.double(), oracle(q, k_values, v_values, mask, dim ** -0.5), atol=tol, rtol=tol)
+
+
+def test_every_e4m3_code_reads_as_torchs_cast(kernel):
+    """One key: its weight is exactly 1, so the output is the value row times its scale, exactly. Every code but
+    the two NaNs (0x7f, 0xff), subnormals and both zeros included, in the values of four sessions."""
+    dim = 64
+    if not kernel.supports(E4M3, dim):
+        pytest.skip(f"head dim {dim} is not a multiple of this CPU's vector width {kernel.vector_width}")
+    codes = torch.tensor([c for c in range(256) if c not in (0x7F, 0xFF)] + [0, 0], dtype=torch.uint8)
+    v = codes.view(E4M3).view(4, 1, 1, dim)
+    k = torch.zeros_like(v)
+    kv_scale = torch.tensor([[1.0], [0.5]])
+    out = kernel(torch.ones(4, 1, 1, dim), k, v, torch.ones(4, 1, dtype=torch.bool), 0.125, kv_scale)
+    assert torch.equal(out, v.float() * 0.5)
+
+
+def test_e4m3_pages_without_their_scales_are_refused(kernel):
+    q, k = torch.randn(2, 1, 3, 64), torch.randn(2, 1, 9, 64).to(E4M3)
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    for bad_v, scales in ((k, None), (k.float(), torch.ones(2, 1)), (k, torch.ones(2, 2))):
+        with pytest.raises(ValueError, match="E4M3|CPU kernel"):
+            kernel(q, k, bad_v, mask, 0.125, scales)
+    with pytest.raises(ValueError, match="CPU kernel"):     # scales for float pages
+        kernel(q, k.float(), k.float(), mask, 0.125, torch.ones(2, 1))
 
 
 def test_bf16_results_are_rounded_to_nearest_even(kernel):

@@ -17,6 +17,7 @@ import metronome.attention.decode_window as dw
 from metronome.attention.cpu_kernel import load_kernel
 from metronome.native import find_compiler
 from metronome.attention.decode_window import DecodeWindow
+from metronome.attention.fp8 import E4M3, to_e4m3
 from metronome.attention.metadata import PagedAttentionMetadata
 from tests.attention.test_reference import dense_oracle
 
@@ -24,10 +25,14 @@ HEADS, KV_HEADS, DIM = 4, 2, 16
 
 
 class PagedSim:
-    """Sessions' keys/values in token order (the truth) and in a paged cache of ``layers`` layers."""
+    """Sessions' keys/values in token order (the truth) and in a paged cache of ``layers`` layers. ``kv_scale``
+    [2, KV_HEADS]: E4M3 pages holding ``x / scale``; the truth's values are drawn on that grid, so the pages hold
+    the truth exactly (powers of two keep the products exact)."""
 
-    def __init__(self, sinks, window, block_size, layers=2, num_blocks=400, seed=0, dtype=torch.float64):
+    def __init__(self, sinks, window, block_size, layers=2, num_blocks=400, seed=0, dtype=torch.float64,
+                 kv_scale=None):
         self.sinks, self.window, self.bs, self.dtype = sinks, window, block_size, dtype
+        self.kv_scale = kv_scale
         self.sink_blocks = -(-sinks // block_size) if window is not None else 0
         self.gen = torch.Generator().manual_seed(seed)
         self.caches = []
@@ -35,11 +40,29 @@ class PagedSim:
             k = torch.full((num_blocks, block_size, KV_HEADS, DIM), float("nan"), dtype=dtype)
             v = torch.full_like(k, float("nan"))
             k[0], v[0] = 0, 0  # the null block
+            if kv_scale is not None:   # NaN is E4M3's 0x7f
+                k, v = k.to(E4M3), v.to(E4M3)
             self.caches.append((k, v))
         self.free = list(range(1, num_blocks))
         random.Random(seed).shuffle(self.free)
         self.truth: dict[int, list[list[torch.Tensor]]] = {}   # sid -> per layer [keys, values]
         self.blocks: dict[int, dict[int, int]] = {}            # sid -> logical -> physical
+
+    def store(self, cache, slot, x, which):
+        """Row ``slot`` of ``cache`` [.., KV_HEADS, DIM] := ``x`` (as its E4M3 codes on E4M3 pages)."""
+        if self.kv_scale is None:
+            cache.view(-1, KV_HEADS, DIM)[slot] = x
+        else:
+            cache.view(torch.uint8).view(-1, KV_HEADS, DIM)[slot] = to_e4m3(
+                x, self.kv_scale[which][:, None]).view(torch.uint8)
+
+    def draw(self, n, which):
+        """``n`` tokens' random keys (``which`` 0) or values (1), on the pages' E4M3 grid where they have one."""
+        x = torch.randn(n, KV_HEADS, DIM, generator=self.gen, dtype=self.dtype)
+        if self.kv_scale is None:
+            return x
+        scale = self.kv_scale[which][:, None].to(self.dtype)
+        return to_e4m3(x, scale).to(self.dtype) * scale
 
     def live(self, sid):
         return sorted(self.blocks[sid])
@@ -64,8 +87,7 @@ class PagedSim:
         for t in range(start, start + n):
             if t // self.bs not in self.blocks[sid]:
                 self.blocks[sid][t // self.bs] = self.free.pop()
-        new = [(torch.randn(n, KV_HEADS, DIM, generator=self.gen, dtype=self.dtype),
-                torch.randn(n, KV_HEADS, DIM, generator=self.gen, dtype=self.dtype)) for _ in self.caches]
+        new = [(self.draw(n, 0), self.draw(n, 1)) for _ in self.caches]
         if sid not in self.truth:
             self.truth[sid] = [[k, v] for k, v in new]
         else:
@@ -77,8 +99,8 @@ class PagedSim:
         for (k_cache, v_cache), (k, v) in zip(self.caches, new):
             for i in range(k.shape[0]):
                 s = self.slot(sid, start + i)
-                k_cache.view(-1, KV_HEADS, DIM)[s] = k[i]
-                v_cache.view(-1, KV_HEADS, DIM)[s] = v[i]
+                self.store(k_cache, s, k[i], 0)
+                self.store(v_cache, s, v[i], 1)
 
     def release_behind_window(self, sid):
         if self.window is None:
@@ -87,7 +109,10 @@ class PagedSim:
         for b in [b for b in self.live(sid) if self.sink_blocks <= b < below]:
             physical = self.blocks[sid].pop(b)
             for k, v in self.caches:
-                k[physical], v[physical] = float("nan"), float("nan")   # another session's garbage
+                if self.kv_scale is None:
+                    k[physical], v[physical] = float("nan"), float("nan")   # another session's garbage
+                else:
+                    k.view(torch.uint8)[physical], v.view(torch.uint8)[physical] = 0x7F, 0x7F   # E4M3's NaN
             self.free.append(physical)
 
     def prefill(self, sid, n):
@@ -102,7 +127,7 @@ class PagedSim:
         for layer, (k_cache, _) in enumerate(self.caches):
             keys[layer][first:] = -keys[layer][first:]
             for t in range(first, self.length(sid)):
-                k_cache.view(-1, KV_HEADS, DIM)[self.slot(sid, t)] = keys[layer][t]
+                self.store(k_cache, self.slot(sid, t), keys[layer][t], 0)
 
     def round_meta(self, sids):
         """Allocate each session's next token and return this round's metadata (before its K/V is written)."""
@@ -141,7 +166,7 @@ def run_rounds(sim: PagedSim, schedule, moves=(), window: DecodeWindow | None = 
             query = torch.randn(len(sids), HEADS, DIM, generator=sim.gen, dtype=sim.dtype)
             key = torch.cat([new[s][layer][0] for s in sids])
             value = torch.cat([new[s][layer][1] for s in sids])
-            out = window(query, key, value, k_cache, v_cache, plan)
+            out = window(query, key, value, k_cache, v_cache, plan, sim.kv_scale)
             assert torch.isfinite(out).all(), f"round {r}: a freed (NaN) block reached the output"
             for i, (sid, start) in enumerate(zip(sids, starts)):
                 keys, values = sim.truth[sid][layer]
@@ -176,6 +201,26 @@ def test_rounds_through_the_c_kernel_match_the_oracle(sinks, window, block_size,
     if not kernel.supports(torch.float32, DIM):
         pytest.skip(f"head dim {DIM} is not a multiple of this CPU's vector width {kernel.vector_width}")
     run_rounds(sim, SCHEDULE, moves=MOVES, window=DecodeWindow(sim.caches, HEADS, kernel=kernel))
+
+
+@pytest.mark.parametrize("attend", ["kernel", "sdpa"])
+@pytest.mark.parametrize("sinks,window,block_size", [(4, 24, 4), (4, None, 4)])
+def test_rounds_over_e4m3_pages_match_the_oracle(attend, sinks, window, block_size, tmp_path):
+    """E4M3 pages with a scale per (K or V, KV head): the buffers keep the codes and the C kernel (or SDPA over the
+    dequantised buffers) applies the scales. The truth is on the E4M3 grid, so only float32 sums differ."""
+    kernel = None
+    if attend == "kernel":
+        if find_compiler() is None:
+            pytest.skip("no C compiler to build the CPU attention kernel with")
+        kernel = load_kernel(tmp_path)
+        if not kernel.supports(E4M3, DIM):
+            pytest.skip(f"head dim {DIM} is not a multiple of this CPU's vector width {kernel.vector_width}")
+    scales = torch.tensor([[2.0 ** -5, 2.0 ** -3], [2.0 ** -4, 2.0 ** -6]])
+    sim = PagedSim(sinks, window, block_size, dtype=torch.float32, kv_scale=scales)
+    for sid, n in ((1, 70), (2, 5), (3, 41), (4, 12)):
+        sim.prefill(sid, n)
+    window_ = run_rounds(sim, SCHEDULE, moves=MOVES, window=DecodeWindow(sim.caches, HEADS, kernel=kernel))
+    assert window_.buffers[0][0].dtype == E4M3
 
 
 def test_full_rows_are_gathered_again_and_the_buffers_grow(monkeypatch):

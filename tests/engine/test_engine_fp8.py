@@ -113,6 +113,23 @@ def test_triton_kernel_matches_the_reference_backend(checkpoints):
                                atol=1e-4, rtol=1e-4)
 
 
+def test_cpu_decode_rounds_over_e4m3_pages_attend_in_the_window_as_the_reference_does(checkpoints):
+    """On the CPU the decode rounds over E4M3 pages go through the step's decode window (codes gathered once, the
+    scales applied by the attention); the same sessions through the reference (every round gathered and dequantised)
+    get the same tokens and, up to float32 sums, the same log-probabilities."""
+    path, _ = checkpoints["qwen3"]
+    runs = []
+    for windowed in (True, False):
+        engine = make_engine(path)
+        assert engine.runner.decode_window is not None
+        if not windowed:
+            engine.runner.decode_window = None
+        runs.append(drive(engine, random.Random(5), 6))
+    assert runs[0][0] == runs[1][0]
+    torch.testing.assert_close(torch.tensor([lp for _, lp in runs[0][1]]), torch.tensor([lp for _, lp in runs[1][1]]),
+                               atol=1e-4, rtol=1e-4)
+
+
 def test_rebased_windows_rotate_fp8_keys(checkpoints):
     """Rebasing re-rotates stored E4M3 keys in place (the per-head scale stays: rotation is linear); the session
     stays within the E4M3 bound of the same engine with float pages."""
