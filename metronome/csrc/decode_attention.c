@@ -17,7 +17,7 @@
 #include "scalars.h"
 #include "vectors.h"
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(__AVX512BW__) || (defined(__AVX2__) && defined(__F16C__))
 #include <immintrin.h>
 #endif
 
@@ -52,15 +52,40 @@ static inline void lane_sums8(const vf *a, float *out) {
 static inline void lane_sums8(const vf *a, float *out) { for (int u = 0; u < 8; u++) out[u] = lane_sum(a[u]); }
 #endif
 
+/* E4M3 codes to float32. An E4M3 code's bits moved into a float16's (sign to bit 15, the rest shifted 7 up) are a
+   float16 of the value times 2^-8, subnormals included (float16 keeps 2^-17 exactly), and the CPU widens float16
+   to float32 in one instruction. */
+static void e4m3_to_f32_rows(const uint8_t *p, long total, float *out) {
+    long e = 0;
+#if defined(__AVX512BW__)
+    const __m512 up = _mm512_set1_ps(256.f);
+    const __m512i sign = _mm512_set1_epi16(0x4000);
+    for (; e + 32 <= total; e += 32) {
+        __m512i t = _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(p + e))), 7);
+        t = _mm512_add_epi16(t, _mm512_and_si512(t, sign));        /* bit 14 (the sign) carried to 15 */
+        _mm512_storeu_ps(out + e, _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(t)), up));
+        _mm512_storeu_ps(out + e + 16, _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(t, 1)), up));
+    }
+#elif defined(__AVX2__) && defined(__F16C__)
+    const __m256 up = _mm256_set1_ps(256.f);
+    const __m256i sign = _mm256_set1_epi16(0x4000);
+    for (; e + 16 <= total; e += 16) {
+        __m256i t = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(p + e))), 7);
+        t = _mm256_add_epi16(t, _mm256_and_si256(t, sign));
+        _mm256_storeu_ps(out + e, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(t)), up));
+        _mm256_storeu_ps(out + e + 8, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(t, 1)), up));
+    }
+#endif
+    for (; e < total; e++) out[e] = e4m3_to_f32(p[e]);
+}
+
 /* `count` rows of `dim` values of element type `kind` from element `first` on, as float32: the rows themselves, or
    a copy in `scratch` */
 static inline const float *rows_f32(const void *base, int kind, long first, int count, int dim, float *scratch) {
     long total = (long)count * dim;
     if (kind == KIND_F32) return (const float *)base + first;
     if (kind == KIND_E4M3) {
-        const uint8_t *p = (const uint8_t *)base + first;
-        #pragma omp simd
-        for (long e = 0; e < total; e++) scratch[e] = e4m3_to_f32(p[e]);
+        e4m3_to_f32_rows((const uint8_t *)base + first, total, scratch);
         return scratch;
     }
     const uint16_t *p = (const uint16_t *)base + first;
@@ -70,12 +95,33 @@ static inline const float *rows_f32(const void *base, int kind, long first, int 
 }
 
 #if defined(__AVX512BF16__)
+/* E4M3 codes as bfloat16 of the values times 2^-8 (exact: E4M3 has 3 mantissa bits), through float16 as above. */
+static void e4m3_to_bf16_rows(const uint8_t *p, long total, uint16_t *out) {
+    const __m512i sign = _mm512_set1_epi16(0x4000);
+    long e = 0;
+    for (; e + 32 <= total; e += 32) {
+        __m512i t = _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(p + e))), 7);
+        t = _mm512_add_epi16(t, _mm512_and_si512(t, sign));
+        __m512bh b = _mm512_cvtne2ps_pbh(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(t, 1)),
+                                         _mm512_cvtph_ps(_mm512_castsi512_si256(t)));
+        _mm512_storeu_si512(out + e, (__m512i)b);
+    }
+    for (; e < total; e++) out[e] = f32_to_bf16(e4m3_to_f32(p[e]) * 0x1p-8f);
+}
+
 /* scores[i, j] = q[i] . k[j] straight from bfloat16 rows with AVX512-BF16's pair products (vdpbf16ps: each bf16
    product is exact in float32), eight keys at a time, in tiles of keys that stay in L1 across the group's rows;
-   dim a multiple of 32. */
-static void scores_bf16(int group, int dim, int width, const uint16_t *q, const uint16_t *k, float *scores) {
+   dim a multiple of 32. With `codes` (E4M3 keys, k unused) each tile is first widened into `tile` as bfloat16 of
+   the keys times 2^-8. */
+static void scores_bf16(int group, int dim, int width, const uint16_t *q, const uint16_t *k, const uint8_t *codes,
+                        uint16_t *tile, float *scores) {
     for (int j0 = 0; j0 < width; j0 += TILE) {
         int end = width - j0 < TILE ? width : j0 + TILE;
+        const uint16_t *kt = k + (long)j0 * dim;        /* key j0's row */
+        if (codes) {
+            e4m3_to_bf16_rows(codes + (long)j0 * dim, (long)(end - j0) * dim, tile);
+            kt = tile;
+        }
         for (int i = 0; i < group; i++) {
             const uint16_t *qi = q + (long)i * dim;
             float *si = scores + (size_t)i * width;
@@ -87,7 +133,7 @@ static void scores_bf16(int group, int dim, int width, const uint16_t *q, const 
                     __m512bh qv = (__m512bh)_mm512_loadu_si512(qi + e);
                     for (int u = 0; u < 8; u++)
                         a[u] = (vf)_mm512_dpbf16_ps((__m512)a[u], qv,
-                                                    (__m512bh)_mm512_loadu_si512(k + (long)(j + u) * dim + e));
+                                                    (__m512bh)_mm512_loadu_si512(kt + (long)(j - j0 + u) * dim + e));
                 }
                 lane_sums8(a, si + j);
             }
@@ -95,7 +141,7 @@ static void scores_bf16(int group, int dim, int width, const uint16_t *q, const 
                 __m512 a = _mm512_setzero_ps();
                 for (int e = 0; e < dim; e += 32)
                     a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(qi + e),
-                                         (__m512bh)_mm512_loadu_si512(k + (long)j * dim + e));
+                                         (__m512bh)_mm512_loadu_si512(kt + (long)(j - j0) * dim + e));
                 si[j] = _mm512_reduce_add_ps(a);
             }
         }
@@ -174,9 +220,17 @@ static void attend_unit(int group, int dim, int width, int bf16, int kv_kind, co
                         float out_scale, float *work) {
     float *scores = work, *qf = scores + (size_t)group * width, *acc = qf + (size_t)group * dim;
     float *tile = acc + (size_t)group * dim;
+    /* bfloat16 queries over E4M3 pages take the bfloat16 paths, each tile widened to bfloat16 first (AVX512-BF16) */
+    int e4m3_as_bf16 = 0;
 #if defined(__AVX512BF16__)
-    if (bf16 && kv_kind == KIND_BF16 && dim % 32 == 0)
-        scores_bf16(group, dim, width, (const uint16_t *)q + q_at, (const uint16_t *)k + kv_at, scores);
+    e4m3_as_bf16 = bf16 && kv_kind == KIND_E4M3 && dim % 32 == 0 && dim % (4 * VL) == 0;
+    if (e4m3_as_bf16) {            /* the tiles hold the values times 2^-8 */
+        scale *= 256.f;
+        out_scale *= 256.f;
+    }
+    if (bf16 && (kv_kind == KIND_BF16 || e4m3_as_bf16) && dim % 32 == 0)
+        scores_bf16(group, dim, width, (const uint16_t *)q + q_at, (const uint16_t *)k + kv_at,
+                    e4m3_as_bf16 ? (const uint8_t *)k + kv_at : NULL, (uint16_t *)tile, scores);
     else
 #endif
         scores_f32(group, dim, width, bf16 ? KIND_BF16 : KIND_F32, kv_kind, q, q_at, k, kv_at, qf, tile, scores);
@@ -201,11 +255,17 @@ static void attend_unit(int group, int dim, int width, int bf16, int kv_kind, co
     }
     /* outputs: the values weighted by the softmax */
     memset(acc, 0, sizeof(float) * group * dim);
-    if (kv_kind == KIND_BF16 && dim % (4 * VL) == 0) {
+    if ((kv_kind == KIND_BF16 || e4m3_as_bf16) && dim % (4 * VL) == 0) {
         const uint16_t *vb = (const uint16_t *)v + kv_at;
         for (int j0 = 0; j0 < width; j0 += TILE) {
             int count = width - j0 < TILE ? width - j0 : TILE;
             const uint16_t *vt = vb + (long)j0 * dim;
+#if defined(__AVX512BF16__)
+            if (e4m3_as_bf16) {
+                e4m3_to_bf16_rows((const uint8_t *)v + kv_at + (long)j0 * dim, (long)count * dim, (uint16_t *)tile);
+                vt = (const uint16_t *)tile;
+            }
+#endif
             for (int e = 0; e < dim; e += 4 * VL)
                 for (int i = 0; i < group; i += VALUE_ROWS) {
                     const float *pi = scores + (size_t)i * width + j0;
