@@ -24,6 +24,9 @@ largest N whose median tick stays within 0.3·B (the capacity). Shapes, from the
 * moshi (B = 80 ms): Moshi 7B, temporal transformer (one position a frame), depth transformer (8
   codebooks) and Mimi, both CUDA-graphed per batch bucket in the adapter.
 
+``--quantization fp8`` quantises the decoder and, as the worker does, the omni models' audio towers
+(``metronome/audio/omni/tower_fp8.py``); ``--bf16-tower`` leaves the towers unquantised.
+
 A table goes to stdout and the raw results (every tick, the config, the machine) to ``--out``
 (default ``$OUT/models_<model>.json``, OUT defaulting to ./out).
 """
@@ -175,6 +178,19 @@ def copy_bandwidth(device: torch.device) -> float:
         b.copy_(a)
     sync(device)
     return 2 * a.numel() * 2 * 20 / (time.perf_counter() - start)
+
+
+def tower_quantization(args) -> str | None:
+    """The audio tower's weights: the engine's ``--quantization`` (as the worker serves it) unless ``--bf16-tower``."""
+    return None if args.bf16_tower else args.quantization
+
+
+def weight_count(net: torch.nn.Module) -> int:
+    """Parameters, and the weights that FP8 layers hold as buffers (E4M3 codes)."""
+    from metronome.models.fp8 import Fp8Linear
+
+    return (sum(p.numel() for p in net.parameters())
+            + sum(m.weight.numel() for m in net.modules() if isinstance(m, Fp8Linear)))
 
 
 def make_engine(model, args, device: torch.device, *, cuda_graphs: bool | None = None, kv_fraction: float = 0.85):
@@ -376,7 +392,7 @@ class Qwen25OmniArm(Arm):
         encoder = randomize_(build_audio_encoder(audio_config(config), device, args.torch_dtype, packed=True), 1)
         features = WhisperFeatureExtractor(feature_size=encoder.config.num_mel_bins, sampling_rate=16000,
                                            hop_length=160, chunk_length=30, n_fft=400)
-        self.frontend = AudioFrontEnd(encoder, features, device, args.torch_dtype)
+        self.frontend = AudioFrontEnd(encoder, features, device, args.torch_dtype, tower_quantization(args))
         self.markers = AudioMarkers.from_config(config)
         self.vocab_size = model.spec.vocab_size
         self.engine = make_engine(model, args, device, kv_fraction=0.8)
@@ -584,7 +600,7 @@ class Qwen3OmniArm(Arm):
         encoder = build_audio_encoder(Qwen3OmniMoeAudioEncoderConfig(**shape["audio"]), device, args.torch_dtype)
         randomize_(encoder, seed=1)
         self.frontend = AudioFrontEnd(encoder, feature_extractor_for(None, shape["audio"]["num_mel_bins"]), device,
-                                      args.torch_dtype)
+                                      args.torch_dtype, tower_quantization(args))
         sync(device)
         self.build_s = time.perf_counter() - start
         self.open_engine(cuda_graphs=None, kv_fraction=0.85)
@@ -600,8 +616,7 @@ class Qwen3OmniArm(Arm):
 
     def before(self, results: dict) -> None:
         results.update(copy_bytes_per_s=self.bandwidth, moe_layer=self.moe_layer, build_s=self.build_s,
-                       decoder_params=sum(p.numel() for p in self.model.parameters()),
-                       encoder_params=sum(p.numel() for p in self.frontend.encoder.parameters()),
+                       decoder_params=weight_count(self.model), encoder_params=weight_count(self.frontend.encoder),
                        engine_ready_s=self.ready_s, capacity_by_memory=self.engine.stats().capacity)
         print(f"random weights: decoder {results['decoder_params'] / 1e9:.2f} B, encoder "
               f"{results['encoder_params'] / 1e9:.3f} B parameters in {self.build_s:.1f} s", flush=True)
@@ -674,6 +689,7 @@ class MiniCpmOArm(Arm):
     def __init__(self, args, device) -> None:
         super().__init__(args, device)
         from metronome.audio.omni.minicpm_o import AudioSpec, AudioTower, LogMel
+        from metronome.audio.omni.tower_fp8 import quantize_tower_
         from metronome.experiments.random_weights import random_decoder
         from metronome.models.llama import LlamaFamilyForCausalLM
         from metronome.models.omni.minicpm_o import decoder_spec
@@ -693,7 +709,7 @@ class MiniCpmOArm(Arm):
                     p.fill_(1.0 if name.endswith("weight") else 0.0)
                 else:
                     p.normal_(0.0, 0.02)
-        self.tower = tower.eval().requires_grad_(False)
+        self.tower = quantize_tower_(tower.eval().requires_grad_(False), tower_quantization(args))
         self.mel = LogMel(self.shape["whisper"]["num_mel_bins"], device)
         self.vocab_size = self.shape["llm"]["vocab_size"]
         self.engine = make_engine(model, args, device)
@@ -926,7 +942,10 @@ def parse(argv=None) -> argparse.Namespace:
                    help=f"stop the sweep once a tick exceeds this x 0.3·B; default {per_model('stop_factor')}")
     p.add_argument("--no-graphs", action="store_true", help="eager decode rounds (no CUDA graphs)")
     p.add_argument("--quantization", choices=["fp8"], default=None,
-                   help="the decoder's weights: fp8 (E4M3, quantised at load) or bf16 when not given")
+                   help="the decoder's and the audio tower's weights: fp8 (E4M3, quantised at load; the tower's as "
+                        "metronome/audio/omni/tower_fp8.py says) or bf16 when not given")
+    p.add_argument("--bf16-tower", action="store_true",
+                   help="with --quantization fp8: keep the audio tower's weights unquantised (to compare)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="the KV pool's element type")
     p.add_argument("--compare-sessions", default=argparse.SUPPRESS,
                    help="qwen3_omni: N for eager whole ticks, per-expert loop vs grouped GEMM ('' skips); "

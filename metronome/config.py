@@ -79,7 +79,8 @@ class EngineConfig:
 
     ``quantization="fp8"``: the decoder's linear layers and MoE experts hold E4M3 weights with per-channel
     scales, quantised at load (an FP8 checkpoint, ``quantization_config.quant_method == "fp8"``, loads as
-    stored whatever this says). ``kv_cache_dtype="fp8"``: KV pages hold E4M3 with one scale per layer and
+    stored whatever this says); so do the linear layers of the omni adapters' audio towers' blocks
+    (``audio/omni/tower_fp8.py``). ``kv_cache_dtype="fp8"``: KV pages hold E4M3 with one scale per layer and
     KV head, one byte per element (``"auto"``: the compute ``dtype``).
 
     ``cpu_linear`` (CPU only): ``"packed"`` packs the decoder's linear weights once for oneDNN

@@ -36,6 +36,8 @@ class AdapterContext:
     final hidden states [n, hidden] to the decoder's vocabulary logits (adapters that run their own
     heads, like Moshi's, share it instead of loading a second copy). ``checkpoint`` is the model's
     directory (omni adapters load their audio encoders from it); ``None`` for models built in memory.
+    ``quantization``: the engine's (``EngineConfig.quantization``); with ``"fp8"`` the omni adapters hold their
+    audio towers' linear layers in FP8 too (``omni/tower_fp8.py``).
     """
 
     tokenizer: Any
@@ -47,6 +49,7 @@ class AdapterContext:
     budget_ms: float
     compute_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
     voice: str = "auto"     # speech out for adapters that speak text answers ("none": text only)
+    quantization: str | None = None
 
 
 @dataclass(frozen=True)

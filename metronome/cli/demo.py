@@ -40,7 +40,7 @@ def add_parser(sub) -> None:
                        description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--model", default="smollm2-135m", help="packaged model name or HF checkpoint directory")
     p.add_argument("--device", default="cpu", help="torch device")
-    p.add_argument("--quantization", default=None, choices=["fp8"], help="FP8 (E4M3) decoder weights")
+    p.add_argument("--quantization", default=None, choices=["fp8"], help="FP8 (E4M3) decoder and audio tower weights")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="fp8: E4M3 KV pages")
     p.add_argument("--sessions", type=int, default=4, help="concurrent sessions")
     p.add_argument("--tokens-per-tick", type=int, default=8, help="decode tokens per session per tick")

@@ -45,7 +45,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="auto: bfloat16 on a CPU that runs it natively (AMX, AVX512-BF16), else float32")
-    p.add_argument("--quantization", default=None, choices=["fp8"], help="FP8 (E4M3) decoder weights")
+    p.add_argument("--quantization", default=None, choices=["fp8"], help="FP8 (E4M3) decoder and audio tower weights")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="fp8: E4M3 KV pages")
     p.add_argument("--cpu-linear", default="auto", choices=["auto", "packed", "kernel", "aten"],
                    help="products on the CPU: bf16 weights packed for oneDNN, float32 through the C kernel, or "

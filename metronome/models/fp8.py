@@ -32,6 +32,7 @@ import functools
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -152,7 +153,8 @@ def tiled_product_available(device: torch.device) -> bool:
     return device.type == "cuda" and _device_capability(device) >= (9, 0)
 
 
-def _tensor_core_dims(in_features: int, out_features: int) -> bool:
+def tensor_core_dims(in_features: int, out_features: int) -> bool:
+    """Whether a layer's products past the streamed range can run on the FP8 tensor cores (else dequantised)."""
     return in_features % 16 == 0 and out_features % 16 == 0
 
 
@@ -176,7 +178,7 @@ def choose_product(rows: int, in_features: int, out_features: int, dtype: torch.
             return Product.STREAMED_W8A8
         return Product.STREAMED_W8A16
     if (cuda and per_channel and fp8_tensor_cores and dtype == torch.bfloat16
-            and _tensor_core_dims(in_features, out_features)):
+            and tensor_core_dims(in_features, out_features)):
         return Product.TILED_W8A8 if tiled and rows <= TILED_MAX_ROWS else Product.SCALED_MM
     return Product.DEQUANTIZED
 
@@ -229,7 +231,7 @@ class Fp8Linear(nn.Module):
     def tensor_cores(self) -> bool:
         """Whether the products past the streamed range run on the FP8 tensor cores: one scale per output channel,
         dimensions that are multiples of 16, a device that has them."""
-        return (self.weight.is_cuda and self.weight_scale.shape[1] == 1 and _tensor_core_dims(self.in_features,
+        return (self.weight.is_cuda and self.weight_scale.shape[1] == 1 and tensor_core_dims(self.in_features,
                 self.out_features) and scaled_mm_available(self.weight.device))
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -367,17 +369,26 @@ def per_channel_for_tensor_cores_(net: nn.Module) -> nn.Module:
     return net
 
 
+def quantize_linears_(module: nn.Module, skip: Callable[[str, nn.Linear], bool] | None = None) -> list[Fp8Linear]:
+    """Swap every ``nn.Linear`` of ``module`` for an ``Fp8Linear`` (per-channel scales), in place, except those
+    ``skip(path, layer)`` holds for; returns the layers swapped in. Layers already in FP8 are left alone."""
+    swapped = []
+    for path, linear in list(module.named_modules()):
+        if isinstance(linear, nn.Linear) and not (skip and skip(path, linear)):
+            swapped.append(Fp8Linear.from_linear(linear))
+            _replace(module, path, swapped[-1])
+    return swapped
+
+
 def quantize_decoder_(net: nn.Module) -> nn.Module:
     """Swap every linear layer of ``net.model.layers`` for an ``Fp8Linear`` (per-channel scales) and quantise the
     stacked MoE experts (``quantize_fp8_``), in place. Embeddings, norms, the LM head and MoE routers stay as
     they are (small, and the router's choices are sensitive). Layers already in FP8 are left alone."""
-    for layer in net.model.layers:
-        routers = {id(m.gate) for m in layer.modules()
-                   if hasattr(m, "experts") and isinstance(getattr(m, "gate", None), nn.Linear)}
-        for path, module in list(layer.named_modules()):
-            if isinstance(module, nn.Linear) and id(module) not in routers:
-                _replace(layer, path, Fp8Linear.from_linear(module))
-            elif hasattr(module, "quantize_fp8_"):
-                module.quantize_fp8_()
+    layers = net.model.layers
+    routers = {id(m.gate) for m in layers.modules()
+               if hasattr(m, "experts") and isinstance(getattr(m, "gate", None), nn.Linear)}
+    quantize_linears_(layers, skip=lambda _, linear: id(linear) in routers)
+    for module in layers.modules():
+        if hasattr(module, "quantize_fp8_"):
+            module.quantize_fp8_()
     return net
-

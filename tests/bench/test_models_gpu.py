@@ -4,9 +4,12 @@ import json
 
 import pytest
 
+import torch
+
+from bench.models_gpu import MODELS, main, parse, weight_count
 from bench.models_gpu import QWEN2_5_OMNI as SHAPES
-from bench.models_gpu import main
 from bench.models_gpu import qwen2_5_omni_config as omni_config
+from metronome.models.fp8 import Fp8Linear
 
 
 def test_smoke_run_reports_the_tick_split_and_writes_json(tmp_path, monkeypatch):
@@ -22,6 +25,25 @@ def test_smoke_run_reports_the_tick_split_and_writes_json(tmp_path, monkeypatch)
         assert 0 < r["features_ms"] <= r["encoder_ms"] < r["tick_ms"]
         assert r["prefill_ms"] > 0 and r["decode_ms"] > 0
         assert r["tick_ms"] >= r["encoder_ms"] + r["prefill_ms"] * 0.5
+
+
+def encoder(arm):
+    return arm.frontend.encoder
+
+
+@pytest.mark.parametrize("model, tower", [("qwen2_5_omni", encoder), ("qwen3_omni", encoder),
+                                          ("minicpm_o", lambda arm: arm.tower)])
+def test_fp8_quantises_the_audio_tower_as_the_worker_does_unless_bf16_tower(model, tower):
+    towers = []
+    for extra in ([], ["--bf16-tower"]):
+        args = parse(["--model", model, "--smoke", "--quantization", "fp8", "--layer-tokens", "", *extra])
+        arm = MODELS[model].arm(args, torch.device("cpu"))
+        towers.append(tower(arm))
+        arm.close()
+    fp8, plain = towers
+    assert any(isinstance(m, Fp8Linear) for m in fp8.modules())
+    assert not any(isinstance(m, Fp8Linear) for m in plain.modules())
+    assert weight_count(fp8) == weight_count(plain) > 0      # the E4M3 codes are counted as weights
 
 
 def test_the_real_shape_is_the_published_7b_thinker():

@@ -65,6 +65,22 @@ def test_fp8_linear_on_the_cpu_is_the_dequantised_product():
         assert torch.equal(layer(x), want)
 
 
+def test_quantize_linears_swaps_every_linear_but_the_skipped_and_leaves_fp8_ones():
+    g = torch.Generator().manual_seed(3)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.ReLU(),
+                              torch.nn.Sequential(torch.nn.Linear(48, 16, bias=False), torch.nn.Linear(16, 8)))
+    x = torch.randn(4, 32, generator=g)
+    want = [m.weight.detach().clone() for m in (net[0], net[2][0])]
+    swapped = fp8.quantize_linears_(net, skip=lambda path, layer: path == "2.1")
+    assert swapped == [net[0], net[2][0]] and all(isinstance(m, Fp8Linear) for m in swapped)
+    assert type(net[2][1]) is torch.nn.Linear and net[2][0].bias is None
+    for layer, w in zip(swapped, want):   # each layer's own weight, within the E4M3 bound
+        assert ((layer.dequantized() - w).abs() <= w.abs() * 2 ** -4 + layer.weight_scale * 2 ** -10).all()
+    out = net(x)
+    assert fp8.quantize_linears_(net, skip=lambda path, layer: path == "2.1") == []   # FP8 layers are left alone
+    assert torch.equal(net(x), out)
+
+
 def test_fused_layers_concatenate_any_layouts():
     g = torch.Generator().manual_seed(2)
     parts = [torch.nn.Linear(64, n, bias=True) for n in (48, 16, 16)]

@@ -194,7 +194,7 @@ class MiniCpmoAdapter(ChatSessionAdapter):
         from metronome.models.weights import read_config
 
         tower = AudioTower.from_checkpoint(context.checkpoint, read_config(context.checkpoint), context.dtype,
-                                           context.device)
+                                           context.device, quantization=context.quantization)
         return cls(context.tokenizer, tower, context.embed, max_input_tokens=context.max_input_tokens, **kwargs)
 
     # ------------------------------------------------------------------ sessions

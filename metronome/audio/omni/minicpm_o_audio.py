@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from metronome.audio.omni.tower_fp8 import quantize_tower_
 from metronome.audio.omni.whisper_log_mel import WhisperLogMel
 from metronome.errors import ConfigError
 
@@ -100,15 +101,16 @@ class AudioTower(nn.Module):
         self.audio_avg_pooler = nn.AvgPool1d(spec.pool_step, stride=spec.pool_step)
 
     @classmethod
-    def from_checkpoint(cls, checkpoint: Path, config: dict, dtype: torch.dtype,
-                        device: torch.device | str) -> "AudioTower":
+    def from_checkpoint(cls, checkpoint: Path, config: dict, dtype: torch.dtype, device: torch.device | str,
+                        quantization: str | None = None) -> "AudioTower":
+        """The checkpoint's tower; ``quantization="fp8"``: its Whisper layers' linear layers in FP8 (``tower_fp8``)."""
         from metronome.models.weights import fill_weights
 
         with torch.device("meta"):   # no random init of 300M parameters that are overwritten at once
             tower = cls(AudioSpec.from_config(config))
         tower = tower.to_empty(device=device).to(dtype)
         fill_weights(tower, checkpoint, lambda name: name if name.startswith(AUDIO_PREFIXES) else None)
-        return tower.eval().requires_grad_(False)
+        return quantize_tower_(tower.eval().requires_grad_(False), quantization)
 
     def encode(self, mel: torch.Tensor) -> torch.Tensor:
         """Whisper over whole chunks: [n, mel_bins, frames] → last hidden state [n, frames/2, d_model].

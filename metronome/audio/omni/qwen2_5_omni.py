@@ -119,15 +119,18 @@ class AudioFrontEnd(thinker.TowerFrontEnd):
     floor per clip), but only over the clip itself plus one FFT window instead of 30 s.
     """
 
-    def __init__(self, encoder: nn.Module, feature_extractor, device: torch.device | str, dtype: torch.dtype) -> None:
-        super().__init__(encoder, feature_extractor, device, dtype)
+    def __init__(self, encoder: nn.Module, feature_extractor, device: torch.device | str, dtype: torch.dtype,
+                 quantization: str | None = None) -> None:
+        super().__init__(encoder, feature_extractor, device, dtype, quantization)
         self.block_frames = 2 * int(encoder.config.n_window)   # the encoder's attention window
         self.block_samples = self.block_frames * self.hop
 
     @classmethod
-    def from_checkpoint(cls, checkpoint: Path, config: dict, device, dtype, packed: bool = True) -> "AudioFrontEnd":
+    def from_checkpoint(cls, checkpoint: Path, config: dict, device, dtype, packed: bool = True,
+                        quantization: str | None = None) -> "AudioFrontEnd":
         encoder = load_audio_encoder(checkpoint, config, device, dtype, packed)
-        return cls(encoder, feature_extractor_for(checkpoint, encoder.config.num_mel_bins), device, dtype)
+        return cls(encoder, feature_extractor_for(checkpoint, encoder.config.num_mel_bins), device, dtype,
+                   quantization)
 
     def frames(self, samples: int) -> int:
         """Mel frames of a clip of ``samples`` (the processor's attention-mask count)."""
@@ -222,7 +225,8 @@ def build_adapter(context: AdapterContext) -> Qwen25OmniAdapter:
         raise ConfigError("the qwen2_5_omni adapter loads its audio encoder from the checkpoint directory; "
                           "this engine was built from a model object")
     config = read_config(Path(context.checkpoint))
-    frontend = AudioFrontEnd.from_checkpoint(Path(context.checkpoint), config, context.device, context.dtype)
+    frontend = AudioFrontEnd.from_checkpoint(Path(context.checkpoint), config, context.device, context.dtype,
+                                             quantization=context.quantization)
     if frontend.sample_rate != SAMPLE_RATE:
         log.info("qwen2_5_omni feature extractor runs at %d Hz", frontend.sample_rate)
     return Qwen25OmniAdapter(context.tokenizer, frontend, AudioMarkers.from_config(config), context.embed,

@@ -152,19 +152,22 @@ class TowerLayout:
 class AudioFrontEnd(thinker.TowerFrontEnd):
     """Whisper features + the audio tower over a batch of clips: ``encode(clips)`` → one [n_i, hidden] each."""
 
-    def __init__(self, encoder: nn.Module, feature_extractor, device: torch.device | str, dtype: torch.dtype) -> None:
-        super().__init__(encoder, feature_extractor, device, dtype)
+    def __init__(self, encoder: nn.Module, feature_extractor, device: torch.device | str, dtype: torch.dtype,
+                 quantization: str | None = None) -> None:
+        super().__init__(encoder, feature_extractor, device, dtype, quantization)
         self.n_window = int(encoder.config.n_window)
         self.block_samples = 2 * self.n_window * self.hop         # one conv chunk: 1 s
         self.tokens_per_block = output_tokens(2 * self.n_window, self.n_window)
 
     @classmethod
-    def from_checkpoint(cls, checkpoint: Path, config: dict, device, dtype, batched: bool = True) -> "AudioFrontEnd":
+    def from_checkpoint(cls, checkpoint: Path, config: dict, device, dtype, batched: bool = True,
+                        quantization: str | None = None) -> "AudioFrontEnd":
         from metronome.models.weights import fill_weights
 
         encoder = build_audio_encoder(audio_config(config), device, dtype, batched)
         fill_weights(encoder, Path(checkpoint), audio_tower_weight_name)
-        return cls(encoder, feature_extractor_for(checkpoint, encoder.config.num_mel_bins), device, dtype)
+        return cls(encoder, feature_extractor_for(checkpoint, encoder.config.num_mel_bins), device, dtype,
+                   quantization)
 
     def tokens_for_frames(self, frames: int) -> int:
         return output_tokens(frames, self.n_window)
@@ -263,6 +266,7 @@ def build_adapter(context: AdapterContext) -> Qwen3OmniAdapter:
         raise ConfigError("the qwen3_omni adapter loads its audio encoder from the checkpoint directory; "
                           "this engine was built from a model object")
     config = read_config(Path(context.checkpoint))
-    frontend = AudioFrontEnd.from_checkpoint(Path(context.checkpoint), config, context.device, context.dtype)
+    frontend = AudioFrontEnd.from_checkpoint(Path(context.checkpoint), config, context.device, context.dtype,
+                                             quantization=context.quantization)
     return Qwen3OmniAdapter(context.tokenizer, frontend, AudioMarkers.resolve(config, context.tokenizer),
                             context.embed, max_input_tokens=context.max_input_tokens)

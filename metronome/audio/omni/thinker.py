@@ -45,6 +45,7 @@ from metronome.audio.adapter import TickAudio
 from metronome.audio.chat import ChatTemplate
 from metronome.audio.detokenize import IncrementalDetokenizer
 from metronome.audio.omni.chat_session import ChatSession, ChatSessionAdapter
+from metronome.audio.omni.tower_fp8 import quantize_tower_
 from metronome.audio.omni.whisper_log_mel import WhisperLogMel
 from metronome.audio.turns import answer_close, default_stop_tokens, session_header
 from metronome.device_copy import to_device
@@ -148,10 +149,12 @@ class TowerFrontEnd:
     A model's subclass computes the features its processor would (``extract``), says how many embeddings
     its encoder makes of a clip (``tokens_for_frames``, ``tokens``) and how much of a partial block a
     commit can hear (``flush_samples``); ``run_tower`` is the one encoder call over every clip of a tick.
+    ``quantization="fp8"`` swaps the encoder's block linear layers for FP8 ones, in place (``tower_fp8``).
     """
 
-    def __init__(self, encoder: nn.Module, feature_extractor, device: torch.device | str, dtype: torch.dtype) -> None:
-        self.encoder = encoder
+    def __init__(self, encoder: nn.Module, feature_extractor, device: torch.device | str, dtype: torch.dtype,
+                 quantization: str | None = None) -> None:
+        self.encoder = quantize_tower_(encoder, quantization)
         self.features = feature_extractor
         self.device = torch.device(device)
         self.dtype = dtype

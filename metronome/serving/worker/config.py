@@ -75,7 +75,7 @@ def adapter_context(config: WorkerConfig, engine: Engine) -> AdapterContext:
         tokenizer=engine.tokenizer, checkpoint=engine.checkpoint, embed=engine.model.embed,
         device=engine.device, dtype=DTYPES[engine.config.dtype],
         max_input_tokens=config.max_input_tokens, budget_ms=config.budget_ms,
-        compute_logits=engine.model.compute_logits, voice=config.voice)
+        compute_logits=engine.model.compute_logits, voice=config.voice, quantization=engine.config.quantization)
 
 
 def make_adapter(config: WorkerConfig, engine: Engine) -> InteractionAdapter:

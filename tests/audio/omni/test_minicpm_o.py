@@ -18,6 +18,8 @@ The reference follows OpenBMB's published MiniCPM-o 4.5 code (``modeling_minicpm
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import grpc
 import numpy as np
 import pytest
@@ -27,9 +29,11 @@ from metronome import Engine, EngineConfig, KVPolicy, StepInput
 from metronome.audio.adapter import AdapterContext, TickAudio
 from metronome.audio.omni.minicpm_o import DEFAULT_SYSTEM, THINK_OFF, MiniCpmoAdapter, build_adapter
 from metronome.audio.pcm import encode_pcm16
+from metronome.models.fp8 import Fp8Linear
 from metronome.serving.proto import worker_pb2 as pb
 from metronome.serving.proto import worker_pb2_grpc
 from metronome.serving.worker import WorkerConfig, serve_worker
+from tests.audio.omni.test_tower_fp8 import TOWER_BOUND, relative_error
 from tests.models.omni.test_minicpm_o import build_checkpoint
 
 RESPOND = "<|im_end|>\n<|im_start|>assistant\n" + THINK_OFF
@@ -133,6 +137,17 @@ def test_chunks_of_a_batch_are_encoded_independently(adapter):
         both = adapter.tower(adapter.mel([a, b]))
         alone = adapter.tower(adapter.mel([b]))
     torch.testing.assert_close(both[1], alone[0], rtol=1e-5, atol=1e-5)
+
+
+def test_an_fp8_context_gets_an_fp8_audio_tower(engine, adapter):
+    fp8 = build_adapter(replace(context(engine), quantization="fp8")).tower
+    assert not any(isinstance(m, Fp8Linear) for m in adapter.tower.modules())
+    assert isinstance(fp8.apm.layers[1].self_attn.v_proj, Fp8Linear) and isinstance(fp8.apm.layers[0].fc2, Fp8Linear)
+    assert all(type(m) is torch.nn.Linear for m in (fp8.audio_projection_layer.linear1,
+                                                    fp8.audio_projection_layer.linear2))
+    mel = adapter.mel([speech_like(1.0, seed=6), speech_like(1.0, seed=7)])
+    with torch.no_grad():
+        assert 0 < relative_error(fp8(mel), adapter.tower(mel)) < TOWER_BOUND
 
 
 # ------------------------------------------------------------------------------------------ full path

@@ -14,10 +14,12 @@ from metronome.audio.omni.qwen2_5_omni import (AudioFrontEnd, AudioMarkers, Qwen
                                                feature_extractor_for, packed_sdpa)
 from metronome.audio.pcm import encode_pcm16
 from metronome.errors import ConfigError, ModelLoadError
+from metronome.models.fp8 import Fp8Linear
 from metronome.models.loader import read_config
 from metronome.serving.proto import worker_pb2 as pb
 from metronome.serving.proto import worker_pb2_grpc
 from metronome.serving.worker import WorkerConfig, serve_worker
+from tests.audio.omni.test_tower_fp8 import TOWER_BOUND, relative_error
 
 SYSTEM = "You are a test."
 INSTRUCTION = "Describe it."
@@ -312,6 +314,23 @@ def test_build_adapter_needs_a_checkpoint(omni, engine):
                              device=torch.device("cpu"), dtype=torch.float32, max_input_tokens=512, budget_ms=2000.0)
     with pytest.raises(ConfigError, match="checkpoint"):
         build_adapter(context)
+
+
+def test_an_fp8_context_gets_an_fp8_audio_tower(omni, engine):
+    path, _, _ = omni
+
+    def built(quantization):
+        return build_adapter(AdapterContext(tokenizer=engine.tokenizer, checkpoint=path, embed=engine.model.embed,
+                                            device=torch.device("cpu"), dtype=torch.float32, max_input_tokens=512,
+                                            budget_ms=2000.0, quantization=quantization)).frontend
+
+    plain, fp8 = built(None), built("fp8")
+    assert not any(isinstance(m, Fp8Linear) for m in plain.encoder.modules())
+    assert isinstance(fp8.encoder.layers[1].self_attn.q_proj, Fp8Linear) and isinstance(fp8.encoder.layers[0].fc2,
+                                                                                         Fp8Linear)
+    assert type(fp8.encoder.proj) is torch.nn.Linear
+    clips = [speech_like(2.0, 1), speech_like(0.7, 2)]
+    assert 0 < relative_error(torch.cat(fp8.encode(clips)), torch.cat(plain.encode(clips))) < TOWER_BOUND
 
 
 async def test_worker_serves_audio_end_to_end(omni, engine):

@@ -15,6 +15,8 @@ from metronome.audio.pcm import encode_pcm16
 from metronome.config import EngineConfig, KVPolicy
 from metronome.engine.engine import Engine
 from metronome.engine.request import StepInput
+from metronome.models.fp8 import Fp8Linear
+from tests.audio.omni.test_tower_fp8 import TOWER_BOUND, relative_error
 from tests.models.omni.test_qwen3_omni import make_qwen3_omni
 
 RATE = 16000
@@ -39,9 +41,10 @@ def engine(omni):
                                policy=KVPolicy(sinks=4, window=512, block_size=8, positions="absolute")))
 
 
-def _adapter(engine, **kwargs) -> Qwen3OmniAdapter:
+def _adapter(engine, quantization: str | None = None, **kwargs) -> Qwen3OmniAdapter:
     context = AdapterContext(tokenizer=engine.tokenizer, checkpoint=engine.checkpoint, embed=engine.model.embed,
-                             device=torch.device("cpu"), dtype=torch.float32, max_input_tokens=256, budget_ms=2000.0)
+                             device=torch.device("cpu"), dtype=torch.float32, max_input_tokens=256, budget_ms=2000.0,
+                             quantization=quantization)
     adapter = build_adapter(context)
     for key, value in kwargs.items():
         setattr(adapter, key, value)
@@ -135,6 +138,16 @@ def test_encoder_outputs_equal_the_audio_tower(omni, engine):
     whole = frontend.encode([clips[0], clips[2]])   # every chunk whole: the padded chunks are a reshape
     for got, want in zip(whole, (ours[0], ours[2])):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_an_fp8_context_gets_an_fp8_audio_tower(engine):
+    plain, fp8 = _adapter(engine).frontend, _adapter(engine, quantization="fp8").frontend
+    assert not any(isinstance(m, Fp8Linear) for m in plain.encoder.modules())
+    assert isinstance(fp8.encoder.layers[1].self_attn.k_proj, Fp8Linear) and isinstance(fp8.encoder.layers[0].fc1,
+                                                                                         Fp8Linear)
+    assert all(type(m) is torch.nn.Linear for m in (fp8.encoder.conv_out, fp8.encoder.proj1, fp8.encoder.proj2))
+    clips = [speech_like(2.0, seed=1), speech_like(1.0, seed=2)]
+    assert 0 < relative_error(torch.cat(fp8.encode(clips)), torch.cat(plain.encode(clips))) < TOWER_BOUND
 
 
 def test_free_running_prompt_matches_transformers_with_input_features(omni, engine):
