@@ -125,17 +125,21 @@ def load_kernel(directory: Path | None = None) -> CpuDecodeKernel:
     return CpuDecodeKernel(load_library(directory))
 
 
-def kernel_for(choice: str, library: NativeLibrary | None, dtype: torch.dtype,
-               head_dim: int) -> tuple[CpuDecodeKernel | None, str]:
-    """What ``EngineConfig.cpu_attention`` gives KV pages of ``dtype`` and a model's ``head_dim``, with the engine's C
-    kernels (``library``; None where they could not be built): the kernel or None, and a line saying which and
-    why. SDPA where asked, where there is no library, or where the kernel does not take the dtype or head dim."""
+def kernel_for(choice: str, library: NativeLibrary | None, dtype: torch.dtype, head_dim: int,
+               kv_dtype: torch.dtype | None = None) -> tuple[CpuDecodeKernel | None, str]:
+    """What ``EngineConfig.cpu_attention`` gives a model of ``dtype`` and ``head_dim`` over KV pages of ``kv_dtype``
+    (None: ``dtype``), with the engine's C kernels (``library``; None where they could not be built): the kernel or
+    None, and a line saying which and why. SDPA where asked, where there is no library, or where the kernel does not
+    take the dtypes or head dim."""
+    kv_dtype = kv_dtype or dtype
     if choice == "sdpa":
         return None, "decode attention: SDPA (as asked)"
     if library is None:
         return None, "decode attention: SDPA (the C kernels are not available; the warning above says why)"
     kernel = CpuDecodeKernel(library)
-    if not kernel.supports(dtype, head_dim):
-        return None, (f"decode attention: SDPA (the C kernel takes float32, bfloat16 or E4M3 keys with a head dim that "
-                      f"is a multiple of {kernel.vector_width}; this model has {dtype} and {head_dim})")
+    if dtype not in DTYPES or kv_dtype not in (dtype, E4M3) or not kernel.supports(kv_dtype, head_dim):
+        pages = "" if kv_dtype == dtype else f" over {kv_dtype} pages"
+        return None, (f"decode attention: SDPA (the C kernel takes float32 or bfloat16, over pages of that dtype or "
+                      f"E4M3, with a head dim that is a multiple of {kernel.vector_width}; this model has {dtype} and "
+                      f"{head_dim}{pages})")
     return kernel, f"decode attention: C kernel ({library.vector_width * 32}-bit vectors, {library.path.name})"

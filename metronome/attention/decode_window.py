@@ -244,10 +244,11 @@ class DecodeWindow:
             scale = self.scale if self.scale is not None else head_dim ** -0.5
             o = self.kernel(grouped, k_buf, v_buf, plan.mask.view(n, plan.width), scale, kv_scale)
         else:
-            k, v = k_buf[:n, :, :plan.width].to(query.dtype), v_buf[:n, :, :plan.width].to(query.dtype)
-            if kv_scale is not None:
-                k, v = (x * s[:, None, None].to(query.dtype) for x, s in ((k, kv_scale[0]), (v, kv_scale[1])))
-            o = F.scaled_dot_product_attention(grouped, k, v, attn_mask=plan.mask, scale=self.scale)
+            k, v = k_buf[:n, :, :plan.width], v_buf[:n, :, :plan.width]
+            if kv_scale is not None:   # dequantised as the reference does it
+                k, v = (x.float() * s[:, None, None] for x, s in ((k, kv_scale[0]), (v, kv_scale[1])))
+            o = F.scaled_dot_product_attention(grouped, k.to(query.dtype), v.to(query.dtype), attn_mask=plan.mask,
+                                               scale=self.scale)
         return o.reshape(n, heads, head_dim)
 
 

@@ -54,24 +54,36 @@ static inline void lane_sums8(const vf *a, float *out) { for (int u = 0; u < 8; 
 
 /* E4M3 codes to float32. An E4M3 code's bits moved into a float16's (sign to bit 15, the rest shifted 7 up) are a
    float16 of the value times 2^-8, subnormals included (float16 keeps 2^-17 exactly), and the CPU widens float16
-   to float32 in one instruction. */
+   to float32 in one instruction; the NaN codes (0x7f, 0xff) become a float16 NaN. */
+#if defined(__AVX512BW__)
+static inline __m512i e4m3_as_f16(__m256i codes) {
+    __m512i x = _mm512_cvtepu8_epi16(codes), t = _mm512_slli_epi16(x, 7);
+    t = _mm512_add_epi16(t, _mm512_and_si512(t, _mm512_set1_epi16(0x4000)));     /* bit 14 (the sign) to 15 */
+    __mmask32 nan = _mm512_cmpeq_epi16_mask(_mm512_and_si512(x, _mm512_set1_epi16(0x7f)), _mm512_set1_epi16(0x7f));
+    return _mm512_mask_mov_epi16(t, nan, _mm512_set1_epi16(0x7e00));
+}
+#elif defined(__AVX2__) && defined(__F16C__)
+static inline __m256i e4m3_as_f16(__m128i codes) {
+    __m256i x = _mm256_cvtepu8_epi16(codes), t = _mm256_slli_epi16(x, 7);
+    t = _mm256_add_epi16(t, _mm256_and_si256(t, _mm256_set1_epi16(0x4000)));
+    __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7f)), _mm256_set1_epi16(0x7f));
+    return _mm256_blendv_epi8(t, _mm256_set1_epi16(0x7e00), nan);
+}
+#endif
+
 static void e4m3_to_f32_rows(const uint8_t *p, long total, float *out) {
     long e = 0;
 #if defined(__AVX512BW__)
     const __m512 up = _mm512_set1_ps(256.f);
-    const __m512i sign = _mm512_set1_epi16(0x4000);
     for (; e + 32 <= total; e += 32) {
-        __m512i t = _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(p + e))), 7);
-        t = _mm512_add_epi16(t, _mm512_and_si512(t, sign));        /* bit 14 (the sign) carried to 15 */
+        __m512i t = e4m3_as_f16(_mm256_loadu_si256((const __m256i *)(p + e)));
         _mm512_storeu_ps(out + e, _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(t)), up));
         _mm512_storeu_ps(out + e + 16, _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(t, 1)), up));
     }
 #elif defined(__AVX2__) && defined(__F16C__)
     const __m256 up = _mm256_set1_ps(256.f);
-    const __m256i sign = _mm256_set1_epi16(0x4000);
     for (; e + 16 <= total; e += 16) {
-        __m256i t = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(p + e))), 7);
-        t = _mm256_add_epi16(t, _mm256_and_si256(t, sign));
+        __m256i t = e4m3_as_f16(_mm_loadu_si128((const __m128i *)(p + e)));
         _mm256_storeu_ps(out + e, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(t)), up));
         _mm256_storeu_ps(out + e + 8, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(t, 1)), up));
     }
@@ -97,15 +109,15 @@ static inline const float *rows_f32(const void *base, int kind, long first, int 
 #if defined(__AVX512BF16__)
 /* E4M3 codes as bfloat16 of the values times 2^-8 (exact: E4M3 has 3 mantissa bits), through float16 as above. */
 static void e4m3_to_bf16_rows(const uint8_t *p, long total, uint16_t *out) {
-    const __m512i sign = _mm512_set1_epi16(0x4000);
     long e = 0;
+#if defined(__AVX512BW__)
     for (; e + 32 <= total; e += 32) {
-        __m512i t = _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(p + e))), 7);
-        t = _mm512_add_epi16(t, _mm512_and_si512(t, sign));
+        __m512i t = e4m3_as_f16(_mm256_loadu_si256((const __m256i *)(p + e)));
         __m512bh b = _mm512_cvtne2ps_pbh(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(t, 1)),
                                          _mm512_cvtph_ps(_mm512_castsi512_si256(t)));
         _mm512_storeu_si512(out + e, (__m512i)b);
     }
+#endif
     for (; e < total; e++) out[e] = f32_to_bf16(e4m3_to_f32(p[e]) * 0x1p-8f);
 }
 

@@ -12,12 +12,13 @@ static inline uint16_t f32_to_bf16(float f) {   /* round to nearest even, NaN ke
 }
 
 /* An E4M3 (float8_e4m3fn) code as float32: normal codes rebias the exponent (7 -> 127), subnormal ones are
-   m * 2^-9; branch-free, so loops of it vectorise. 0x7f / 0xff (NaN) read as 480: the caches never hold them. */
+   m * 2^-9, 0x7f / 0xff are NaN (a NaN key or value reaches the output, as with bfloat16 pages). */
 static inline float e4m3_to_f32(uint8_t x) {
     uint32_t em = x & 0x7fu, sign = (uint32_t)(x & 0x80u) << 24;
     union { uint32_t u; float f; } normal = { .u = sign | ((em << 20) + (120u << 23)) };
     union { float f; uint32_t u; } small = { .f = (float)em * 0x1p-9f };
     small.u |= sign;
+    if (em == 0x7fu) normal.u = 0x7fc00000u | sign;
     return em >= 8 ? normal.f : small.f;
 }
 

@@ -118,7 +118,7 @@ class ModelRunner:
         max_live = blocks_per_session(config.policy, 1, self.spec.max_position_embeddings) * self.block_size
         self.decode_window = None
         if isinstance(self.attention, TorchPagedAttention) and self.device.type == "cpu":
-            kernel, line = kernel_for(config.cpu_attention, cpu_kernels, self.kv_dtype, self.spec.head_dim)
+            kernel, line = kernel_for(config.cpu_attention, cpu_kernels, self.dtype, self.spec.head_dim, self.kv_dtype)
             log.info(line)
             self.attention.kernel = kernel     # prefills write their K/V through its row scatter too
             self.decode_window = DecodeWindow(self.kv_caches, self.spec.num_heads, max_live_keys=max_live,

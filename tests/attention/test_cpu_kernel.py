@@ -71,18 +71,22 @@ def test_e4m3_keys_and_values_match_a_float64_softmax_of_their_values(kernel, dt
     torch.testing.assert_close(out.double(), oracle(q, k_values, v_values, mask, dim ** -0.5), atol=tol, rtol=tol)
 
 
-def test_every_e4m3_code_reads_as_torchs_cast(kernel):
-    """One key: its weight is exactly 1, so the output is the value row times its scale, exactly. Every code but
-    the two NaNs (0x7f, 0xff), subnormals and both zeros included, in the values of four sessions."""
-    dim = 64
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 48])
+def test_every_e4m3_code_reads_as_torchs_cast(kernel, dtype, dim):
+    """One key: its weight is exactly 1, so the output is the value row times its scale, exactly: every code,
+    subnormals, both zeros and both NaNs (which reach the output, as a NaN in bf16 pages does) included. A head dim
+    of 48 leaves a tail shorter than a vector for the scalar conversion."""
     if not kernel.supports(E4M3, dim):
         pytest.skip(f"head dim {dim} is not a multiple of this CPU's vector width {kernel.vector_width}")
-    codes = torch.tensor([c for c in range(256) if c not in (0x7F, 0xFF)] + [0, 0], dtype=torch.uint8)
-    v = codes.view(E4M3).view(4, 1, 1, dim)
-    k = torch.zeros_like(v)
+    rows = -(-256 // dim)
+    codes = torch.cat([torch.arange(256), torch.zeros(rows * dim - 256, dtype=torch.long)]).to(torch.uint8)
+    v = codes.view(E4M3).view(rows, 1, 1, dim)
     kv_scale = torch.tensor([[1.0], [0.5]])
-    out = kernel(torch.ones(4, 1, 1, dim), k, v, torch.ones(4, 1, dtype=torch.bool), 0.125, kv_scale)
-    assert torch.equal(out, v.float() * 0.5)
+    out = kernel(torch.ones(rows, 1, 1, dim, dtype=dtype), torch.zeros_like(v), v,
+                 torch.ones(rows, 1, dtype=torch.bool), 0.125, kv_scale)
+    assert out.dtype == dtype and int(out.float().isnan().sum()) == 2
+    torch.testing.assert_close(out.float(), v.float() * 0.5, rtol=0, atol=0, equal_nan=True)
 
 
 def test_e4m3_pages_without_their_scales_are_refused(kernel):
@@ -148,6 +152,15 @@ def test_without_the_c_kernels_or_when_asked_the_rounds_attend_with_sdpa(kernel)
     assert kernel_for("auto", None, torch.float32, 64) == (
         None, "decode attention: SDPA (the C kernels are not available; the warning above says why)")
     assert kernel_for("sdpa", kernel.library, torch.float32, 64) == (None, "decode attention: SDPA (as asked)")
+
+
+def test_e4m3_pages_take_the_kernel_under_float32_or_bfloat16_models_only(kernel):
+    dim = 4 * kernel.vector_width
+    for dtype in (torch.float32, torch.bfloat16):
+        assert kernel_for("auto", kernel.library, dtype, dim, E4M3)[0] is not None
+    taken, line = kernel_for("auto", kernel.library, torch.float16, dim, E4M3)
+    assert taken is None and "SDPA" in line and "over torch.float8_e4m3fn pages" in line
+    assert kernel_for("auto", kernel.library, torch.float32, dim, torch.bfloat16)[0] is None
 
 
 def test_a_model_the_kernel_does_not_take_attends_with_sdpa_and_the_line_says_so(kernel):

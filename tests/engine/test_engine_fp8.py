@@ -113,15 +113,18 @@ def test_triton_kernel_matches_the_reference_backend(checkpoints):
                                atol=1e-4, rtol=1e-4)
 
 
-def test_cpu_decode_rounds_over_e4m3_pages_attend_in_the_window_as_the_reference_does(checkpoints):
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_cpu_decode_rounds_over_e4m3_pages_attend_in_the_window_as_the_reference_does(checkpoints, dtype):
     """On the CPU the decode rounds over E4M3 pages go through the step's decode window (codes gathered once, the
-    scales applied by the attention); the same sessions through the reference (every round gathered and dequantised)
-    get the same tokens and, up to float32 sums, the same log-probabilities."""
+    scales applied by the C kernel, or by SDPA for a float16 model, which the kernel does not take); the same sessions
+    through the reference (every round gathered and dequantised) get the same tokens and, up to sums, the same
+    log-probabilities."""
     path, _ = checkpoints["qwen3"]
     runs = []
     for windowed in (True, False):
-        engine = make_engine(path)
+        engine = make_engine(path, dtype=dtype)
         assert engine.runner.decode_window is not None
+        assert (engine.runner.decode_window.kernel is None) == (dtype == "float16")
         if not windowed:
             engine.runner.decode_window = None
         runs.append(drive(engine, random.Random(5), 6))
