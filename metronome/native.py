@@ -100,6 +100,9 @@ def load_library(directory: Path | None = None) -> NativeLibrary:
     cdll.metronome_decode_attention.argtypes = (
         [ctypes.c_int] * 7 + [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2
         + [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_int])
+    cdll.metronome_e4m3_dequantize.restype = ctypes.c_int
+    cdll.metronome_e4m3_dequantize.argtypes = ([ctypes.c_long] + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 3
+                                               + [ctypes.c_int] * 2)
     cdll.metronome_scatter_rows.restype = ctypes.c_int
     cdll.metronome_scatter_rows.argtypes = ([ctypes.c_int] * 2 + [ctypes.c_long, ctypes.c_void_p] + [ctypes.c_long] * 2
                                             + [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p])

@@ -81,6 +81,22 @@ class CpuDecodeKernel:
                 else ValueError(f"the CPU attention kernel refused its inputs (code {failed})")
         return out
 
+    def dequantize(self, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """E4M3 ``codes`` [..., heads, dim] (contiguous) times ``scale`` [heads] (float32) in ``dtype``, as
+        ``(codes.float() * scale[:, None]).to(dtype)`` gives it; None where it does not apply (other dtypes or
+        layouts)."""
+        if not (codes.dtype == E4M3 and codes.device.type == "cpu" and codes.is_contiguous() and codes.dim() >= 2
+                and dtype in DTYPES and scale.dtype == torch.float32 and scale.shape == (codes.shape[-2],)):
+            return None
+        scale = scale.contiguous()
+        out = torch.empty(codes.shape, dtype=dtype)
+        heads, dim = codes.shape[-2:]
+        if self.library.cdll.metronome_e4m3_dequantize(codes.numel() // dim, heads, dim, codes.data_ptr(),
+                                                       scale.data_ptr(), out.data_ptr(), DTYPES[dtype],
+                                                       torch.get_num_threads()):
+            raise MemoryError("the CPU dequantiser could not allocate its scratch memory")
+        return out
+
     def scatter_rows_(self, rows: torch.Tensor, dest: torch.Tensor, index: torch.Tensor) -> bool:
         """``dest[index[t * heads + h]] = rows[t, h]`` for ``rows`` [T, heads, width] (each row's values
         contiguous, any token and head strides) into ``dest`` [R, width] (contiguous): a decode round's new keys or

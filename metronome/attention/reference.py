@@ -120,10 +120,11 @@ def plan_reference(meta: PagedAttentionMetadata, num_heads: int) -> ReferencePla
 
 def paged_attention_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               plan: ReferencePlan, scale: float | None = None,
-                              kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+                              kv_scale: torch.Tensor | None = None, dequantize=None) -> torch.Tensor:
     """Attention of ``query`` [T, heads, head_dim] over the paged cache; returns [T, heads, head_dim].
 
-    ``kv_scale`` [2, kv_heads]: E4M3 caches, dequantised per KV head as they are gathered.
+    ``kv_scale`` [2, kv_heads]: E4M3 caches, dequantised per KV head as they are gathered (by ``dequantize(codes,
+    scale, dtype)`` where given and it applies: the CPU kernels' ``CpuDecodeKernel.dequantize``, the same values).
     """
     kv_heads, head_dim = k_cache.shape[-2:]
     k_flat, v_flat = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
@@ -133,11 +134,10 @@ def paged_attention_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cach
         (n, qmax), kmax = g.q_index.shape, g.k_slots.shape[1]
         # index_select on flat indices: far faster on the CPU than multi-dimensional indexing.
         q = query.index_select(0, g.q_index.flatten()).view(n, qmax, heads, head_dim).transpose(1, 2)
-        k = k_flat.index_select(0, g.k_slots.flatten()).view(n, kmax, kv_heads, head_dim).transpose(1, 2)
-        v = v_flat.index_select(0, g.k_slots.flatten()).view(n, kmax, kv_heads, head_dim).transpose(1, 2)
+        k, v = (flat.index_select(0, g.k_slots.flatten()) for flat in (k_flat, v_flat))
         if kv_scale is not None:
-            k, v = k.float() * kv_scale[0, :, None, None], v.float() * kv_scale[1, :, None, None]
-        k, v = k.to(query.dtype), v.to(query.dtype)
+            k, v = (_dequantized(x, s, query.dtype, dequantize) for x, s in ((k, kv_scale[0]), (v, kv_scale[1])))
+        k, v = (x.to(query.dtype).view(n, kmax, kv_heads, head_dim).transpose(1, 2) for x in (k, v))
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask,
                                            scale=scale, enable_gqa=kv_heads != heads)
         o = o.transpose(1, 2).reshape(n * qmax, heads, head_dim)
@@ -146,6 +146,12 @@ def paged_attention_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cach
         else:
             out.index_copy_(0, g.q_rows, o.index_select(0, g.q_flat_valid))
     return out
+
+
+def _dequantized(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, dequantize) -> torch.Tensor:
+    """Gathered E4M3 rows [rows, kv_heads, head_dim] times their head's scale, in ``dtype``."""
+    out = dequantize(codes, scale, dtype) if dequantize is not None else None
+    return out if out is not None else (codes.float() * scale[:, None]).to(dtype)
 
 
 class TorchPagedAttention:
@@ -165,4 +171,5 @@ class TorchPagedAttention:
                  k_cache: torch.Tensor, v_cache: torch.Tensor, plan: ReferencePlan,
                  kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         write_kv(key, value, k_cache, v_cache, plan.meta.slot_mapping, kv_scale, self.kernel)
-        return paged_attention_reference(query, k_cache, v_cache, plan, self.scale, kv_scale)
+        return paged_attention_reference(query, k_cache, v_cache, plan, self.scale, kv_scale,
+                                         self.kernel.dequantize if self.kernel is not None else None)

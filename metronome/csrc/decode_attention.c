@@ -374,5 +374,39 @@ int metronome_decode_attention(int n, int kv_heads, int group, int dim, int widt
     return failed;
 }
 
+/* out[u, :] = codes[u, :] (E4M3) x scale[u % heads] for u < units rows of `dim` contiguous codes (an E4M3 page's
+   keys or values, [tokens, heads, dim]), as float32, or rounded once to bfloat16 (`bf16`): torch's
+   (codes.float() * scale).to(dtype), whose conversion from float8 runs an element at a time. Returns 0, or 2 when
+   scratch memory could not be allocated. */
+int metronome_e4m3_dequantize(long units, int heads, int dim, const uint8_t *codes, const float *scale, void *out,
+                              int bf16, int threads) {
+    int failed = 0;
+    #pragma omp parallel num_threads(threads) if (units * dim >= (1L << 18))
+    {
+        float *row = bf16 ? malloc(sizeof(float) * dim) : NULL;
+        if (bf16 && !row) {
+            #pragma omp atomic write
+            failed = 2;
+        }
+        #pragma omp for schedule(static)
+        for (long u = 0; u < units; u++) {
+            float s = scale[u % heads];
+            if (!bf16) {
+                float *dst = (float *)out + u * dim;
+                e4m3_to_f32_rows(codes + u * dim, dim, dst);
+                #pragma omp simd
+                for (int e = 0; e < dim; e++) dst[e] *= s;
+            } else if (row) {
+                uint16_t *dst = (uint16_t *)out + u * dim;
+                e4m3_to_f32_rows(codes + u * dim, dim, row);
+                #pragma omp simd
+                for (int e = 0; e < dim; e++) dst[e] = f32_to_bf16(row[e] * s);
+            }
+        }
+        free(row);
+    }
+    return failed;
+}
+
 /* Floats in one vector of the CPU this was built for: head_dim must be a multiple of it. */
 int metronome_vector_width(void) { return VL; }

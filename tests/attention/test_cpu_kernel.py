@@ -89,6 +89,42 @@ def test_every_e4m3_code_reads_as_torchs_cast(kernel, dtype, dim):
     torch.testing.assert_close(out.float(), v.float() * 0.5, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantized_e4m3_rows_are_torchs(kernel, dtype):
+    """Every code (NaNs included) of gathered rows [rows, heads, dim] times its head's scale, rounded once: the values
+    ``(codes.float() * scale).to(dtype)`` gives, which the reference computes elsewhere."""
+    gen = torch.Generator().manual_seed(4)
+    codes = torch.cat([torch.arange(256), torch.randint(0, 256, (3 * 5 * 48 - 256,), generator=gen)])
+    codes = codes.to(torch.uint8).view(E4M3).view(5, 3, 48)
+    scale = torch.rand(3, generator=gen) + 0.01
+    got = kernel.dequantize(codes, scale, dtype)
+    assert got.dtype == dtype and got.shape == codes.shape
+    torch.testing.assert_close(got, (codes.float() * scale[:, None]).to(dtype), rtol=0, atol=0, equal_nan=True)
+    assert kernel.dequantize(codes.transpose(0, 1), scale, dtype) is None      # not contiguous: the caller's torch
+    assert kernel.dequantize(codes, scale[:2], dtype) is None
+
+
+def test_the_reference_dequantises_e4m3_pages_through_the_kernel_to_the_same_output(kernel):
+    from tests.attention.test_reference import build_case
+    from metronome.attention.reference import paged_attention_reference, plan_reference
+
+    meta, query, k_cache, v_cache = build_case([(70, 26), (33, 1)], 4, 24, 4, heads=6, kv_heads=3, head_dim=32)[:4]
+    kv_scale = torch.tensor([[0.02, 0.05, 0.1], [0.03, 0.01, 0.2]])
+    k8, v8 = (to_e4m3(c.float(), s[:, None]) for c, s in ((k_cache, kv_scale[0]), (v_cache, kv_scale[1])))
+    plan = plan_reference(meta, 6)
+    calls = []
+
+    def counted(codes, scale, dtype):
+        calls.append(codes.shape)
+        return kernel.dequantize(codes, scale, dtype)
+
+    query = query.to(torch.bfloat16)
+    got = paged_attention_reference(query, k8, v8, plan, kv_scale=kv_scale, dequantize=counted)
+    want = paged_attention_reference(query, k8, v8, plan, kv_scale=kv_scale)
+    assert len(calls) == 2 * len(plan.groups)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_e4m3_pages_without_their_scales_are_refused(kernel):
     q, k = torch.randn(2, 1, 3, 64), torch.randn(2, 1, 9, 64).to(E4M3)
     mask = torch.ones(2, 9, dtype=torch.bool)
