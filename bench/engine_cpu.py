@@ -403,7 +403,7 @@ def profile_tick(checkpoint: str, n: int, args) -> dict:
 
 NATIVE_KINDS = {"metronome_decode_attention": "C kernels: attention",
                 "metronome_skinny_linear": "C kernels: products", "metronome_scatter_rows": "gather / KV copies",
-                "metronome_copy_rows": "gather / KV copies",
+                "metronome_copy_rows": "gather / KV copies", "metronome_e4m3_dequantize": "gather / KV copies",
                 "metronome_rms_norm": "C kernels: norms, RoPE, SiLU", "metronome_rope": "C kernels: norms, RoPE, SiLU",
                 "metronome_silu_mul": "C kernels: norms, RoPE, SiLU"}
 
