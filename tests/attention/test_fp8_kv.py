@@ -120,6 +120,31 @@ def test_fp8_kv_against_the_bf16_kernel(heads, kv_heads, head_dim):
     assert error <= bound, (error, bound)
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(32, 4), (32, 8)], ids=["qwen3-30b-a3b", "qwen3-8b"])
+def test_crowded_decode_launch_options_give_the_engines_output(heads, kv_heads):
+    """The options a crowded decode launch can be timed with (bench/attention_gpu.py --crowded-stages,
+    --widen-v-max-group; one SM, so every decode launch is crowded): 2-4 stages, capped at 128 registers or not,
+    the values widened where loaded or not, all give the default launch's output over E4M3 pages."""
+    seqs, sinks, window, meta, query, kq, vq, scale, dense, deq = _fp8_case(
+        "mixed prefill and decode", heads=heads, kv_heads=kv_heads, head_dim=128, seed=5)
+    q = query.to(torch.bfloat16)
+
+    def run(**options):
+        plan = plan_triton(meta, heads, kv_heads, num_sms=1, force_splits=1, **options)
+        assert any(ln.crowded for ln in plan.launches)
+        return paged_attention_triton(q, kq, vq, meta, plan=plan, kv_scale=scale)
+
+    want = run()
+    assert torch.isfinite(want).all()
+    # The interpreter has no stages, register caps or widening (PTX): one variant checks the options reach the plan.
+    variants = ([(s, r, w) for s in (2, 3, 4) for r in (None, 128) for w in (4, 8)] if DEVICE == "cuda"
+                else [(3, 128, 8)])
+    for stages, registers, widen in variants:
+        got = run(crowded_stages=stages, max_registers=registers, widen_v_max_group=widen)
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2,
+                                   msg=lambda m: f"{stages} stages, cap {registers}, widen {widen}: {m}")
+
+
 @pytest.mark.parametrize("backend", [TorchPagedAttention(4), TritonPagedAttention(4, num_kv_heads=2)],
                          ids=["torch", "triton"])
 def test_backends_write_e4m3_saturating_and_calibrate(backend):
