@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from metronome.attention.cpu_kernel import CpuDecodeKernel
-from metronome.attention.fp8 import E4M3, to_e4m3
-from metronome.attention.metadata import PagedAttentionMetadata, write_kv
+from metronome.attention.fp8 import E4M3
+from metronome.attention.metadata import PagedAttentionMetadata, e4m3_codes, write_kv
 from metronome.attention.reference import live_keys
 
 # Spare columns per row beyond the longest gathered row: rounds append into them.
@@ -217,14 +217,14 @@ class DecodeWindow:
         if (kv_scale is not None) != (k_cache.dtype == E4M3):
             raise ValueError("E4M3 pages come with their scales [2, KV heads], and other pages without")
         kernel, kv_heads, head_dim = self.kernel, self.kv_heads, self.head_dim
-        write_kv(key, value, k_cache, v_cache, plan.meta.slot_mapping, kv_scale, kernel=kernel)
+        if kv_scale is not None:   # quantised once, for the cache and the buffers alike
+            key, value = e4m3_codes(key, value, kv_scale)
+        write_kv(key, value, k_cache, v_cache, plan.meta.slot_mapping, kernel=kernel)
         k_buf, v_buf = self.buffers[self.layers[k_cache.data_ptr()]]
         if plan.append_q is not None:
             key, value = key.index_select(0, plan.append_q), value.index_select(0, plan.append_q)
-        if kv_scale is not None:   # the codes write_kv stored
-            key, value = (to_e4m3(x, s[:, None]) for x, s in ((key, kv_scale[0]), (value, kv_scale[1])))
         for buf, x in ((k_buf, key), (v_buf, value)):     # the C row scatter where built, as write_kv
-            rows, x = _bytes(buf).view(-1, head_dim), _bytes(x)
+            rows = _bytes(buf).view(-1, head_dim)
             if kernel is None or not kernel.scatter_rows_(x, rows, plan.append_at):
                 rows.index_copy_(0, plan.append_at, x.reshape(-1, head_dim).to(rows.dtype))
         if plan.gather_rows is not None:

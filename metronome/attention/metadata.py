@@ -75,27 +75,36 @@ def token_slots(meta: PagedAttentionMetadata, rows: torch.Tensor, tokens: torch.
     return physical * bs + tokens % bs
 
 
+def e4m3_codes(key: torch.Tensor, value: torch.Tensor, kv_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [T, kv_heads, head_dim] as the E4M3 pages store them (``x / scale``), as bytes:
+    index_copy_ and index_select have no float8 kernels on the CPU."""
+    import torch
+
+    from metronome.attention.fp8 import to_e4m3
+
+    return tuple(to_e4m3(x, s[:, None]).view(torch.uint8) for x, s in ((key, kv_scale[0]), (value, kv_scale[1])))
+
+
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, kv_scale: torch.Tensor | None = None,
              kernel: CpuDecodeKernel | None = None) -> None:
     """Store the new tokens' keys/values ([T, kv_heads, head_dim]) at their slots.
 
-    ``kv_scale`` [2, kv_heads]: the caches are E4M3 and hold ``x / scale`` (``attention/fp8.py``). ``kernel``: the
-    CPU's C kernels, whose row scatter writes compute-dtype rows (index_copy_ costs far more than a few rows' copy).
+    ``kv_scale`` [2, kv_heads]: the caches are E4M3 and hold ``x / scale`` (``attention/fp8.py``); keys and values
+    already in those codes (``e4m3_codes``) go in as they are, without it. ``kernel``: the CPU's C kernels, whose
+    row scatter writes the rows (index_copy_ costs far more than a few rows' copy).
     """
+    import torch
+
     kv_heads, head_dim = key.shape[-2:]
     tokens = key.shape[0]
-    if kernel is not None and kv_scale is None and tokens:
+    if kv_scale is not None:
+        key, value = e4m3_codes(key, value, kv_scale)
+    if key.dtype == torch.uint8:
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    if kernel is not None and tokens:
         if all(kernel.scatter_rows_(x.reshape(tokens, 1, -1), cache.view(-1, kv_heads * head_dim), slot_mapping)
                for x, cache in ((key, k_cache), (value, v_cache))):
             return
-    if kv_scale is not None:
-        import torch
-
-        from metronome.attention.fp8 import to_e4m3
-
-        # Written as bytes: index_copy_ has no float8 kernel on the CPU.
-        key, value = (to_e4m3(x, s[:, None]).view(torch.uint8) for x, s in ((key, kv_scale[0]), (value, kv_scale[1])))
-        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))

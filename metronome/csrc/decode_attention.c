@@ -6,8 +6,9 @@
    The scores come straight from bfloat16 keys with AVX512-BF16's pair products where the CPU has them, and
    bfloat16 values are widened in registers, once for three (AVX2: two) rows of the group; other bfloat16
    inputs are widened to float32 a tile at a time. E4M3 keys and values (an FP8 cache: half the bytes of
-   bfloat16) are widened to float32 a tile at a time, their head's key scale folded into the scores' scale and
-   its value scale into the output. Sums and the softmax are float32.
+   bfloat16) are widened a tile at a time, to bfloat16 for the pair-product paths under bfloat16 queries, else to
+   float32; their head's key scale is folded into the scores' scale and its value scale into the output. Sums and
+   the softmax are float32.
 
    Built by metronome/native.py with -O3 -march=native -fopenmp. */
 #include <stdint.h>

@@ -316,3 +316,21 @@ def test_write_kv_with_the_kernel_takes_an_empty_round(kernel):
     empty = torch.zeros(0, 3, 8)
     write_kv(empty, empty, k_cache, v_cache, torch.zeros(0, dtype=torch.long), kernel=kernel)
     assert not k_cache.any() and not v_cache.any()
+
+
+def test_write_kv_over_e4m3_pages_stores_the_same_bytes_with_the_kernel_as_without(kernel):
+    """The row scatter writes E4M3 pages as bytes; quantised by ``write_kv`` or handed over as ``e4m3_codes``."""
+    from metronome.attention.metadata import e4m3_codes, write_kv
+
+    gen = torch.Generator().manual_seed(2)
+    key, value = (torch.randn(5, 3, 8, generator=gen) for _ in range(2))
+    kv_scale = torch.tensor([[0.01, 0.02, 0.03], [0.015, 0.004, 0.02]])
+    slots = torch.tensor([7, 0, 12, 3, 9])
+    pages = [[torch.zeros(4, 4, 3, 8, dtype=E4M3) for _ in range(2)] for _ in range(3)]
+    write_kv(key, value, *pages[0], slots, kv_scale)
+    write_kv(key, value, *pages[1], slots, kv_scale, kernel=kernel)
+    write_kv(*e4m3_codes(key, value, kv_scale), *pages[2], slots, kernel=kernel)
+    for got in pages[1:]:
+        for a, b in zip(pages[0], got):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert pages[0][0].view(torch.uint8).any()
