@@ -29,8 +29,8 @@ from metronome.errors import MetronomeError
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("decode_attention.c", "scatter_rows.c", "skinny_linear.c", "layer_ops.c")   # compiled into one library
-HEADERS = ("scalars.h", "vectors.h")
+SOURCES = ("decode_attention.c", "e4m3.c", "e4m3_linear.c", "scatter_rows.c", "skinny_linear.c", "layer_ops.c")   # compiled into one library
+HEADERS = ("e4m3.h", "scalars.h", "vectors.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC")
 CACHE_ENV = "METRONOME_KERNEL_CACHE"   # where built kernels are kept (default: the user's cache folder)
 BUILD_TIMEOUT_S = 120
@@ -103,6 +103,13 @@ def load_library(directory: Path | None = None) -> NativeLibrary:
     cdll.metronome_e4m3_dequantize.restype = ctypes.c_int
     cdll.metronome_e4m3_dequantize.argtypes = ([ctypes.c_long] + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 3
                                                + [ctypes.c_int] * 2)
+    cdll.metronome_e4m3_linear.restype = ctypes.c_int
+    cdll.metronome_e4m3_linear.argtypes = ([ctypes.c_int] * 4 + [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 4
+                                           + [ctypes.c_long, ctypes.c_int])
+    cdll.metronome_e4m3_linear_pairs.restype = ctypes.c_int
+    cdll.metronome_e4m3_linear_pairs.argtypes = ([ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_long]
+                                                 + [ctypes.c_void_p] * 4 + [ctypes.c_long, ctypes.c_int])
+    cdll.metronome_e4m3_pairs_available.restype = ctypes.c_int
     cdll.metronome_scatter_rows.restype = ctypes.c_int
     cdll.metronome_scatter_rows.argtypes = ([ctypes.c_int] * 2 + [ctypes.c_long, ctypes.c_void_p] + [ctypes.c_long] * 2
                                             + [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p])

@@ -34,7 +34,7 @@ from metronome.engine.session import Session, SessionStatus
 from metronome.errors import ConfigError, MetronomeError
 from metronome.models.cpu_layer_ops import CpuLayerOps, use_layer_ops_
 from metronome.models.cpu_linear import PackedLinear, kernel_linears_, pack_linears_, packable
-from metronome.models.fp8 import check_fp8_device, quantize_decoder_
+from metronome.models.fp8 import check_fp8_device, quantize_decoder_, use_cpu_kernel_
 from metronome.models.llama import LlamaFamilyForCausalLM
 from metronome.models.loader import load_model, load_tokenizer
 from metronome.native import NativeLibrary, optional_library
@@ -132,8 +132,10 @@ class Engine:
             torch.cuda.empty_cache()   # the replaced weights' memory goes back, so the KV pool can use it
         # Metronome's C kernels (one library) where the CPU path uses them; None elsewhere.
         self.cpu_kernels = cpu_kernels = self._cpu_kernels(config, dtype)
-        if self.device.type == "cpu" and config.quantization is None:
+        if self.device.type == "cpu":
             self._pack_cpu_linears(config.cpu_linear, dtype, cpu_kernels)
+            if config.quantization == "fp8":
+                self._fp8_cpu_linears(config.cpu_linear, dtype, cpu_kernels)
         if cpu_kernels is not None and config.cpu_elementwise != "torch":
             count = use_layer_ops_(self.model, CpuLayerOps(cpu_kernels))
             log.info("%d norms, rotary embeddings and activations run as one C call each", count)
@@ -172,8 +174,9 @@ class Engine:
     def _cpu_kernels(self, config: EngineConfig, dtype: torch.dtype) -> NativeLibrary | None:
         """Metronome's C kernels, loaded once where the products, the decode rounds or the elementwise steps ask
         for them; None where none does or (``auto``) they cannot be built. A ``"kernel"`` setting raises ``KernelBuildError``."""
-        products = config.cpu_linear == "kernel" or (config.cpu_linear == "auto" and dtype == torch.float32
-                                                     and config.quantization is None)
+        fp8_products = config.quantization == "fp8" and config.cpu_linear != "aten"
+        products = (config.cpu_linear == "kernel" or fp8_products
+                    or (config.cpu_linear == "auto" and dtype == torch.float32))
         wanted = [c for c, asks in ((config.cpu_linear, products),
                                     (config.cpu_attention, config.cpu_attention != "sdpa"),
                                     (config.cpu_elementwise, config.cpu_elementwise != "torch")) if asks]
@@ -216,6 +219,14 @@ class Engine:
             self.model.cpu_kernels = library
         log.info("%d linear layers%s multiply few rows through the C kernel (%s)", count,
                  " and the logits" if logits else "", library.path.name)
+
+    def _fp8_cpu_linears(self, choice: str, dtype: torch.dtype, library: NativeLibrary | None) -> None:
+        """FP8 layers on the CPU multiply through the C kernel (``models/cpu_linear.E4m3Product``) unless
+        ``cpu_linear="aten"`` or the kernels could not be built (logged): then each product dequantises its weight."""
+        if choice == "aten" or library is None:
+            return
+        count = use_cpu_kernel_(self.model.model.layers, library, dtype)
+        log.info("%d FP8 linear layers multiply through the C kernel (%s)", count, library.path.name)
 
     def _blocks_from_memory(self, block_bytes: int) -> int:
         budget = int(available_memory_bytes(self.device) * self.config.kv_memory_fraction)

@@ -13,6 +13,11 @@ In float32 the BLAS (MKL) multiplies a few rows by a weight far below the core's
 on an AVX2 machine the C kernel's ticks are a third to a half shorter). ``KernelLinear`` sends products of up to
 ``KERNEL_MAX_ROWS`` rows to ``csrc/skinny_linear.c`` (each weight read once, register-blocked), more rows
 (a prefill) to ``F.linear``; ``skinny_linear`` is the same product for the logits.
+
+FP8 (E4M3) weights, per output channel, multiply through ``csrc/e4m3_linear.c`` (``E4m3Product``), which reads
+one byte a weight, half of bf16's. With bf16 rows on a CPU with AVX512-BF16 the codes are stored once in the
+kernel's pair layout (16 output channels' codes for each 2 inputs side by side, what its pair products take);
+elsewhere row-major, widened to float32.
 """
 
 from __future__ import annotations
@@ -123,3 +128,66 @@ def kernel_linears_(layers: nn.Module, library: NativeLibrary) -> int:
     for parent, name, child in targets:
         setattr(parent, name, KernelLinear(child, library))
     return len(targets)
+
+
+# Output channels of a group in the FP8 kernel's pair layout, and inputs of a pair.
+PAIR_CHANNELS = 16
+PAIR_INPUTS = 2
+
+
+def to_pair_layout(codes: torch.Tensor) -> torch.Tensor:
+    """E4M3 codes [N, K] (N a multiple of 16, K of 2) as the pair layout: N / 16 groups of [K / 2][16][2] bytes."""
+    n, k = codes.shape
+    grouped = codes.view(torch.uint8).view(n // PAIR_CHANNELS, PAIR_CHANNELS, k // PAIR_INPUTS, PAIR_INPUTS)
+    return grouped.permute(0, 2, 1, 3).contiguous()
+
+
+class E4m3Product:
+    """An FP8 layer's product on the CPU through the C kernels: ``x (codes x scale)^T (+ bias)`` for rows of
+    ``dtype`` (float32 or bfloat16), any number of them, in float32 sums rounded once to ``dtype``. Build with
+    ``for_layer``."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                 pairs: bool, library: NativeLibrary) -> None:
+        self.out_features, self.in_features = codes.shape
+        self.dtype = dtype
+        self.pairs = pairs
+        self.codes = to_pair_layout(codes) if pairs else codes.view(torch.uint8).contiguous()
+        self.scale = scale.float().reshape(-1).contiguous()
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.library = library
+
+    @classmethod
+    def for_layer(cls, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                  library: NativeLibrary) -> "E4m3Product | None":
+        """The product for E4M3 ``codes`` [N, K] with per-channel ``scale`` [N, 1], or None where the kernels do not
+        take it (scales by group, a dtype other than float32 and bfloat16, an input width no multiple of the
+        vector width, tensors off the CPU)."""
+        n, k = codes.shape
+        if (codes.device.type != "cpu" or scale.shape != (n, 1) or dtype not in (torch.float32, torch.bfloat16)
+                or k % library.vector_width):
+            return None
+        pairs = (dtype == torch.bfloat16 and bool(library.cdll.metronome_e4m3_pairs_available())
+                 and n % PAIR_CHANNELS == 0 and k % PAIR_INPUTS == 0)
+        return cls(codes, scale, bias, dtype, pairs, library)
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` [M, K] of the layer's dtype, as [M, N]."""
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = torch.empty(rows.shape[0], self.out_features, dtype=rows.dtype)
+        bias = None if self.bias is None else self.bias.data_ptr()
+        threads = torch.get_num_threads()
+        if self.pairs:
+            failed = self.library.cdll.metronome_e4m3_linear_pairs(
+                rows.shape[0], self.out_features, self.in_features, rows.data_ptr(), rows.stride(0),
+                self.codes.data_ptr(), self.scale.data_ptr(), bias, out.data_ptr(), out.stride(0), threads)
+        else:
+            failed = self.library.cdll.metronome_e4m3_linear(
+                rows.shape[0], self.out_features, self.in_features, int(rows.dtype == torch.bfloat16),
+                rows.data_ptr(), rows.stride(0), self.codes.data_ptr(), self.scale.data_ptr(), bias,
+                out.data_ptr(), out.stride(0), threads)
+        if failed:
+            raise RuntimeError(f"the C FP8 product failed (code {failed}) for a [{self.out_features}, "
+                               f"{self.in_features}] layer")
+        return out

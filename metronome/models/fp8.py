@@ -14,8 +14,10 @@ FP8 tensor cores where that pays (wide layers, or more than ``WIDENED_MAX_ROWS``
 in registers. More rows, with FP8 tensor cores and bf16 activations, have their activations quantised per token
 on the fly and run the tiled Triton product up to ``TILED_MAX_ROWS`` (``fp8_tiled_triton.fp8_tiled_linear``, on
 Hopper and later), cuBLAS (``torch._scaled_mm``) above; a block-wise weight is rescaled per channel once loaded
-there (``per_channel_for_tensor_cores_``: one more E4M3 rounding). Elsewhere the weight is dequantised to the
-activations' dtype for each product, so on the CPU the layer computes exactly with the dequantised weight.
+there (``per_channel_for_tensor_cores_``: one more E4M3 rounding). On the CPU a per-channel layer of float32 or
+bf16 rows multiplies through Metronome's C kernel (``cpu_linear.E4m3Product``, given by ``use_cpu_kernel_``),
+reading the codes and accumulating exact products in float32. Elsewhere the weight is dequantised to the
+activations' dtype for each product; either way the layer computes with the dequantised weight.
 Stacked MoE experts keep block scales everywhere (their grouped GEMM applies them).
 
 >>> w = torch.tensor([[1.0, -0.5, 0.26], [100.0, 3.0, -7.0]])
@@ -41,6 +43,8 @@ from torch import nn
 
 from metronome.attention.fp8 import E4M3, E4M3_MAX, to_e4m3
 from metronome.errors import ConfigError, ModelLoadError
+from metronome.models.cpu_linear import E4m3Product
+from metronome.native import NativeLibrary
 
 # Tensors an FP8 checkpoint stores beside its weights that are not weights: scales, and the static activation
 # and KV scales of checkpoints calibrated for them (activations are scaled per token here, the KV per head).
@@ -165,6 +169,7 @@ class Product(str, Enum):
     STREAMED_W8A8 = "streamed-w8a8"     # the Triton product, the rows rounded onto E4M3 (FP8 tensor cores)
     TILED_W8A8 = "tiled-w8a8"           # the tiled Triton product, the rows rounded onto E4M3
     SCALED_MM = "scaled-mm"             # cuBLAS's FP8 GEMM, the rows rounded onto E4M3
+    CPU_KERNEL = "cpu-kernel"           # Metronome's C kernel on the CPU, the codes widened (cpu_linear.E4m3Product)
     DEQUANTIZED = "dequantized"         # the weight dequantised for an ordinary product
 
 
@@ -205,6 +210,7 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight", codes.contiguous())
         self.register_buffer("weight_scale", scale.float().contiguous())
         self.bias = bias
+        self.cpu_product: E4m3Product | None = None   # the C kernel's product on the CPU (use_cpu_kernel_)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: int | None = None) -> "Fp8Linear":
@@ -239,6 +245,8 @@ class Fp8Linear(nn.Module):
 
     def product(self, rows: int, dtype: torch.dtype) -> Product:
         """How this layer multiplies ``rows`` rows of ``dtype``."""
+        if self.cpu_product is not None and dtype == self.cpu_product.dtype:
+            return Product.CPU_KERNEL
         cuda = self.weight.is_cuda
         return choose_product(rows, self.in_features, self.out_features, dtype, cuda=cuda,
                               per_channel=self.weight_scale.shape[1] == 1,
@@ -253,7 +261,9 @@ class Fp8Linear(nn.Module):
             return self._e4m3_product(product, x.codes, x.scale, x.dtype)
         rows = x.reshape(-1, self.in_features)
         product = self.product(rows.shape[0], x.dtype)
-        if product == Product.STREAMED_W8A16:
+        if product == Product.CPU_KERNEL:
+            out = self.cpu_product(rows)
+        elif product == Product.STREAMED_W8A16:
             from metronome.models.fp8_triton import fp8_weight_linear
 
             out = fp8_weight_linear(rows, self.weight, self.weight_scale, self.bias, out_dtype=x.dtype)
@@ -378,6 +388,17 @@ def quantize_linears_(module: nn.Module, skip: Callable[[str, nn.Linear], bool] 
             swapped.append(Fp8Linear.from_linear(linear))
             _replace(module, path, swapped[-1])
     return swapped
+
+
+def use_cpu_kernel_(layers: nn.Module, library: NativeLibrary, dtype: torch.dtype) -> int:
+    """Give every ``Fp8Linear`` under ``layers`` the C kernel's product for rows of ``dtype`` where the kernel takes
+    the layer (``E4m3Product.for_layer``); returns how many."""
+    count = 0
+    for layer in layers.modules():
+        if isinstance(layer, Fp8Linear):
+            layer.cpu_product = E4m3Product.for_layer(layer.weight, layer.weight_scale, layer.bias, dtype, library)
+            count += layer.cpu_product is not None
+    return count
 
 
 def quantize_decoder_(net: nn.Module) -> nn.Module:

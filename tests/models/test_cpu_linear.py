@@ -213,3 +213,111 @@ def test_bf16_engine_packs_the_head_and_its_logits_match_float64(checkpoints, fa
     again = Engine(EngineConfig(model=checkpoints[family][0], dtype="bfloat16", cpu_linear="aten", **SMALL),
                    model=model)
     assert again.model.packed_head is None       # a model handed to an engine that packs nothing: the plain head
+
+
+# ---------------------------------------------------------------------------------------- FP8 (E4M3) weights
+def e4m3_layer(out_features, in_features, seed):
+    from metronome.models.fp8 import quantize
+
+    gen = torch.Generator().manual_seed(seed)
+    codes, scale = quantize(torch.randn(out_features, in_features, generator=gen))
+    return codes, scale, torch.randn(out_features, generator=gen)
+
+
+def within_rounding(out, x, codes, scale, bias):
+    """|out - x W^T - b| within float32 sums (1e-5 of the sum of |terms|) plus, for bf16, one rounding of the
+    result (2^-8 of it); W = codes x scale in float64, the oracle."""
+    w = codes.double() * scale.double()
+    ref = x.double() @ w.t() + (0 if bias is None else bias.double())
+    size = x.double().abs() @ w.abs().t() + (0 if bias is None else bias.double().abs())
+    rounding = 2 ** -8 if out.dtype == torch.bfloat16 else 0
+    return bool(((out.double() - ref).abs() <= 1e-5 * size + rounding * ref.abs()).all())
+
+
+@needs_compiler
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype,pairs", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+@pytest.mark.parametrize("rows,in_features,out_features", [
+    (1, 64, 48), (5, 576, 960), (13, 96, 112), (25, 160, 32), (200, 64, 16)])
+def test_e4m3_product_matches_float64(dtype, pairs, rows, in_features, out_features, bias):
+    """Row counts off every block size (4, 3 and 12 rows), channel counts off the panels (32) and blocks (4 and
+    16), the row-major layout for both dtypes and the pair layout for bf16; rows with an offset and a stride."""
+    from metronome.models.cpu_linear import E4m3Product
+
+    library = load_library()
+    if pairs and not library.cdll.metronome_e4m3_pairs_available():
+        pytest.skip("this CPU has no AVX512-BF16 for the pair layout")
+    codes, scale, b = e4m3_layer(out_features, in_features, rows * 100 + out_features)
+    b = b if bias else None
+    x = torch.randn(rows, 2 * in_features + 16, generator=torch.Generator().manual_seed(rows))[:, 16:16 + in_features]
+    x = x.to(dtype)
+    product = E4m3Product(codes, scale, b, dtype, pairs, library)
+    out = product(x)
+    assert out.shape == (rows, out_features) and out.dtype == dtype
+    assert within_rounding(out, x, codes.float(), scale, b)
+    assert not within_rounding(out * (1 + 2 ** -6), x, codes.float(), scale, b)   # the bound can fail
+
+
+@needs_compiler
+def test_e4m3_product_takes_what_its_kernels_can():
+    """Per-channel scales, float32 or bf16 rows, an input width of whole vectors, CPU tensors; the pair layout
+    only for bf16 rows, where the CPU has AVX512-BF16 and the channels come in groups of 16."""
+    from metronome.models.cpu_linear import E4m3Product, to_pair_layout
+
+    library = load_library()
+    codes, scale, _ = e4m3_layer(48, 64, 0)
+    pairs_here = bool(library.cdll.metronome_e4m3_pairs_available())
+    assert E4m3Product.for_layer(codes, scale, None, torch.bfloat16, library).pairs == pairs_here
+    assert not E4m3Product.for_layer(codes, scale, None, torch.float32, library).pairs
+    assert not E4m3Product.for_layer(codes[:40], scale[:40], None, torch.bfloat16, library).pairs
+    assert E4m3Product.for_layer(codes, scale.expand(48, 2), None, torch.bfloat16, library) is None  # by group
+    assert E4m3Product.for_layer(codes, scale, None, torch.float16, library) is None
+    assert E4m3Product.for_layer(codes[:, :36], scale, None, torch.float32, library) is None
+    layout = to_pair_layout(codes).view(3, 32, 16, 2)     # [group][input pair][channel][input of the pair]
+    assert torch.equal(layout[1, 5, 7], codes.view(torch.uint8)[16 + 7, 10:12])
+
+
+@needs_compiler
+def test_fp8_layers_use_the_kernel_and_give_the_dequantised_product():
+    from metronome.models.fp8 import Fp8Linear, Product, use_cpu_kernel_
+
+    library = load_library()
+    net = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 20))
+    layers = nn.Sequential(*(Fp8Linear.from_linear(linear) for linear in net))
+    x = torch.randn(6, 64)
+    with torch.no_grad():
+        want = layers[0](x)                              # not given the kernel: the dequantised product
+        assert use_cpu_kernel_(layers, library, torch.float32) == 2
+        assert layers[0].product(6, torch.float32) == Product.CPU_KERNEL
+        assert layers[0].product(6, torch.bfloat16) == Product.DEQUANTIZED   # given for float32 rows only
+        torch.testing.assert_close(layers[0](x), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layers[0](x.reshape(2, 3, 64)), want.reshape(2, 3, 48), rtol=1e-5, atol=1e-5)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_with_fp8_weights_on_the_cpu_matches_their_dequantised_products(llama, dtype, monkeypatch):
+    """quantization="fp8" on the CPU: every decoder layer multiplies through the C kernel, and sessions get the
+    log-probabilities of the same engine whose layers dequantise their weights for each product (aten)."""
+    from metronome.models import cpu_linear
+    from metronome.models.fp8 import Fp8Linear
+
+    if dtype == "bfloat16" and not packable(torch.bfloat16):
+        pytest.skip("this CPU has no bf16 instructions")
+    calls = []
+    real = cpu_linear.E4m3Product.__call__
+    monkeypatch.setattr(cpu_linear.E4m3Product, "__call__", lambda self, rows: calls.append(1) or real(self, rows))
+    results = {}
+    for choice in ("auto", "aten"):
+        engine = Engine(EngineConfig(model=llama[0], dtype=dtype, quantization="fp8", cpu_linear=choice, **SMALL))
+        fp8 = [m for m in engine.model.model.layers.modules() if isinstance(m, Fp8Linear)]
+        assert fp8 and all((m.cpu_product is not None) == (choice == "auto") for m in fp8)
+        results[choice] = drive(engine, random.Random(7), 6)
+    assert calls
+    (tokens, got), (ref_tokens, want) = results["auto"], results["aten"]
+    # float32: the same products summed in another order (5e-7 here); bf16: aten rounds the dequantised weight to
+    # bf16 first and each product's output once more (0.003 here)
+    bound = 1e-4 if dtype == "float32" else 0.02
+    worst = max(abs(a - b) for (_, a), (_, b) in zip(got, want))
+    assert len(got) == len(want) and worst < bound, worst
+    assert dtype != "float32" or tokens == ref_tokens
