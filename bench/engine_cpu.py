@@ -9,6 +9,7 @@ Run from the repository root::
     python bench/engine_cpu.py --merge a.json b.json # one table and the targets from several runs' JSON
     python bench/engine_cpu.py --profile 8,24        # one Metronome tick at N = 8 and 24 under torch.profiler
     python bench/engine_cpu.py --attention 8,24      # one layer's decode-round attention: C kernel vs SDPA
+    python bench/engine_cpu.py --products 1,8,24     # one decode round's linear products: bf16 vs E4M3 weights
 
 A tick gives every session ``--chunk-tokens`` (26) new tokens, after the token it sampled last tick, and
 decodes ``--new-tokens`` (25) greedy tokens; each session starts from a ``--history`` (300) token prefix, so
@@ -105,7 +106,7 @@ class MetronomeArm:
         self.engine = Engine(EngineConfig(model=checkpoint, policy=policy, device="cpu", dtype=dtype,
                                           num_blocks=blocks, max_chunk_tokens=256, cpu_linear=args.cpu_linear,
                                           cpu_attention=args.cpu_attention, cpu_elementwise=args.cpu_elementwise,
-                                          kv_cache_dtype=args.kv_cache_dtype))
+                                          kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization))
         self.args = args
 
     def open(self, histories: list[list[int]]):
@@ -402,7 +403,9 @@ def profile_tick(checkpoint: str, n: int, args) -> dict:
 
 
 NATIVE_KINDS = {"metronome_decode_attention": "C kernels: attention",
-                "metronome_skinny_linear": "C kernels: products", "metronome_scatter_rows": "gather / KV copies",
+                "metronome_skinny_linear": "C kernels: products",
+                "metronome_e4m3_linear": "C kernels: products", "metronome_e4m3_linear_pairs": "C kernels: products",
+                "metronome_scatter_rows": "gather / KV copies",
                 "metronome_copy_rows": "gather / KV copies", "metronome_e4m3_dequantize": "gather / KV copies",
                 "metronome_rms_norm": "C kernels: norms, RoPE, SiLU", "metronome_rope": "C kernels: norms, RoPE, SiLU",
                 "metronome_silu_mul": "C kernels: norms, RoPE, SiLU"}
@@ -426,6 +429,40 @@ def time_native_calls(engine) -> dict[str, float]:
                 spent[_kind] = spent.get(_kind, 0.0) + (time.perf_counter() - start) * 1e3
         setattr(cdll, name, timed)
     return spent
+
+
+def round_products(n: int, passes: int = 5) -> dict:
+    """One decode round's linear products in SmolLM2's 30 layers (q/k/v, o, gate/up and down; the logits' head
+    is the same in both) for N rows of bf16: the weights in bf16 packed for oneDNN (``cpu_linear="packed"``,
+    what ``auto`` picks) and in E4M3 through the C kernel (``quantization="fp8"``). Random weights, each layer's
+    in turn, so they come from memory as in a round; the forms alternate, best of ``passes``."""
+    from metronome.models.cpu_linear import E4m3Product, PackedLinear, packable
+    from metronome.models.fp8 import quantize
+    from metronome.native import load_library
+
+    hidden, inter = SMOLLM2["hidden_size"], SMOLLM2["intermediate_size"]
+    qkv = (SMOLLM2["num_attention_heads"] + 2 * SMOLLM2["num_key_value_heads"]) * SMOLLM2["head_dim"]
+    shapes = [(qkv, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter)]
+    gen = torch.Generator().manual_seed(n)
+    weights = [[torch.randn(out, inp, generator=gen).to(torch.bfloat16) for out, inp in shapes]
+               for _ in range(SMOLLM2["num_hidden_layers"])]
+    rows = {inp: torch.randn(n, inp, generator=gen).to(torch.bfloat16) for _, inp in shapes}
+    library = load_library()
+    forms = {"e4m3": [[E4m3Product.for_layer(*quantize(w.float()), None, torch.bfloat16, library) for w in layer]
+                      for layer in weights]}
+    if packable(torch.bfloat16):
+        forms = {"bf16_packed": [[PackedLinear(w) for w in layer] for layer in weights], **forms}
+    best = {name: float("inf") for name in forms}
+    for _ in range(passes):
+        for name, layers in forms.items():
+            t0 = perf_counter()
+            for layer in layers:
+                for product, (_, inp) in zip(layer, shapes):
+                    product(rows[inp])
+            best[name] = min(best[name], (perf_counter() - t0) * 1e3)
+    params = sum(w.numel() for w in weights[0]) * len(weights)
+    return {"sessions": n, "weights_mb_bf16": round(2 * params / 1e6, 1), "weights_mb_e4m3": round(params / 1e6, 1),
+            "pair_layout": forms["e4m3"][0][0].pairs, **{f"{name}_ms": round(ms, 2) for name, ms in best.items()}}
 
 
 def attention_layer(n: int, args, passes: int = 4) -> list[dict]:
@@ -504,12 +541,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="Metronome's decode-round attention: the C kernel or SDPA (EngineConfig)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                    help="Metronome's KV pages: the compute dtype or E4M3 with a scale per head (EngineConfig)")
+    p.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="Metronome's decoder weights: E4M3 with a scale per output channel (EngineConfig)")
     p.add_argument("--cpu-elementwise", choices=["auto", "kernel", "torch"], default="auto",
                    help="Metronome's norms, rotary embedding and activation: one C call each or torch's "
                         "operators (EngineConfig)")
     p.add_argument("--profile", default=None, metavar="N[,N]", help="profile one tick at each N instead")
     p.add_argument("--attention", default=None, metavar="N[,N]",
                    help="time one layer's decode-round attention at each N instead (the C kernel and SDPA's forms)")
+    p.add_argument("--products", default=None, metavar="N[,N]",
+                   help="time one decode round's linear products at each N instead (bf16 vs E4M3 weights)")
     p.add_argument("--per-round-gather", action="store_true",
                    help="--profile: decode rounds gather the keys every round (the reference) instead of once a step")
     p.add_argument("--merge", nargs="+", default=None, help="print one report from these result files")
@@ -521,6 +562,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.session_list = sorted({int(x) for x in str(args.sessions).split(",") if x.strip()})
     args.profile = [int(x) for x in args.profile.split(",")] if args.profile else None
     args.attention = [int(x) for x in args.attention.split(",")] if args.attention else None
+    args.products = [int(x) for x in args.products.split(",")] if args.products else None
     args.arm_list = [a.strip() for a in args.arms.split(",") if a.strip()]
     if set(args.arm_list) - set(ARMS):
         p.error(f"--arms takes {', '.join(ARMS)}")
@@ -554,6 +596,16 @@ def main(argv=None) -> int:
               "process is busy, timings will be slow and noisy", file=sys.stderr)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.products:
+        results["products"] = [round_products(n) for n in args.products]
+        out.write_text(json.dumps(results, indent=1))
+        ms = lambda r, form: f"{r[form + '_ms']:.1f} ms" if form + "_ms" in r else "-"  # noqa: E731
+        print(table(["N", "weights bf16 / E4M3", "bf16, packed for oneDNN", "E4M3, C kernel", "E4M3 layout"],
+                    [[r["sessions"], f"{r['weights_mb_bf16']} / {r['weights_mb_e4m3']} MB", ms(r, "bf16_packed"),
+                      ms(r, "e4m3"), "pairs" if r["pair_layout"] else "rows"] for r in results["products"]]))
+        print(f"\nmachine: {results['machine']['cpu']}; torch {results['machine']['torch']} "
+              f"({torch.get_num_threads()} threads)\nraw results: {out}")
+        return 0
     if args.attention:
         results["attention"] = [row for n in args.attention for row in attention_layer(n, args)]
         out.write_text(json.dumps(results, indent=1))

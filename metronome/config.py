@@ -86,7 +86,9 @@ class EngineConfig:
     ``cpu_linear`` (CPU only): ``"packed"`` packs the decoder's linear weights once for oneDNN
     (``models/cpu_linear.py``); ``"kernel"`` multiplies float32 weights by few rows (decode rounds, the logits)
     in Metronome's C kernel; ``"aten"`` keeps ``F.linear``; ``"auto"`` packs bfloat16 weights where oneDNN
-    can (a CPU with bf16 instructions) and gives float32 to the C kernel where it builds (else aten).
+    can (a CPU with bf16 instructions) and gives float32 to the C kernel where it builds (else aten). FP8 weights
+    (``quantization="fp8"``) multiply through their own C kernel unless ``"aten"``, which dequantises them for each
+    product.
 
     ``cpu_attention`` (CPU only): how decode rounds attend. ``"kernel"``: the C kernel built for this CPU
     (``attention/cpu_kernel.py``; an error where it cannot be built); ``"sdpa"``: torch's SDPA; ``"auto"``:
