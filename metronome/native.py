@@ -70,8 +70,10 @@ class NativeLibrary:
     vector_width: int
 
 
-def load_library(directory: Path | None = None) -> NativeLibrary:
-    """The kernels for this CPU: from the cache, or built into it first. Raises ``KernelBuildError``."""
+def load_library(directory: Path | None = None, target: tuple[str, ...] = ()) -> NativeLibrary:
+    """The kernels for this CPU: from the cache, or built into it first. Raises ``KernelBuildError``. ``target``:
+    compiler flags after the defaults, for a build of a narrower instruction set than this CPU's (e.g.
+    ``("-march=x86-64-v3",)``), so that one machine can run every branch the kernels take on others."""
     compiler = find_compiler()
     if compiler is None:
         raise KernelBuildError("no C compiler found (set CC, or install gcc)")
@@ -81,16 +83,17 @@ def load_library(directory: Path | None = None) -> NativeLibrary:
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelBuildError(f"the C compiler {' '.join(compiler)!r} does not run: {e}") from e
     cpu = read_capability()
-    key = hashlib.sha256(b"\0".join([*sources.values(), version.encode(), " ".join(FLAGS).encode(),
+    flags = (*FLAGS, *target)
+    key = hashlib.sha256(b"\0".join([*sources.values(), version.encode(), " ".join(flags).encode(),
                                      cpu.model.encode(), " ".join(sorted(cpu.flags)).encode()])).hexdigest()[:16]
     directory = directory or cache_dir()
     path = directory / f"metronome_cpu-{key}.so"
     if not path.exists():
-        _build(compiler, sources, directory, path)
+        _build(compiler, flags, sources, directory, path)
     try:
         cdll = ctypes.CDLL(str(path))
     except OSError:     # a damaged cache entry: build it once more
-        _build(compiler, sources, directory, path)
+        _build(compiler, flags, sources, directory, path)
         try:
             cdll = ctypes.CDLL(str(path))
         except OSError as e:
@@ -143,7 +146,8 @@ def optional_library(choice: str, instead: str) -> NativeLibrary | None:
         return None
 
 
-def _build(compiler: list[str], sources: dict[str, bytes], directory: Path, path: Path) -> None:
+def _build(compiler: list[str], flags: tuple[str, ...], sources: dict[str, bytes], directory: Path,
+           path: Path) -> None:
     """Compile into a temporary file beside ``path``, then rename it: processes building at once don't clash."""
     log.info("building Metronome's CPU kernels into %s", path)
     try:
@@ -153,7 +157,7 @@ def _build(compiler: list[str], sources: dict[str, bytes], directory: Path, path
                 (Path(work) / name).write_bytes(text)
             files = [str(Path(work) / name) for name in SOURCES]
             lib = Path(work) / path.name
-            command = [*compiler, *FLAGS, *files, "-o", str(lib)]
+            command = [*compiler, *flags, *files, "-o", str(lib)]
             try:
                 done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
             except subprocess.SubprocessError as e:

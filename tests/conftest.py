@@ -98,3 +98,35 @@ def float32_unless_asked():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(metronome.config, "auto_dtype", lambda device, capability=None: auto_dtype(device, no_bf16))
         yield
+
+
+def instruction_sets() -> list[tuple[str, tuple[str, ...]]]:
+    """Builds of the C kernels that this CPU runs, as (name, compiler flags): its own, and narrower instruction sets
+    where it has the wider one, so that one machine takes every branch the kernels take on others (E4M3 widened by
+    table lookups, through float16 with and without AVX512-BF16, AVX2 with F16C, plain x86-64)."""
+    import platform
+
+    from metronome.cpu import read_capability
+
+    flags = read_capability().flags
+    builds = [("native", ())]
+    if "avx512vbmi" in flags:
+        builds.append(("no-vbmi", ("-mno-avx512vbmi",)))
+    if "avx512_bf16" in flags:
+        builds.append(("no-bf16", ("-mno-avx512bf16", "-mno-avx512vbmi")))
+    if "avx512f" in flags and {"avx2", "fma", "f16c"} <= flags:
+        builds.append(("x86-64-v3", ("-march=x86-64-v3",)))
+    if platform.machine() == "x86_64" and "avx" in flags:
+        builds.append(("x86-64", ("-march=x86-64",)))
+    return builds
+
+
+@pytest.fixture(scope="session", params=instruction_sets(), ids=lambda build: build[0])
+def cpu_library(request, tmp_path_factory):
+    """Metronome's C kernels for each of ``instruction_sets()`` (skipped without a C compiler)."""
+    from metronome.native import find_compiler, load_library
+
+    if find_compiler() is None:
+        pytest.skip("no C compiler to build the kernels with")
+    name, target = request.param
+    return load_library(tmp_path_factory.mktemp(f"kernels-{name}"), target)

@@ -1,5 +1,5 @@
-"""The CPU decode-attention kernel (``attention/cpu_kernel.py``) against a float64 masked softmax, in the
-engine, and what ``cpu_attention`` does where no compiler works."""
+"""The CPU decode-attention kernel (``attention/cpu_kernel.py``), built for this CPU and for the narrower instruction
+sets it also runs, against a float64 masked softmax; in the engine; and what ``cpu_attention`` does where no compiler works."""
 
 from __future__ import annotations
 
@@ -8,16 +8,17 @@ import torch
 
 from metronome import native
 from metronome.attention import cpu_kernel
-from metronome.attention.cpu_kernel import kernel_for, load_kernel
+from metronome.attention.cpu_kernel import CpuDecodeKernel, kernel_for
 from metronome.attention.fp8 import E4M3, to_e4m3
 from metronome.native import KernelBuildError, find_compiler
 
 pytestmark = pytest.mark.skipif(find_compiler() is None, reason="no C compiler to build the kernel with")
 
 
-@pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
-    return load_kernel(tmp_path_factory.mktemp("kernels"))
+@pytest.fixture
+def kernel(cpu_library):
+    """The kernel built for this CPU and for each narrower instruction set it runs (``cpu_library``)."""
+    return CpuDecodeKernel(cpu_library)
 
 
 def oracle(q, k, v, mask, scale):

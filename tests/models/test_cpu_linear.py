@@ -239,14 +239,17 @@ def within_rounding(out, x, codes, scale, bias):
 @pytest.mark.parametrize("dtype,pairs", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
 @pytest.mark.parametrize("rows,in_features,out_features", [
     (1, 64, 48), (5, 576, 960), (13, 96, 112), (25, 160, 32), (200, 64, 16)])
-def test_e4m3_product_matches_float64(dtype, pairs, rows, in_features, out_features, bias):
+def test_e4m3_product_matches_float64(cpu_library, dtype, pairs, rows, in_features, out_features, bias):
     """Row counts off every block size (4, 3 and 12 rows), channel counts off the panels (32) and blocks (4 and
-    16), the row-major layout for both dtypes and the pair layout for bf16; rows with an offset and a stride."""
+    16), the row-major layout for both dtypes and the pair layout for bf16; rows with an offset and a stride; the
+    kernels built for this CPU and for each narrower instruction set it runs."""
     from metronome.models.cpu_linear import E4m3Product
 
-    library = load_library()
+    library = cpu_library
     if pairs and not library.cdll.metronome_e4m3_pairs_available():
-        pytest.skip("this CPU has no AVX512-BF16 for the pair layout")
+        pytest.skip("this build has no AVX512-BF16 for the pair layout")
+    if in_features % library.vector_width:
+        pytest.skip(f"{in_features} inputs are no multiple of this build's vector width")
     codes, scale, b = e4m3_layer(out_features, in_features, rows * 100 + out_features)
     b = b if bias else None
     x = torch.randn(rows, 2 * in_features + 16, generator=torch.Generator().manual_seed(rows))[:, 16:16 + in_features]
@@ -259,12 +262,12 @@ def test_e4m3_product_matches_float64(dtype, pairs, rows, in_features, out_featu
 
 
 @needs_compiler
-def test_e4m3_product_takes_what_its_kernels_can():
+def test_e4m3_product_takes_what_its_kernels_can(cpu_library):
     """Per-channel scales, float32 or bf16 rows, an input width of whole vectors, CPU tensors; the pair layout
-    only for bf16 rows, where the CPU has AVX512-BF16 and the channels come in groups of 16."""
+    only for bf16 rows, where the build has AVX512-BF16 and the channels come in groups of 16."""
     from metronome.models.cpu_linear import E4m3Product, to_pair_layout
 
-    library = load_library()
+    library = cpu_library
     codes, scale, _ = e4m3_layer(48, 64, 0)
     pairs_here = bool(library.cdll.metronome_e4m3_pairs_available())
     assert E4m3Product.for_layer(codes, scale, None, torch.bfloat16, library).pairs == pairs_here
@@ -272,16 +275,16 @@ def test_e4m3_product_takes_what_its_kernels_can():
     assert not E4m3Product.for_layer(codes[:40], scale[:40], None, torch.bfloat16, library).pairs
     assert E4m3Product.for_layer(codes, scale.expand(48, 2), None, torch.bfloat16, library) is None  # by group
     assert E4m3Product.for_layer(codes, scale, None, torch.float16, library) is None
-    assert E4m3Product.for_layer(codes[:, :36], scale, None, torch.float32, library) is None
+    assert E4m3Product.for_layer(codes[:, :30], scale, None, torch.float32, library) is None   # no vector width
     layout = to_pair_layout(codes).view(3, 32, 16, 2)     # [group][input pair][channel][input of the pair]
     assert torch.equal(layout[1, 5, 7], codes.view(torch.uint8)[16 + 7, 10:12])
 
 
 @needs_compiler
-def test_fp8_layers_use_the_kernel_and_give_the_dequantised_product():
+def test_fp8_layers_use_the_kernel_and_give_the_dequantised_product(cpu_library):
     from metronome.models.fp8 import Fp8Linear, Product, use_cpu_kernel_
 
-    library = load_library()
+    library = cpu_library
     net = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 20))
     layers = nn.Sequential(*(Fp8Linear.from_linear(linear) for linear in net))
     x = torch.randn(6, 64)
