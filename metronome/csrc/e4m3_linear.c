@@ -11,6 +11,7 @@
    Built by metronome/native.py with -O3 -march=native -fopenmp. */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "e4m3.h"
 #include "scalars.h"
@@ -124,7 +125,9 @@ static inline __attribute__((always_inline)) void pairs_block(const int mb, int 
         __m512bh w0 = (__m512bh)_mm512_loadu_si512(tile + (long)p * 32);
         __m512bh w1 = (__m512bh)_mm512_loadu_si512(tile + ((long)K / 2 + p) * 32 * (nv > 1));
         for (int a = 0; a < mb; a++) {
-            __m512bh xa = (__m512bh)_mm512_set1_epi32(*(const int32_t *)(x + a * ldx + 2 * p));
+            int32_t pair;                          /* the row's 2 inputs, wherever the row starts */
+            memcpy(&pair, x + a * ldx + 2 * p, sizeof pair);
+            __m512bh xa = (__m512bh)_mm512_set1_epi32(pair);
             acc[a][0] = _mm512_dpbf16_ps(acc[a][0], xa, w0);
             acc[a][1] = _mm512_dpbf16_ps(acc[a][1], xa, w1);
         }
@@ -143,6 +146,7 @@ static inline __attribute__((always_inline)) void pairs_block(const int mb, int 
 int metronome_e4m3_linear_pairs(int M, int N, int K, const uint16_t *x, long ldx, const uint8_t *packed,
                                 const float *scale, const float *bias, uint16_t *y, long ldy, int threads) {
     if (N % 16 || K % 2) return 1;
+    if (M == 0 || N == 0) return 0;
     int groups = N / 16, panels = (groups + PAIR_VECTORS - 1) / PAIR_VECTORS, failed = 0;
     #pragma omp parallel num_threads(threads)
     {
@@ -204,6 +208,7 @@ int metronome_e4m3_linear(int M, int N, int K, int bf16, const void *x, long ldx
     pairs_bf16 = bf16 && K % 32 == 0;
 #endif
     if (!pairs_bf16 && K % VL) return 1;
+    if (M == 0 || N == 0) return 0;
     float *xf = NULL;             /* bfloat16 rows widened once, where the float32 products take them */
     if (bf16 && !pairs_bf16 && !(xf = malloc(sizeof(float) * (size_t)M * K))) return 2;
     int panels = (N + PANEL - 1) / PANEL, failed = 0;

@@ -223,10 +223,10 @@ class Engine:
     def _fp8_cpu_linears(self, choice: str, dtype: torch.dtype, library: NativeLibrary | None) -> None:
         """FP8 layers on the CPU multiply through the C kernel (``models/cpu_linear.E4m3Product``) unless
         ``cpu_linear="aten"`` or the kernels could not be built (logged): then each product dequantises its weight."""
-        if choice == "aten" or library is None:
-            return
+        library = None if choice == "aten" else library   # (a model handed in again may have had the kernel)
         count = use_cpu_kernel_(self.model.model.layers, library, dtype)
-        log.info("%d FP8 linear layers multiply through the C kernel (%s)", count, library.path.name)
+        if library is not None:
+            log.info("%d FP8 linear layers multiply through the C kernel (%s)", count, library.path.name)
 
     def _blocks_from_memory(self, block_bytes: int) -> int:
         budget = int(available_memory_bytes(self.device) * self.config.kv_memory_fraction)

@@ -22,6 +22,8 @@ elsewhere row-major, widened to float32.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -136,58 +138,70 @@ PAIR_INPUTS = 2
 
 
 def to_pair_layout(codes: torch.Tensor) -> torch.Tensor:
-    """E4M3 codes [N, K] (N a multiple of 16, K of 2) as the pair layout: N / 16 groups of [K / 2][16][2] bytes."""
+    """E4M3 codes [N, K] (N a multiple of 16, K of 2) in the pair layout: N / 16 groups of [K / 2][16][2]."""
     n, k = codes.shape
-    grouped = codes.view(torch.uint8).view(n // PAIR_CHANNELS, PAIR_CHANNELS, k // PAIR_INPUTS, PAIR_INPUTS)
-    return grouped.permute(0, 2, 1, 3).contiguous()
+    return codes.view(n // PAIR_CHANNELS, PAIR_CHANNELS, k // PAIR_INPUTS, PAIR_INPUTS).permute(0, 2, 1, 3).contiguous()
 
 
+def from_pair_layout(paired: torch.Tensor) -> torch.Tensor:
+    """The codes [N, K] that ``to_pair_layout`` laid out as ``paired``."""
+    groups, pairs, channels, inputs = paired.shape
+    return paired.permute(0, 2, 1, 3).reshape(groups * channels, pairs * inputs)
+
+
+@dataclass(frozen=True)
 class E4m3Product:
-    """An FP8 layer's product on the CPU through the C kernels: ``x (codes x scale)^T (+ bias)`` for rows of
-    ``dtype`` (float32 or bfloat16), any number of them, in float32 sums rounded once to ``dtype``. Build with
-    ``for_layer``."""
+    """How an FP8 layer multiplies rows of ``dtype`` (float32 or bfloat16) on the CPU through the C kernels:
+    ``x (codes x scale)^T (+ bias)``, any number of rows, float32 sums rounded once to ``dtype``. The layer keeps
+    its codes in the layout the kernel reads (``stored``): the pair layout where ``pairs``, else row-major.
+    Build with ``for_layer``."""
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-                 pairs: bool, library: NativeLibrary) -> None:
-        self.out_features, self.in_features = codes.shape
-        self.dtype = dtype
-        self.pairs = pairs
-        self.codes = to_pair_layout(codes) if pairs else codes.view(torch.uint8).contiguous()
-        self.scale = scale.float().reshape(-1).contiguous()
-        self.bias = None if bias is None else bias.detach().float().contiguous()
-        self.library = library
+    dtype: torch.dtype
+    pairs: bool
+    library: NativeLibrary
 
     @classmethod
-    def for_layer(cls, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+    def for_layer(cls, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                   library: NativeLibrary) -> "E4m3Product | None":
-        """The product for E4M3 ``codes`` [N, K] with per-channel ``scale`` [N, 1], or None where the kernels do not
-        take it (scales by group, a dtype other than float32 and bfloat16, an input width no multiple of the
+        """The product for row-major E4M3 ``codes`` [N, K] with per-channel ``scale`` [N, 1], or None where the kernels
+        do not take it (scales by group, a dtype other than float32 and bfloat16, an input width no multiple of the
         vector width, tensors off the CPU)."""
         n, k = codes.shape
-        if (codes.device.type != "cpu" or scale.shape != (n, 1) or dtype not in (torch.float32, torch.bfloat16)
-                or k % library.vector_width):
+        if (codes.device.type != "cpu" or scale.device.type != "cpu" or scale.shape != (n, 1)
+                or dtype not in (torch.float32, torch.bfloat16) or k % library.vector_width):
             return None
         pairs = (dtype == torch.bfloat16 and bool(library.cdll.metronome_e4m3_pairs_available())
                  and n % PAIR_CHANNELS == 0 and k % PAIR_INPUTS == 0)
-        return cls(codes, scale, bias, dtype, pairs, library)
+        return cls(dtype, pairs, library)
 
-    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
-        """``rows`` [M, K] of the layer's dtype, as [M, N]."""
+    def stored(self, codes: torch.Tensor) -> torch.Tensor:
+        """Row-major codes [N, K] in the layout this product reads."""
+        return to_pair_layout(codes) if self.pairs else codes.contiguous()
+
+    def __call__(self, rows: torch.Tensor, stored: torch.Tensor, scale: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+        """``rows`` [M, K] of ``dtype`` times the codes (``stored``), their per-channel ``scale`` [N, 1] (float32,
+        contiguous) and ``bias`` [N]: [M, N] in ``dtype``."""
+        if rows.dtype != self.dtype or not rows.is_cpu or not stored.is_cpu:
+            raise ValueError(f"the C FP8 product takes {self.dtype} rows on the CPU, got {rows.dtype} on "
+                             f"{rows.device} (codes on {stored.device})")
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        out = torch.empty(rows.shape[0], self.out_features, dtype=rows.dtype)
-        bias = None if self.bias is None else self.bias.data_ptr()
-        threads = torch.get_num_threads()
+        if bias is not None and bias.dtype != torch.float32:
+            bias = bias.float()
+        (count, in_features), out_features = rows.shape, scale.shape[0]
+        out = torch.empty(count, out_features, dtype=self.dtype)
+        bias_at = None if bias is None else bias.data_ptr()
         if self.pairs:
             failed = self.library.cdll.metronome_e4m3_linear_pairs(
-                rows.shape[0], self.out_features, self.in_features, rows.data_ptr(), rows.stride(0),
-                self.codes.data_ptr(), self.scale.data_ptr(), bias, out.data_ptr(), out.stride(0), threads)
+                count, out_features, in_features, rows.data_ptr(), rows.stride(0), stored.data_ptr(),
+                scale.data_ptr(), bias_at, out.data_ptr(), out_features, torch.get_num_threads())
         else:
             failed = self.library.cdll.metronome_e4m3_linear(
-                rows.shape[0], self.out_features, self.in_features, int(rows.dtype == torch.bfloat16),
-                rows.data_ptr(), rows.stride(0), self.codes.data_ptr(), self.scale.data_ptr(), bias,
-                out.data_ptr(), out.stride(0), threads)
+                count, out_features, in_features, int(self.dtype == torch.bfloat16), rows.data_ptr(),
+                rows.stride(0), stored.data_ptr(), scale.data_ptr(), bias_at, out.data_ptr(), out_features,
+                torch.get_num_threads())
         if failed:
-            raise RuntimeError(f"the C FP8 product failed (code {failed}) for a [{self.out_features}, "
-                               f"{self.in_features}] layer")
+            raise RuntimeError(f"the C FP8 product failed (code {failed}) for a [{out_features}, {in_features}] "
+                               f"layer")
         return out

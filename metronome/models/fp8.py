@@ -43,7 +43,7 @@ from torch import nn
 
 from metronome.attention.fp8 import E4M3, E4M3_MAX, to_e4m3
 from metronome.errors import ConfigError, ModelLoadError
-from metronome.models.cpu_linear import E4m3Product
+from metronome.models.cpu_linear import E4m3Product, from_pair_layout
 from metronome.native import NativeLibrary
 
 # Tensors an FP8 checkpoint stores beside its weights that are not weights: scales, and the static activation
@@ -231,7 +231,7 @@ class Fp8Linear(nn.Module):
         bias = None
         if parts[0].bias is not None:
             bias = nn.Parameter(torch.cat([p.bias.detach() for p in parts]), requires_grad=False)
-        return cls(torch.cat([p.weight for p in parts]), scale, group or parts[0].in_features, bias)
+        return cls(torch.cat([p.codes() for p in parts]), scale, group or parts[0].in_features, bias)
 
     @property
     def tensor_cores(self) -> bool:
@@ -240,8 +240,30 @@ class Fp8Linear(nn.Module):
         return (self.weight.is_cuda and self.weight_scale.shape[1] == 1 and tensor_core_dims(self.in_features,
                 self.out_features) and scaled_mm_available(self.weight.device))
 
+    def codes(self) -> torch.Tensor:
+        """The E4M3 codes [N, K], row-major (``weight`` holds them in the C kernel's layout where it reads another)."""
+        if self.cpu_product is not None and self.cpu_product.pairs:
+            return from_pair_layout(self.weight)
+        return self.weight
+
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize(self.weight, self.weight_scale, self.group, dtype)
+        return dequantize(self.codes(), self.weight_scale, self.group, dtype)
+
+    def use_cpu_kernel_(self, product: E4m3Product | None) -> None:
+        """Multiply through ``product`` (the C kernel on the CPU), the codes stored in the layout it reads; None:
+        row-major codes again, and the products of the layer's device."""
+        codes = self.codes()
+        self.cpu_product = product
+        self.weight = codes if product is None else product.stored(codes)
+
+    def _apply(self, fn, recurse=True):
+        # Moved or cast, the layer leaves the C kernel first: its codes go row-major, as every other product reads.
+        self.use_cpu_kernel_(None)
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self.use_cpu_kernel_(None)     # a state dict holds row-major codes
+        return super()._load_from_state_dict(*args, **kwargs)
 
     def product(self, rows: int, dtype: torch.dtype) -> Product:
         """How this layer multiplies ``rows`` rows of ``dtype``."""
@@ -254,6 +276,15 @@ class Fp8Linear(nn.Module):
                               tiled=cuda and tiled_product_available(self.weight.device))
 
     def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        cpu = self.cpu_product
+        if (cpu is not None and type(x) is torch.Tensor and x.dtype == cpu.dtype
+                and not (torch.is_grad_enabled() and (x.requires_grad or (self.bias is not None
+                                                                          and self.bias.requires_grad)))):
+            # Product.CPU_KERNEL, first: a decode round makes hundreds of these calls of a few rows each
+            if x.dim() == 2:
+                return cpu(x, self.weight, self.weight_scale, self.bias)
+            out = cpu(x.reshape(-1, self.in_features), self.weight, self.weight_scale, self.bias)
+            return out.reshape(*x.shape[:-1], self.out_features)
         if isinstance(x, QuantizedRows):
             product = self.product(x.codes.shape[0], x.dtype)
             if product not in E4M3_ROW_PRODUCTS:   # lossy: the rows keep their E4M3 rounding
@@ -261,15 +292,13 @@ class Fp8Linear(nn.Module):
             return self._e4m3_product(product, x.codes, x.scale, x.dtype)
         rows = x.reshape(-1, self.in_features)
         product = self.product(rows.shape[0], x.dtype)
-        if product == Product.CPU_KERNEL:
-            out = self.cpu_product(rows)
-        elif product == Product.STREAMED_W8A16:
+        if product == Product.STREAMED_W8A16:
             from metronome.models.fp8_triton import fp8_weight_linear
 
             out = fp8_weight_linear(rows, self.weight, self.weight_scale, self.bias, out_dtype=x.dtype)
         elif product in E4M3_ROW_PRODUCTS:
             out = self._e4m3_product(product, *quantize_rows(rows), x.dtype)
-        else:
+        else:   # Product.DEQUANTIZED, and the CPU kernel's rows under autograd
             return F.linear(x, self.dequantized(x.dtype), self.bias)
         return out.reshape(*x.shape[:-1], self.out_features)
 
@@ -390,14 +419,17 @@ def quantize_linears_(module: nn.Module, skip: Callable[[str, nn.Linear], bool] 
     return swapped
 
 
-def use_cpu_kernel_(layers: nn.Module, library: NativeLibrary, dtype: torch.dtype) -> int:
+def use_cpu_kernel_(layers: nn.Module, library: NativeLibrary | None, dtype: torch.dtype) -> int:
     """Give every ``Fp8Linear`` under ``layers`` the C kernel's product for rows of ``dtype`` where the kernel takes
-    the layer (``E4m3Product.for_layer``); returns how many."""
+    the layer (``E4m3Product.for_layer``); ``library=None`` takes it from every one. Returns how many have it."""
     count = 0
     for layer in layers.modules():
         if isinstance(layer, Fp8Linear):
-            layer.cpu_product = E4m3Product.for_layer(layer.weight, layer.weight_scale, layer.bias, dtype, library)
-            count += layer.cpu_product is not None
+            layer.use_cpu_kernel_(None)
+            product = None if library is None else E4m3Product.for_layer(layer.weight, layer.weight_scale, dtype,
+                                                                         library)
+            layer.use_cpu_kernel_(product)
+            count += product is not None
     return count
 
 

@@ -238,11 +238,12 @@ def within_rounding(out, x, codes, scale, bias):
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype,pairs", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
 @pytest.mark.parametrize("rows,in_features,out_features", [
-    (1, 64, 48), (5, 576, 960), (13, 96, 112), (25, 160, 32), (200, 64, 16)])
+    (1, 64, 48), (5, 576, 960), (13, 96, 112), (25, 160, 32), (200, 64, 16), (3, 48, 32), (7, 80, 48), (0, 64, 32)])
 def test_e4m3_product_matches_float64(cpu_library, dtype, pairs, rows, in_features, out_features, bias):
-    """Row counts off every block size (4, 3 and 12 rows), channel counts off the panels (32) and blocks (4 and
-    16), the row-major layout for both dtypes and the pair layout for bf16; rows with an offset and a stride; the
-    kernels built for this CPU and for each narrower instruction set it runs."""
+    """Row counts off every block size (4, 3 and 12 rows) and none, channel counts off the panels (32) and blocks
+    (4 and 16), input widths off the widening's 64 and the pair products' 32, the row-major layout for both dtypes
+    and the pair layout for bf16; rows with an offset and a stride; the kernels built for this CPU and for each
+    narrower instruction set it runs."""
     from metronome.models.cpu_linear import E4m3Product
 
     library = cpu_library
@@ -254,54 +255,80 @@ def test_e4m3_product_matches_float64(cpu_library, dtype, pairs, rows, in_featur
     b = b if bias else None
     x = torch.randn(rows, 2 * in_features + 16, generator=torch.Generator().manual_seed(rows))[:, 16:16 + in_features]
     x = x.to(dtype)
-    product = E4m3Product(codes, scale, b, dtype, pairs, library)
-    out = product(x)
+    product = E4m3Product(dtype, pairs, library)
+    out = product(x, product.stored(codes), scale, b)
     assert out.shape == (rows, out_features) and out.dtype == dtype
     assert within_rounding(out, x, codes.float(), scale, b)
-    assert not within_rounding(out * (1 + 2 ** -6), x, codes.float(), scale, b)   # the bound can fail
+    if rows:
+        assert not within_rounding(out * (1 + 2 ** -6), x, codes.float(), scale, b)   # the bound can fail
 
 
 @needs_compiler
 def test_e4m3_product_takes_what_its_kernels_can(cpu_library):
     """Per-channel scales, float32 or bf16 rows, an input width of whole vectors, CPU tensors; the pair layout
-    only for bf16 rows, where the build has AVX512-BF16 and the channels come in groups of 16."""
-    from metronome.models.cpu_linear import E4m3Product, to_pair_layout
+    only for bf16 rows, where the build has AVX512-BF16 and the channels come in groups of 16. Rows of another
+    dtype are refused, not misread."""
+    from metronome.models.cpu_linear import E4m3Product, from_pair_layout, to_pair_layout
 
     library = cpu_library
     codes, scale, _ = e4m3_layer(48, 64, 0)
     pairs_here = bool(library.cdll.metronome_e4m3_pairs_available())
-    assert E4m3Product.for_layer(codes, scale, None, torch.bfloat16, library).pairs == pairs_here
-    assert not E4m3Product.for_layer(codes, scale, None, torch.float32, library).pairs
-    assert not E4m3Product.for_layer(codes[:40], scale[:40], None, torch.bfloat16, library).pairs
-    assert E4m3Product.for_layer(codes, scale.expand(48, 2), None, torch.bfloat16, library) is None  # by group
-    assert E4m3Product.for_layer(codes, scale, None, torch.float16, library) is None
-    assert E4m3Product.for_layer(codes[:, :30], scale, None, torch.float32, library) is None   # no vector width
-    layout = to_pair_layout(codes).view(3, 32, 16, 2)     # [group][input pair][channel][input of the pair]
-    assert torch.equal(layout[1, 5, 7], codes.view(torch.uint8)[16 + 7, 10:12])
+    assert E4m3Product.for_layer(codes, scale, torch.bfloat16, library).pairs == pairs_here
+    assert not E4m3Product.for_layer(codes, scale, torch.float32, library).pairs
+    assert not E4m3Product.for_layer(codes[:40], scale[:40], torch.bfloat16, library).pairs
+    assert E4m3Product.for_layer(codes, scale.expand(48, 2), torch.bfloat16, library) is None  # scales by group
+    assert E4m3Product.for_layer(codes, scale, torch.float16, library) is None
+    assert E4m3Product.for_layer(codes[:, :30], scale, torch.float32, library) is None   # no vector width
+    layout = to_pair_layout(codes).view(torch.uint8)     # [group][input pair][channel][input of the pair]
+    assert layout.shape == (3, 32, 16, 2) and torch.equal(layout[1, 5, 7], codes.view(torch.uint8)[16 + 7, 10:12])
+    assert torch.equal(from_pair_layout(to_pair_layout(codes)).view(torch.uint8), codes.view(torch.uint8))
+    product = E4m3Product.for_layer(codes, scale, torch.float32, library)
+    with pytest.raises(ValueError, match="float32 rows"):
+        product(torch.randn(2, 64, dtype=torch.bfloat16), product.stored(codes), scale, None)
 
 
 @needs_compiler
 def test_fp8_layers_use_the_kernel_and_give_the_dequantised_product(cpu_library):
+    """One copy of the codes, in the kernel's layout; the dequantised product wherever the kernel does not apply
+    (another dtype, autograd); moved or loaded, a layer leaves the kernel with its codes row-major."""
     from metronome.models.fp8 import Fp8Linear, Product, use_cpu_kernel_
 
     library = cpu_library
-    net = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 20))
+    net = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 32))
     layers = nn.Sequential(*(Fp8Linear.from_linear(linear) for linear in net))
+    codes = layers[0].weight.clone()
     x = torch.randn(6, 64)
     with torch.no_grad():
         want = layers[0](x)                              # not given the kernel: the dequantised product
+        assert use_cpu_kernel_(layers, library, torch.bfloat16) == 2
+        assert layers[0].weight.untyped_storage().nbytes() == codes.numel()   # the codes once, in its layout
+        assert torch.equal(layers[0].codes().view(torch.uint8), codes.view(torch.uint8))
         assert use_cpu_kernel_(layers, library, torch.float32) == 2
         assert layers[0].product(6, torch.float32) == Product.CPU_KERNEL
         assert layers[0].product(6, torch.bfloat16) == Product.DEQUANTIZED   # given for float32 rows only
         torch.testing.assert_close(layers[0](x), want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(layers[0](x.reshape(2, 3, 64)), want.reshape(2, 3, 48), rtol=1e-5, atol=1e-5)
+    grad = torch.randn(6, 64, requires_grad=True)
+    assert layers[0](grad).requires_grad                 # autograd: the dequantised product, which tracks it
+    state = {k: torch.zeros_like(v) if k.endswith("weight_scale") else v for k, v in layers.state_dict().items()}
+    use_cpu_kernel_(layers, library, torch.bfloat16)
+    layers.load_state_dict({k: v.clone() for k, v in state.items()} | {
+        "0.weight": codes, "1.weight": layers[1].codes().clone()})
+    assert layers[0].cpu_product is None and torch.equal(layers[0].weight.view(torch.uint8), codes.view(torch.uint8))
+    with torch.no_grad():                                # the loaded zero scales, not a stale copy, decide
+        torch.testing.assert_close(layers[0](x), state["0.bias"].expand(6, 48))
+    use_cpu_kernel_(layers, library, torch.float32)
+    moved = layers.to("meta")
+    assert all(layer.cpu_product is None and layer.weight.shape == (layer.out_features, layer.in_features)
+               for layer in moved)
 
 
 @needs_compiler
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_engine_with_fp8_weights_on_the_cpu_matches_their_dequantised_products(llama, dtype, monkeypatch):
     """quantization="fp8" on the CPU: every decoder layer multiplies through the C kernel, and sessions get the
-    log-probabilities of the same engine whose layers dequantise their weights for each product (aten)."""
+    log-probabilities of the same engine whose layers dequantise their weights for each product (aten). An
+    engine asked for aten over a model an earlier engine gave the kernel takes it away."""
     from metronome.models import cpu_linear
     from metronome.models.fp8 import Fp8Linear
 
@@ -309,10 +336,11 @@ def test_engine_with_fp8_weights_on_the_cpu_matches_their_dequantised_products(l
         pytest.skip("this CPU has no bf16 instructions")
     calls = []
     real = cpu_linear.E4m3Product.__call__
-    monkeypatch.setattr(cpu_linear.E4m3Product, "__call__", lambda self, rows: calls.append(1) or real(self, rows))
-    results = {}
+    monkeypatch.setattr(cpu_linear.E4m3Product, "__call__", lambda self, *a: calls.append(1) or real(self, *a))
+    results, engines = {}, {}
     for choice in ("auto", "aten"):
-        engine = Engine(EngineConfig(model=llama[0], dtype=dtype, quantization="fp8", cpu_linear=choice, **SMALL))
+        engine = engines[choice] = Engine(EngineConfig(model=llama[0], dtype=dtype, quantization="fp8",
+                                                       cpu_linear=choice, **SMALL))
         fp8 = [m for m in engine.model.model.layers.modules() if isinstance(m, Fp8Linear)]
         assert fp8 and all((m.cpu_product is not None) == (choice == "auto") for m in fp8)
         results[choice] = drive(engine, random.Random(7), 6)
@@ -324,3 +352,6 @@ def test_engine_with_fp8_weights_on_the_cpu_matches_their_dequantised_products(l
     worst = max(abs(a - b) for (_, a), (_, b) in zip(got, want))
     assert len(got) == len(want) and worst < bound, worst
     assert dtype != "float32" or tokens == ref_tokens
+    again = Engine(EngineConfig(model=llama[0], dtype=dtype, quantization="fp8", cpu_linear="aten", **SMALL),
+                   model=engines["auto"].model)
+    assert all(m.cpu_product is None for m in again.model.model.layers.modules() if isinstance(m, Fp8Linear))
