@@ -202,13 +202,14 @@ class Engine:
                 raise ConfigError(f"cpu_linear='packed': oneDNN on this CPU cannot pack {dtype} weights "
                                   f"({read_capability().describe()})")
             return
-        count = pack_linears_(self.model.model.layers)
-        head = ""
+        count = pack_linears_(self.model.model.layers)   # none but MoE routers where the layers are FP8
+        packed = [f"{count} linear weights"] if count else []
         if hasattr(self.model, "packed_head"):   # a copy: the embedding lookup and the exact top-k read the plain one
             weight = self.model.head_weight()
             self.model.packed_head = PackedLinear(weight)
-            head = f" and a copy of the logits' head ({weight.numel() * weight.element_size() / 2**20:.0f} MiB)"
-        log.info("packed %d linear weights%s (%s) for oneDNN", count, head, dtype)
+            packed.append(f"a copy of the logits' head ({weight.numel() * weight.element_size() / 2**20:.0f} MiB)")
+        if packed:
+            log.info("packed %s (%s) for oneDNN", " and ".join(packed), dtype)
 
     def _kernel_cpu_linears(self, library: NativeLibrary | None) -> None:
         if library is None:    # auto, and the kernels could not be built (logged): aten
