@@ -29,7 +29,8 @@ from metronome.errors import MetronomeError
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("decode_attention.c", "e4m3.c", "e4m3_linear.c", "scatter_rows.c", "skinny_linear.c", "layer_ops.c")   # compiled into one library
+# compiled into one library
+SOURCES = ("decode_attention.c", "e4m3.c", "e4m3_linear.c", "scatter_rows.c", "skinny_linear.c", "layer_ops.c")
 HEADERS = ("e4m3.h", "scalars.h", "vectors.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC")
 CACHE_ENV = "METRONOME_KERNEL_CACHE"   # where built kernels are kept (default: the user's cache folder)

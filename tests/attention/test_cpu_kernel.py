@@ -1,5 +1,6 @@
-"""The CPU decode-attention kernel (``attention/cpu_kernel.py``), built for this CPU and for the narrower instruction
-sets it also runs, against a float64 masked softmax; in the engine; and what ``cpu_attention`` does where no compiler works."""
+"""The CPU decode-attention kernel (``attention/cpu_kernel.py``), built for this CPU and for the narrower
+instruction sets it also runs, against a float64 masked softmax; in the engine; and what ``cpu_attention`` does
+where no compiler works."""
 
 from __future__ import annotations
 
