@@ -407,6 +407,7 @@ NATIVE_KINDS = {"metronome_decode_attention": "C kernels: attention",
                 "metronome_e4m3_linear": "C kernels: products", "metronome_e4m3_linear_pairs": "C kernels: products",
                 "metronome_scatter_rows": "gather / KV copies",
                 "metronome_copy_rows": "gather / KV copies", "metronome_e4m3_dequantize": "gather / KV copies",
+                "metronome_e4m3_quantize": "gather / KV copies",
                 "metronome_rms_norm": "C kernels: norms, RoPE, SiLU", "metronome_rope": "C kernels: norms, RoPE, SiLU",
                 "metronome_silu_mul": "C kernels: norms, RoPE, SiLU"}
 

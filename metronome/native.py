@@ -107,6 +107,9 @@ def load_library(directory: Path | None = None, target: tuple[str, ...] = ()) ->
     cdll.metronome_e4m3_dequantize.restype = ctypes.c_int
     cdll.metronome_e4m3_dequantize.argtypes = ([ctypes.c_long] + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 3
                                                + [ctypes.c_int] * 2)
+    cdll.metronome_e4m3_quantize.restype = ctypes.c_int
+    cdll.metronome_e4m3_quantize.argtypes = ([ctypes.c_long] + [ctypes.c_int] * 2 + [ctypes.c_void_p]
+                                             + [ctypes.c_long] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 2)
     cdll.metronome_e4m3_linear.restype = ctypes.c_int
     cdll.metronome_e4m3_linear.argtypes = ([ctypes.c_int] * 4 + [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 4
                                            + [ctypes.c_long, ctypes.c_int])

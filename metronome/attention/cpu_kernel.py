@@ -97,6 +97,20 @@ class CpuDecodeKernel:
             raise MemoryError("the CPU dequantiser could not allocate its scratch memory")
         return out
 
+    def quantize(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
+        """E4M3 codes, as bytes [T, heads, dim], of ``x`` [T, heads, dim] (float32 or bfloat16, each row's values
+        contiguous, any token and head strides) over ``scale`` [heads] (float32): what ``attention.fp8.to_e4m3``
+        gives, byte for byte, in one call. None where it does not apply (other dtypes or layouts)."""
+        if not (x.dtype in DTYPES and x.device.type == "cpu" and x.dim() == 3 and x.stride(2) == 1
+                and scale.dtype == torch.float32 and scale.device.type == "cpu" and scale.shape == (x.shape[1],)):
+            return None
+        scale = scale.contiguous()
+        tokens, heads, dim = x.shape
+        out = torch.empty(x.shape, dtype=torch.uint8)
+        self.library.cdll.metronome_e4m3_quantize(tokens, heads, dim, x.data_ptr(), x.stride(0), x.stride(1),
+                                                  DTYPES[x.dtype], scale.data_ptr(), out.data_ptr())
+        return out
+
     def scatter_rows_(self, rows: torch.Tensor, dest: torch.Tensor, index: torch.Tensor) -> bool:
         """``dest[index[t * heads + h]] = rows[t, h]`` for ``rows`` [T, heads, width] (each row's values
         contiguous, any token and head strides) into ``dest`` [R, width] (contiguous): a decode round's new keys or

@@ -218,7 +218,7 @@ class DecodeWindow:
             raise ValueError("E4M3 pages come with their scales [2, KV heads], and other pages without")
         kernel, kv_heads, head_dim = self.kernel, self.kv_heads, self.head_dim
         if kv_scale is not None:   # quantised once, for the cache and the buffers alike
-            key, value = e4m3_codes(key, value, kv_scale)
+            key, value = e4m3_codes(key, value, kv_scale, kernel)
         write_kv(key, value, k_cache, v_cache, plan.meta.slot_mapping, kernel=kernel)
         k_buf, v_buf = self.buffers[self.layers[k_cache.data_ptr()]]
         if plan.append_q is not None:

@@ -75,14 +75,20 @@ def token_slots(meta: PagedAttentionMetadata, rows: torch.Tensor, tokens: torch.
     return physical * bs + tokens % bs
 
 
-def e4m3_codes(key: torch.Tensor, value: torch.Tensor, kv_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def e4m3_codes(key: torch.Tensor, value: torch.Tensor, kv_scale: torch.Tensor,
+               kernel: CpuDecodeKernel | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values [T, kv_heads, head_dim] as the E4M3 pages store them (``x / scale``), as bytes:
-    index_copy_ and index_select have no float8 kernels on the CPU."""
+    index_copy_ and index_select have no float8 kernels on the CPU. ``kernel``: the CPU's C kernels, which
+    quantise each in one call (torch takes four operators)."""
     import torch
 
     from metronome.attention.fp8 import to_e4m3
 
-    return tuple(to_e4m3(x, s[:, None]).view(torch.uint8) for x, s in ((key, kv_scale[0]), (value, kv_scale[1])))
+    codes = []
+    for x, scale in ((key, kv_scale[0]), (value, kv_scale[1])):
+        quantized = None if kernel is None else kernel.quantize(x, scale)
+        codes.append(to_e4m3(x, scale[:, None]).view(torch.uint8) if quantized is None else quantized)
+    return codes[0], codes[1]
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -99,7 +105,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     kv_heads, head_dim = key.shape[-2:]
     tokens = key.shape[0]
     if kv_scale is not None:
-        key, value = e4m3_codes(key, value, kv_scale)
+        key, value = e4m3_codes(key, value, kv_scale, kernel)
     if key.dtype == torch.uint8:
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     if kernel is not None and tokens:

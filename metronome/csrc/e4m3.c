@@ -4,6 +4,8 @@
 #include "e4m3.h"
 #include "scalars.h"
 
+#include <string.h>
+
 #if defined(__AVX512BW__) || (defined(__AVX2__) && defined(__F16C__))
 #include <immintrin.h>
 #endif
@@ -87,4 +89,45 @@ void e4m3_to_bf16_rows(const uint8_t *p, long total, uint16_t *out) {
     }
 #endif
     for (; e < total; e++) out[e] = f32_to_bf16(e4m3_to_f32(p[e]) * 0x1p-8f);
+}
+
+/* float32 to E4M3, rounding to nearest even, as torch's cast does: NaN stays NaN (0x7f with the sign), values past
+   448 are not expected (the caller clamps). A subnormal result (below 2^-6) is the value added to 2^14 as float32,
+   whose rounding step there is the E4M3 subnormals' 2^-9; a normal one drops 20 mantissa bits rounding to even and
+   rebiases the exponent (127 -> 7). */
+static inline uint8_t e4m3_from_f32(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    uint8_t sign = (uint8_t)((bits >> 24) & 0x80u);
+    bits &= 0x7fffffffu;
+    if (bits > 0x7f800000u) return sign | 0x7fu;
+    if (bits < (121u << 23)) {
+        float magnitude, shifted;
+        memcpy(&magnitude, &bits, sizeof magnitude);
+        shifted = magnitude + 16384.f;
+        uint32_t out;
+        memcpy(&out, &shifted, sizeof out);
+        return sign | (uint8_t)(out - 0x46800000u);       /* 16384.f's bits */
+    }
+    bits += ((uint32_t)(7 - 127) << 23) + 0x7ffffu + ((bits >> 20) & 1u);
+    return sign | (uint8_t)(bits >> 20);
+}
+
+/* out[t, h, :] = E4M3 of x[t, h, :] / scale[h], clamped to +-448 first, for t < tokens, h < heads: what
+   (x.float() / scale).clamp(-448, 448).to(float8_e4m3fn) gives, byte for byte. x float32 or bfloat16 (`bf16`), row
+   (t, h) at t * token_stride + h * head_stride elements, its `dim` values contiguous; out contiguous. */
+int metronome_e4m3_quantize(long tokens, int heads, int dim, const void *x, long token_stride, long head_stride,
+                            int bf16, const float *scale, uint8_t *out) {
+    for (long t = 0; t < tokens; t++)
+        for (int h = 0; h < heads; h++) {
+            long at = t * token_stride + h * head_stride;
+            uint8_t *dst = out + (t * heads + h) * dim;
+            float s = scale[h];
+            for (int e = 0; e < dim; e++) {
+                float v = (bf16 ? bf16_to_f32(((const uint16_t *)x)[at + e]) : ((const float *)x)[at + e]) / s;
+                v = v > 448.f ? 448.f : (v < -448.f ? -448.f : v);       /* NaN passes both */
+                dst[e] = e4m3_from_f32(v);
+            }
+        }
+    return 0;
 }

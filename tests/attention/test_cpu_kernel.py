@@ -106,6 +106,34 @@ def test_dequantized_e4m3_rows_are_torchs(kernel, dtype):
     assert kernel.dequantize(codes, scale[:2], dtype) is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_rows_are_torchs_bytes(kernel, dtype):
+    """Keys [T, heads, dim] over a scale a head, rounded to E4M3 as ``to_e4m3`` rounds them, byte for byte: every
+    code's value and every midpoint between neighbours (ties go to the even code), the subnormals, values past ±448
+    and ±inf (saturated), NaN, -0, magnitudes from 1e-6 to 1e4; rows read through a strided view."""
+    gen = torch.Generator().manual_seed(9)
+    values = torch.arange(256, dtype=torch.uint8).view(E4M3).float()
+    finite = values[torch.isfinite(values)].unique()
+    midpoints = (finite[1:] + finite[:-1]) / 2
+    special = torch.tensor([0.0, -0.0, 447.9, 448.0, 449.0, 464.0, 480.0, 1e9, float("inf"), -float("inf"),
+                            float("nan"), 2 ** -9, 2 ** -10, 3 * 2 ** -11, 2 ** -6, 2 ** -6 - 2 ** -10])
+    spread = torch.randn(4000, generator=gen) * torch.logspace(-6, 4, 4000)
+    flat = torch.cat([finite, midpoints, -midpoints, special, -special, spread])
+    dim, heads = 16, 3
+    flat = torch.cat([flat, torch.zeros(-len(flat) % (heads * dim))])
+    x = flat.view(-1, heads, dim).to(dtype)
+    wide = torch.zeros(x.shape[0], heads + 1, dim, dtype=dtype)     # rows with a spare head between tokens
+    wide[:, :heads] = x
+    strided = wide[:, :heads]
+    for scale in (torch.ones(heads), torch.tensor([0.5, 3.0, 1e-3])):
+        got = kernel.quantize(strided, scale)
+        want = to_e4m3(x, scale[:, None]).view(torch.uint8)
+        assert got.dtype == torch.uint8 and got.shape == x.shape
+        assert torch.equal(got, want), (got != want).nonzero()[:5]
+    assert kernel.quantize(x, torch.ones(2)) is None                  # scales of another head count: torch's
+    assert kernel.quantize(x.half(), torch.ones(heads)) is None
+
+
 def test_the_reference_dequantises_e4m3_pages_through_the_kernel_to_the_same_output(kernel):
     from tests.attention.test_reference import build_case
     from metronome.attention.reference import paged_attention_reference, plan_reference
