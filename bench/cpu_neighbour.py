@@ -9,10 +9,13 @@ Each configuration runs in its own process (the OpenMP wait policy is read when 
 the idle cores, then with a neighbour: a process doing single-threaded float32 matrix products
 non-stop (a stand-in for the ASR or any other program sharing the box). Configurations:
 
-* ``default``: torch's defaults, one intra-op thread per core, OpenMP's default wait policy (it spins).
-* ``passive``: the same threads with ``OMP_WAIT_POLICY=PASSIVE`` (idle threads sleep).
+* ``default``: torch's defaults, one intra-op thread per core, OpenMP's default wait policy (it spins for
+  milliseconds).
+* ``passive``: the same threads with ``OMP_WAIT_POLICY=PASSIVE`` (idle threads sleep at once).
+* ``brief``: the same threads spinning briefly before they sleep (``metronome.cpu.THREAD_WAIT_ENV``, what
+  ``metronome serve`` sets): the engine alone on the box's cores, as without the speech front end.
 * ``plan``: ``ThreadPlan.for_box(cores, speech=True)``, what ``metronome serve`` gives the engine on this
-  box (1 thread on 2 cores; the other core is the speech front end's), passive.
+  box (1 thread on 2 cores; the other core is the speech front end's), ``THREAD_WAIT_ENV``.
 * ``plan-nice``: the plan with its neighbours at the plan's ``speech_nice``, as ``serve`` runs the speech
   threads (VAD, ASR, speech out). ``--neighbours 2`` stands for the ASR and speech out busy at once: then
   speech outnumbers its core and meets the tick on the engine's.
@@ -64,18 +67,21 @@ def child(args) -> None:
             break
     print(json.dumps({"ticks_ms": ticks[1:] or ticks, "capped": ticks[-1] > args.cap_s * 1e3,
                       "dtype": engine.config.dtype, "threads": torch.get_num_threads(),
-                      "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}))
+                      "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+                      "gomp_spincount": os.environ.get("GOMP_SPINCOUNT")}))
 
 
 def measure(config: str, neighbour: bool, checkpoint: str, args) -> dict:
-    from metronome.cpu import QUIET_THREAD_ENV, ThreadPlan, usable_cores
+    from metronome.cpu import THREAD_WAIT_ENV, ThreadPlan, usable_cores
 
     cores = usable_cores()
-    env = {k: v for k, v in os.environ.items() if k not in QUIET_THREAD_ENV}
+    env = {k: v for k, v in os.environ.items() if k not in (*THREAD_WAIT_ENV, "OMP_WAIT_POLICY")}
     plan = ThreadPlan.for_box(cores, speech=True)
     threads = plan.worker if config in ("plan", "plan-nice") else cores
-    if config in ("passive", "plan", "plan-nice"):
-        env.update(QUIET_THREAD_ENV)
+    if config in ("brief", "plan", "plan-nice"):
+        env.update(THREAD_WAIT_ENV)
+    if config == "passive":
+        env.update(OMP_WAIT_POLICY="PASSIVE", KMP_BLOCKTIME="0")
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     nice = plan.speech_nice if config == "plan-nice" else 0
     others = [subprocess.Popen([sys.executable, "-c", NEIGHBOUR], preexec_fn=(lambda: os.nice(nice)) if nice else None)
@@ -104,7 +110,8 @@ def main(argv=None) -> int:
     p.add_argument("--ticks", type=int, default=3, help="measured ticks after 1 warm-up")
     p.add_argument("--cap-s", type=float, default=30.0, help="stop a configuration after a tick this long")
     p.add_argument("--timeout-s", type=float, default=600.0)
-    p.add_argument("--configs", default="plan,passive,default", help="of plan, plan-nice, passive, default")
+    p.add_argument("--configs", default="plan,brief,passive,default",
+                   help="of plan, plan-nice, brief, passive, default")
     p.add_argument("--neighbours", type=int, default=1, help="busy neighbour processes beside the tick")
     p.add_argument("--random-weights", action="store_true", help="SmolLM2's shapes with random weights")
     p.add_argument("--out", default="results/cpu_neighbour.json")

@@ -34,8 +34,9 @@ float32) are stated for CPUs with native bf16; elsewhere the table says how clos
 
 On a machine shared with other work, ``--threads 1 --clock cpu`` measures each tick in this process's CPU
 time instead of the wall clock: what the tick would take on a core of its own (memory and caches are still
-shared, so it is an estimate). torch's threads: ``--threads`` (default: every core this process may use), with ``OMP_WAIT_POLICY=PASSIVE``
-as ``metronome serve`` sets it unless the environment sets another. A busy machine distorts everything:
+shared, so it is an estimate). torch's threads: ``--threads`` (default: every core this process may use), idle
+OpenMP threads spinning briefly before they sleep (``metronome.cpu.THREAD_WAIT_ENV``, as ``metronome serve`` sets
+it) unless the environment says otherwise. A busy machine distorts everything:
 the load average is recorded and a warning printed.
 """
 
@@ -55,9 +56,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter, process_time
 
-from metronome.cpu import QUIET_THREAD_ENV, auto_dtype, read_capability, usable_cores
+from metronome.cpu import THREAD_WAIT_ENV, auto_dtype, read_capability, usable_cores
 
-for _key, _value in QUIET_THREAD_ENV.items():   # before torch loads, as the CLI does; a value already set wins
+for _key, _value in THREAD_WAIT_ENV.items():   # before torch loads, as the CLI does; a value already set wins
     os.environ.setdefault(_key, _value)
 
 import torch  # noqa: E402
@@ -302,6 +303,7 @@ def machine() -> dict:
             "cpu_model": cap.model, "native_bf16": cap.native_bf16, "auto_dtype": auto_dtype("cpu", cap),
             "torch_capability": torch.backends.cpu.get_cpu_capability(), "cores_usable": usable_cores(),
             "torch_threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+            "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
             "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
 
@@ -361,7 +363,8 @@ def report(results: dict) -> None:
         print(table(["target", "measured", "met"], [[r["target"], r["value"], "yes" if r["met"] else "no"]
                                                    for r in rows]))
     print(f"\nmachine: {m['cpu']}; torch {m['torch']} ({m['torch_threads']} threads, OMP_WAIT_POLICY="
-          f"{m['omp_wait_policy']}), transformers {m['transformers']}; load {m['loadavg_start']}")
+          f"{m['omp_wait_policy']}, GOMP_SPINCOUNT={m.get('gomp_spincount')}), transformers {m['transformers']}; "
+          f"load {m['loadavg_start']}")
 
 
 def profile_tick(checkpoint: str, n: int, args) -> dict:

@@ -7,7 +7,7 @@ Two decisions are made here, once, at start-up:
   alone torch emulates bf16, slower than float32).
 * ``ThreadPlan``: the engine (torch intra-op threads), the ASR (CTranslate2), the VAD (onnxruntime) and the
   gateway each get a fixed share of the cores, so a busy front end never makes torch's threads wait for
-  a core; ``quiet_thread_env`` makes idle OpenMP threads sleep instead of spinning at barriers. Where
+  a core; ``thread_wait_env`` lets idle OpenMP threads spin only briefly before they sleep. Where
   speech and the tick still meet on a core (the voice threads outnumber the ASR's share), the speech threads
   run at a higher nice value (``lower_thread_priority``), so the tick, which has a deadline, goes first.
 
@@ -33,9 +33,12 @@ from typing import Callable, MutableMapping, TypeVar
 
 # Flags (as /proc/cpuinfo spells them) under which oneDNN runs bf16 matrix products in hardware.
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")
-# What idle OpenMP threads do: sleep at once (libgomp, and Intel OpenMP's equivalent). They must be set
-# before the runtime loads (before torch or CTranslate2 is imported); a value already set is kept.
-QUIET_THREAD_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
+# What idle OpenMP threads do: spin briefly, then sleep (libgomp: 10,000 rounds, a few hundred microseconds;
+# Intel OpenMP: 1 ms). A decode round is hundreds of parallel regions microseconds apart, and waking a sleeping
+# thread for each cost 30-80 us on a VM; between ticks they sleep, so a neighbour keeps its core
+# (docs/benchmarks/cpu.md). Set before the runtime loads (before torch or CTranslate2 is imported); a value
+# already set is kept, and OMP_WAIT_POLICY, where set, decides instead.
+THREAD_WAIT_ENV = {"GOMP_SPINCOUNT": "10000", "KMP_BLOCKTIME": "1"}
 # How ``serve`` hands each worker process its share (the worker reads it back with ``ThreadPlan.from_env``).
 PLAN_ENV = "METRONOME_THREAD_PLAN"
 # How much lower the speech threads (VAD, ASR, speech out) run than the engine's tick: a nice value's weight
@@ -166,9 +169,10 @@ class ThreadPlan:
         front = f"ASR {self.asr} (CTranslate2), VAD {self.vad} (onnxruntime)" if self.asr else "no speech front end"
         gateway = f"gateway {self.gateway}" if self.gateway else "gateway shares"
         per = " per worker" if self.workers > 1 else ""
-        wait = os.environ.get("OMP_WAIT_POLICY", "unset")
+        wait = (f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}" if "OMP_WAIT_POLICY" in os.environ
+                else f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', 'unset')}")
         nice = f"; speech threads at nice +{self.speech_nice}" if self.asr and self.speech_nice else ""
-        return (f"threads on {self.cores} cores{per}: engine {self.worker} (torch, OMP_WAIT_POLICY={wait}), "
+        return (f"threads on {self.cores} cores{per}: engine {self.worker} (torch, {wait}), "
                 f"{front}, {gateway}{nice}")
 
     def apply_to_torch(self) -> None:
@@ -221,9 +225,9 @@ def startup_line(device: str, dtype: str, plan: ThreadPlan | None) -> str:
     return line + (f"\n{plan.describe()}" if plan is not None else "")
 
 
-def quiet_thread_env(environ: MutableMapping[str, str]) -> dict[str, str]:
-    """Set ``QUIET_THREAD_ENV`` in ``environ`` where unset; returns what it set. Call it before anything
+def thread_wait_env(environ: MutableMapping[str, str]) -> dict[str, str]:
+    """Set ``THREAD_WAIT_ENV`` in ``environ`` where unset; returns what it set. Call it before anything
     imports torch (the CLI's entry point does)."""
-    added = {k: v for k, v in QUIET_THREAD_ENV.items() if k not in environ}
+    added = {k: v for k, v in THREAD_WAIT_ENV.items() if k not in environ}
     environ.update(added)
     return added

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from metronome.cpu import (PLAN_ENV, ThreadPlan, lower_thread_priority, quiet_thread_env, start_at_lower_priority,
+from metronome.cpu import (PLAN_ENV, ThreadPlan, lower_thread_priority, thread_wait_env, start_at_lower_priority,
                            thread_nice)
 
 needs_thread_nice = pytest.mark.skipif(thread_nice() is None, reason="this OS keeps no nice value per thread")
@@ -79,8 +79,8 @@ def test_a_worker_reads_back_the_plan_serve_gave_it():
         assert ThreadPlan.from_env(junk) is None
 
 
-def test_quiet_thread_env_keeps_what_the_user_set():
-    env = {"OMP_WAIT_POLICY": "ACTIVE"}
-    added = quiet_thread_env(env)
-    assert env["OMP_WAIT_POLICY"] == "ACTIVE" and "OMP_WAIT_POLICY" not in added
-    assert env["KMP_BLOCKTIME"] == "0"
+def test_thread_wait_env_keeps_what_the_user_set():
+    env = {"GOMP_SPINCOUNT": "0"}
+    added = thread_wait_env(env)
+    assert env["GOMP_SPINCOUNT"] == "0" and "GOMP_SPINCOUNT" not in added
+    assert env["KMP_BLOCKTIME"] == "1" and "OMP_WAIT_POLICY" not in env

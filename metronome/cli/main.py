@@ -16,7 +16,7 @@ import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
-from metronome.cpu import quiet_thread_env
+from metronome.cpu import thread_wait_env
 
 
 def installed_version() -> str:
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     """The ``metronome`` command. Without ``argv`` it owns the process (the console script, ``python -m
     metronome``) and ends it with ``exit_now``; with ``argv`` (a caller in the same process) it returns."""
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")   # gRPC's C core logs connection teardown at shutdown
-    quiet_thread_env(os.environ)   # idle OpenMP threads sleep (read when torch loads; workers inherit it)
+    thread_wait_env(os.environ)   # idle OpenMP threads spin briefly, then sleep (read when torch loads)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
