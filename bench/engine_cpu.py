@@ -56,10 +56,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter, process_time
 
-from metronome.cpu import THREAD_WAIT_ENV, auto_dtype, read_capability, usable_cores
+from metronome.cpu import auto_dtype, read_capability, thread_wait_env, usable_cores
 
-for _key, _value in THREAD_WAIT_ENV.items():   # before torch loads, as the CLI does; a value already set wins
-    os.environ.setdefault(_key, _value)
+thread_wait_env(os.environ)   # before torch loads, as the CLI does; a policy already set wins
 
 import torch  # noqa: E402
 

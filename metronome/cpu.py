@@ -226,8 +226,11 @@ def startup_line(device: str, dtype: str, plan: ThreadPlan | None) -> str:
 
 
 def thread_wait_env(environ: MutableMapping[str, str]) -> dict[str, str]:
-    """Set ``THREAD_WAIT_ENV`` in ``environ`` where unset; returns what it set. Call it before anything
+    """Set ``THREAD_WAIT_ENV`` in ``environ`` where unset; returns what it set. Nothing where ``OMP_WAIT_POLICY``
+    is set: the user's policy decides (libgomp would take a spin count over PASSIVE). Call it before anything
     imports torch (the CLI's entry point does)."""
+    if "OMP_WAIT_POLICY" in environ:
+        return {}
     added = {k: v for k, v in THREAD_WAIT_ENV.items() if k not in environ}
     environ.update(added)
     return added

@@ -84,3 +84,5 @@ def test_thread_wait_env_keeps_what_the_user_set():
     added = thread_wait_env(env)
     assert env["GOMP_SPINCOUNT"] == "0" and "GOMP_SPINCOUNT" not in added
     assert env["KMP_BLOCKTIME"] == "1" and "OMP_WAIT_POLICY" not in env
+    passive = {"OMP_WAIT_POLICY": "PASSIVE"}      # a spin count would override it in libgomp: none is added
+    assert thread_wait_env(passive) == {} and passive == {"OMP_WAIT_POLICY": "PASSIVE"}
