@@ -94,7 +94,7 @@ def parse_args(argv=None):
     p.add_argument("--num-stages", type=int, default=None, help="override the launch's stages (None: the engine's rule)")
     p.add_argument("--crowded-stages", type=int, default=None,
                    help="stages of a decode launch past 2 programs per SM, capped at 128 registers where ptxas "
-                        "takes more (None: the engine's)")
+                        "takes more (None: the engine's for the pages' element type)")
     p.add_argument("--widen-v-max-group", type=int, default=None,
                    help="E4M3 pages: widen the values where loaded up to this many query heads a KV head (None: "
                         "the engine's)")
@@ -553,13 +553,16 @@ def main(argv=None) -> int:
         sessions = [1, 64, 512] if args.quick else [int(x) for x in args.sessions.split(",") if x]
         modes = {m: MODES[m] for m in args.modes.split(",") if m}
 
+    from metronome.attention.triton_paged import crowded_stages_for
+
     timer = Timer(device, graphs=not args.no_graphs, warmup=args.warmup, repeats=args.repeats)
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
     plan_kw = {"num_sms": num_sms, "block_n": args.block_n, "decode_block_n": args.decode_block_n,
                "force_splits": args.force_splits,
                "target_programs": args.target_programs, "prefill_block_m": args.prefill_block_m,
                "num_warps": args.num_warps, "num_stages": args.num_stages,
-               **({"crowded_stages": args.crowded_stages} if args.crowded_stages else {}),
+               "crowded_stages": args.crowded_stages or crowded_stages_for(
+                   torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else dtype),
                **({"widen_v_max_group": args.widen_v_max_group} if args.widen_v_max_group is not None else {})}
     info = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",

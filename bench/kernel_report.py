@@ -238,8 +238,11 @@ def report(v: Variant, workdir: Path, **shape) -> Report:
 
 
 def decode_waves(reports: dict[str, Report], sessions: list[int], *, kv_heads: int, sinks: int, window: int,
-                 block_n: int, num_sms: int) -> list[dict]:
-    """The engine's launch rule at each N (splits, stages) and the waves that takes with these resources."""
+                 block_n: int, num_sms: int, kv_fp8: bool = False) -> list[dict]:
+    """The engine's launch rule at each N (splits, stages; E4M3 pages' crowded stages with ``kv_fp8``) and the waves
+    that takes with these resources (a crowded launch capped at 128 registers where the warm-up would cap it)."""
+    import torch
+
     from metronome.attention import triton_paged as tp
 
     tiles = tp.live_tiles(4096, 1, sinks, window, block_n)
@@ -247,8 +250,12 @@ def decode_waves(reports: dict[str, Report], sessions: list[int], *, kv_heads: i
     for n in sessions:
         programs = n * kv_heads
         splits = tp.choose_splits(programs, tiles, target_programs=tp.PROGRAMS_PER_SM * num_sms)
-        stages = tp.choose_stages(programs * splits, num_sms, decode=True)
+        stages = tp.choose_stages(programs * splits, num_sms, decode=True, crowded_stages=tp.crowded_stages_for(
+            torch.float8_e4m3fn if kv_fp8 else torch.bfloat16))
         name = "decode-split" if splits > 1 else ("decode" if stages == 3 else "decode-1buf")
+        if (tp.crowded(programs * splits, num_sms, decode=True) and f"{name}-128reg" in reports and name in reports
+                and reports[name].registers > tp.SINGLE_BUFFERED_MAX_REGISTERS):   # the warm-up's cap
+            name = f"{name}-128reg"
         fit = reports[name].programs_per_sm if name in reports else 0
         rows.append({"sessions": n, "programs": programs * splits, "splits": splits, "stages": stages,
                      "variant": name, "programs_per_sm_fit": fit,
@@ -293,7 +300,8 @@ def main(argv=None) -> int:
                 print(f"compiling {v.name} for sm_{args.arch} ...", file=sys.stderr, flush=True)
                 reports[v.name] = report(v, Path(tmp), **shape)
     waves = decode_waves(reports, [int(n) for n in args.sessions.split(",") if n], kv_heads=kv_heads,
-                         sinks=args.sinks, window=args.window, block_n=64, num_sms=args.num_sms)
+                         sinks=args.sinks, window=args.window, block_n=64, num_sms=args.num_sms,
+                         kv_fp8=args.kv_cache_dtype == "fp8")
     print(f"\nTriton {triton.__version__}, sm_{args.arch}, {args.model} {heads}/{kv_heads}x{head_dim}, "
           f"S = {args.sinks}, W = {args.window}, pages {'E4M3' if args.kv_cache_dtype == 'fp8' else 'bf16'}")
     print(f"{'variant':<28} {'BLOCK_M':>7} {'stages':>6} {'smem KB':>8} {'regs':>5} {'spill B':>7} "

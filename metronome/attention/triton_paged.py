@@ -37,7 +37,8 @@ Design
 * **Pipelining.** Each tile's physical block ids are loaded one tile ahead, so the K/V loads of a tile do not
   wait on a load from the same iteration and ``num_stages=3`` keeps two K/V tiles in flight. Decode launches
   with more than ``DOUBLE_BUFFERED_PROGRAMS_PER_SM`` programs per SM ("crowded") use ``CROWDED_DECODE_STAGES``
-  (2: one buffer, more programs resident) and the warm-up's register cap: :func:`choose_stages`.
+  over 16-bit pages (2: one buffer, more programs resident), ``CROWDED_DECODE_STAGES_E4M3`` over E4M3 pages (3: half
+  the bytes a buffer) and the warm-up's register cap: :func:`choose_stages`, :func:`crowded_stages_for`.
 
 CPU: the same kernels run under ``TRITON_INTERPRET=1`` (set before triton is imported). The
 interpreter multiplies bf16 bit patterns in ``tl.dot`` (triton-lang/triton#11584, unsupported
@@ -76,12 +77,15 @@ PROGRAMS_PER_SM = 1
 # math while a decode launch has few programs per SM; past this many, single-buffered programs (num_stages 2,
 # ~40 KB) fit more per SM and hide the latency by their number (the wave counts: docs/benchmarks/gpu.md#launch-rule).
 DOUBLE_BUFFERED_PROGRAMS_PER_SM = 2
-# Pipeline depth of a decode launch past that many programs per SM ("crowded"): 2 stages, one K/V buffer.
+# Pipeline depth of a decode launch past that many programs per SM ("crowded"): over 16-bit pages 2 stages, one
+# K/V buffer, so 4 programs fit an SM; over E4M3 pages a tile is half the bytes and 3 stages (one tile in flight
+# during a tile's math) still fit 4: 3-7 % off the launch (docs/benchmarks/gpu.md#crowded-decode-launches-over-e4m3-pages).
 CROWDED_DECODE_STAGES = 2
-# E4M3 values widened to fp16 where loaded (e4m3_triton.e4m3_to_f16) up to this many query heads a KV head: 6-12 %
-# off the decode launch at 4, none or a loss past 128 sessions at 7 and 8
+CROWDED_DECODE_STAGES_E4M3 = 3
+# E4M3 values widened to fp16 where loaded (e4m3_triton.e4m3_to_f16) up to this many query heads a KV head: with the
+# crowded launch's 3 stages every GQA group measured, 4 to 8, is shorter widened
 # (docs/benchmarks/gpu.md#attention-over-e4m3-pages).
-WIDEN_V_MAX_GROUP = 4
+WIDEN_V_MAX_GROUP = 8
 # Four single-buffered programs of 4 warps fit an SM's 64 K registers only at <= 128 registers a thread. Where
 # ptxas takes more, the warm-up caps the launch here so one wave still holds them; where it takes fewer, a cap
 # would only add spills, so none is set (bench/kernel_report.py; docs/benchmarks/gpu.md#register-cap).
@@ -94,7 +98,7 @@ def widen_values_at_load(kv_fp8: bool, compiled_for_cuda: bool, query_dtype: tor
     interpreter or ROCm) rather than leaving the cast to Triton: 16-bit queries, at most ``max_group`` query heads
     a KV head.
 
-    >>> widen_values_at_load(True, True, torch.bfloat16, 4), widen_values_at_load(True, True, torch.bfloat16, 8)
+    >>> widen_values_at_load(True, True, torch.bfloat16, 8), widen_values_at_load(True, True, torch.bfloat16, 16)
     (True, False)
     """
     return kv_fp8 and compiled_for_cuda and query_dtype != torch.float32 and group <= max_group
@@ -425,6 +429,15 @@ def choose_splits(num_programs: int, max_tiles: int, *, target_programs: int, ma
     return max(1, min(max_splits, _cdiv(target_programs, num_programs), max_tiles // max(1, min_tiles_per_split)))
 
 
+def crowded_stages_for(kv_dtype: torch.dtype) -> int:
+    """The crowded decode launch's pipeline depth over pages of ``kv_dtype``.
+
+    >>> crowded_stages_for(torch.bfloat16), crowded_stages_for(torch.float8_e4m3fn)
+    (2, 3)
+    """
+    return CROWDED_DECODE_STAGES_E4M3 if kv_dtype == torch.float8_e4m3fn else CROWDED_DECODE_STAGES
+
+
 def crowded(programs: int, num_sms: int, *, decode: bool) -> bool:
     """Whether a launch is a decode launch of more than ``DOUBLE_BUFFERED_PROGRAMS_PER_SM`` programs per SM."""
     return decode and programs > DOUBLE_BUFFERED_PROGRAMS_PER_SM * num_sms
@@ -607,8 +620,12 @@ class TritonPagedAttention:
                  force_splits: int | None = None, decode_block_m: int = DECODE_BLOCK_M,
                  prefill_block_m: int = PREFILL_BLOCK_M, block_n: int = BLOCK_N, decode_block_n: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None,
-                 max_registers: int | None = None, crowded_stages: int = CROWDED_DECODE_STAGES,
-                 widen_v_max_group: int = WIDEN_V_MAX_GROUP) -> None:
+                 max_registers: int | None = None, crowded_stages: int | None = None,
+                 kv_dtype: torch.dtype = torch.bfloat16, widen_v_max_group: int = WIDEN_V_MAX_GROUP) -> None:
+        """``crowded_stages``: a crowded decode launch's pipeline depth (None: ``crowded_stages_for(kv_dtype)``, the
+        pages' element type)."""
+        if crowded_stages is None:
+            crowded_stages = crowded_stages_for(kv_dtype)
         self.num_heads = num_heads
         self.scale = scale
         self.num_kv_heads = num_kv_heads

@@ -110,7 +110,8 @@ class ModelRunner:
         if config.attention == "triton":
             from metronome.attention.triton_paged import TritonPagedAttention  # needs the triton package
 
-            self.attention = TritonPagedAttention(self.spec.num_heads, num_kv_heads=self.spec.num_kv_heads)
+            self.attention = TritonPagedAttention(self.spec.num_heads, num_kv_heads=self.spec.num_kv_heads,
+                                                  kv_dtype=self.kv_dtype)
         else:
             self.attention = TorchPagedAttention(self.spec.num_heads)
         # The CPU path's torch attention: decode rounds attend over keys gathered once per step (see decode_rounds).

@@ -195,12 +195,30 @@ def test_crowded_decode_launches_take_their_own_stages_and_the_register_cap():
 def test_the_values_widening_group_limit_is_a_backend_option():
     from metronome.attention.triton_paged import WIDEN_V_MAX_GROUP, widen_values_at_load
 
-    assert not widen_values_at_load(True, True, torch.bfloat16, 8)
-    assert widen_values_at_load(True, True, torch.bfloat16, 8, max_group=8)
+    assert widen_values_at_load(True, True, torch.bfloat16, WIDEN_V_MAX_GROUP)
+    assert not widen_values_at_load(True, True, torch.bfloat16, 2 * WIDEN_V_MAX_GROUP)
+    assert not widen_values_at_load(True, True, torch.bfloat16, 8, max_group=4)
     assert not widen_values_at_load(True, False, torch.bfloat16, 1, max_group=8)   # the interpreter casts
     meta, *_ = build_case([(300, 1)], 16, 64, 16, heads=8, kv_heads=1)
     assert plan_triton(meta, 8, 1).widen_v_max_group == WIDEN_V_MAX_GROUP
-    assert TritonPagedAttention(8, num_kv_heads=1, widen_v_max_group=8).prepare(meta).widen_v_max_group == 8
+    assert TritonPagedAttention(8, num_kv_heads=1, widen_v_max_group=4).prepare(meta).widen_v_max_group == 4
+
+
+def test_crowded_stages_follow_the_pages_element_type():
+    """Over E4M3 pages a crowded decode launch keeps a second K/V buffer (half the bytes a tile); over 16-bit pages
+    one, so that 4 programs fit an SM. An explicit depth wins."""
+    from metronome.attention.triton_paged import CROWDED_DECODE_STAGES_E4M3
+
+    assert CROWDED_DECODE_STAGES_E4M3 > CROWDED_DECODE_STAGES
+    seqs = [(1100, 1)] * 140
+    meta, *_ = build_case(seqs, 16, 1024, 16, heads=28, kv_heads=4)
+    for kv_dtype, stages in ((torch.bfloat16, CROWDED_DECODE_STAGES), (torch.float16, CROWDED_DECODE_STAGES),
+                             (torch.float8_e4m3fn, CROWDED_DECODE_STAGES_E4M3)):
+        backend = TritonPagedAttention(28, num_kv_heads=4, num_sms=132, kv_dtype=kv_dtype)
+        (launch,) = backend.prepare(meta).launches
+        assert (launch.crowded, launch.num_stages) == (True, stages)
+    backend = TritonPagedAttention(28, num_kv_heads=4, num_sms=132, kv_dtype=torch.float8_e4m3fn, crowded_stages=2)
+    assert backend.prepare(meta).launches[0].num_stages == 2
 
 
 def test_backend_writes_new_keys_then_attends():

@@ -80,13 +80,16 @@ def test_the_engines_variants_do_not_spill_and_each_fits_on_an_sm(sm90_report):
 def test_waves_follow_the_engines_launch_rule(sm90_report):
     report, variants = sm90_report
     rows = {r["sessions"]: r for r in report["decode_waves"]}
-    from metronome.attention.triton_paged import choose_stages
+    from metronome.attention.triton_paged import SINGLE_BUFFERED_MAX_REGISTERS, choose_stages
 
     for n, row in rows.items():
         assert row["splits"] == 1                          # 64 and 128 sessions fill 132 SMs unsplit
         assert row["stages"] == choose_stages(n * 4, report["num_sms"], decode=True)
     assert rows[64]["variant"] == "decode" and rows[64]["waves"] == 1       # 256 programs, 3 fit per SM
-    assert rows[128]["variant"] == "decode-1buf" and rows[128]["waves"] in (1, 2)
+    # crowded: single-buffered, capped at 128 registers where ptxas takes more (as the engine's warm-up caps it)
+    capped = variants["decode-1buf"]["registers"] > SINGLE_BUFFERED_MAX_REGISTERS
+    assert rows[128]["variant"] == ("decode-1buf-128reg" if capped else "decode-1buf")
+    assert rows[128]["waves"] == 1 if capped else rows[128]["waves"] in (1, 2)
 
 
 def test_programs_per_sm_follows_the_sm90_occupancy_limits():
