@@ -181,12 +181,18 @@ def build_arm(name: str, checkpoints: dict, args):
     return (MetronomeArm if kind == "metronome" else TransformersArm)(dtype, checkpoints[kind], args)
 
 
-def random_checkpoint(directory: Path) -> str:
-    """SmolLM2-135M's architecture with random weights, saved once for both arms to load."""
+# ``--narrow``: SmolLM2's 30 layers, vocabulary and head dim at a width of one head, so a tick's arithmetic is
+# small and what remains is its fixed cost per layer and round (calls, checks, allocations, scheduling).
+NARROW = dict(hidden_size=64, intermediate_size=128, num_attention_heads=1, num_key_value_heads=1)
+
+
+def random_checkpoint(directory: Path, narrow: bool = False) -> str:
+    """SmolLM2-135M's architecture (or its narrow form) with random weights, saved once for both arms to load."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**SMOLLM2), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**{**SMOLLM2, **(NARROW if narrow else {})}),
+                                             dtype=torch.float32)
     model.save_pretrained(directory)
     return str(directory)
 
@@ -541,6 +547,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=1024)
     p.add_argument("--threads", type=int, default=None, help="torch threads [default: usable cores]")
     p.add_argument("--random-weights", action="store_true", help="SmolLM2's shapes with random weights")
+    p.add_argument("--narrow", action="store_true",
+                   help="random weights, SmolLM2's 30 layers at width 64: a tick's fixed cost, little arithmetic")
     p.add_argument("--cpu-linear", choices=["auto", "packed", "kernel", "aten"], default="auto",
                    help="Metronome's linear layers: bf16 weights packed for oneDNN, float32 through the C kernel, "
                         "or aten's F.linear (EngineConfig)")
@@ -624,13 +632,14 @@ def main(argv=None) -> int:
               f"({torch.get_num_threads()} threads)\nraw results: {out}")
         return 0
     with tempfile.TemporaryDirectory() as tmp:
-        if args.random_weights:
-            checkpoints = dict.fromkeys(("metronome", "transformers"), random_checkpoint(Path(tmp)))
+        if args.random_weights or args.narrow:
+            checkpoints = dict.fromkeys(("metronome", "transformers"), random_checkpoint(Path(tmp), args.narrow))
         else:
             from metronome.models.embedded import embedded_checkpoint
 
             checkpoints = {"metronome": MODEL, "transformers": str(embedded_checkpoint(MODEL))}
-        results["weights"] = "random (SmolLM2-135M shapes)" if args.random_weights else "packaged SmolLM2-135M"
+        results["weights"] = ("random, SmolLM2-135M's layers at width 64 (--narrow)" if args.narrow else
+                              "random (SmolLM2-135M shapes)" if args.random_weights else "packaged SmolLM2-135M")
         save = lambda: out.write_text(json.dumps(results, indent=1))  # noqa: E731
         if args.profile:
             results["profiles"] = []

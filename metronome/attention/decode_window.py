@@ -13,6 +13,10 @@ leave are dropped by compacting the rows. E4M3 pages stay E4M3 in the buffers (h
 their per-head scales applied by the kernel. The buffers stay allocated between steps (about one more
 copy of the decoding sessions' live K/V, up to half again as many rows and twice the columns as slack for
 growth), zero-initialised once, so padding is always finite and a freed block is never read.
+
+``attend_qkv`` is the same call for a layer's fused projection rows (``models/cpu_decode_round.py``): in a round
+that only appends to float32 or bfloat16 buffers, its writes and the attention are direct calls to the C kernels,
+whose operands the round's plan checked once for every layer.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from metronome.attention.cpu_kernel import CpuDecodeKernel
+from metronome.attention.cpu_kernel import DTYPES, KV_KINDS, CpuDecodeKernel
 from metronome.attention.fp8 import E4M3
 from metronome.attention.metadata import PagedAttentionMetadata, e4m3_codes, write_kv
 from metronome.attention.reference import live_keys
@@ -56,6 +60,20 @@ class DecodeRoundPlan:
     # meets its value with weight 0, so a stale non-finite value left by a row's earlier session would show).
     gather_from: torch.Tensor | None = None
     gather_to: torch.Tensor | None = None
+    direct: DirectRound | None = None   # ``attend_qkv``'s direct calls, where the round allows them
+
+
+@dataclass(frozen=True)
+class DirectRound:
+    """What ``DecodeWindow.attend_qkv`` hands the C kernels in every layer of a round, checked once when the round
+    is planned: the new rows' cache slots and buffer rows (int64), the mask's bytes, and the row counts that bound
+    the scatters' indices (the C checks each index against them)."""
+
+    slots: int           # address of meta.slot_mapping [n]
+    append_at: int       # address of the plan's append_at [n * kv_heads]
+    mask: int            # address of the mask [n, width], contiguous bools
+    cache_rows: int      # rows of kv_heads * head_dim elements in a layer's cache
+    buffer_rows: int     # rows of head_dim elements in a layer's buffer
 
 
 class DecodeWindow:
@@ -150,8 +168,16 @@ class DecodeWindow:
         mask = (tokens >= 0) & (tokens <= t)
         if meta.window is not None:
             mask &= (tokens < meta.sinks) | (tokens >= t - meta.window)
+        direct = None
+        if (self.kernel is not None and fresh is None and append_q is None and self.kv_caches[0][0].dtype != E4M3
+                and meta.slot_mapping.dtype == torch.int64 and meta.slot_mapping.is_contiguous()
+                and meta.slot_mapping.shape == (n,) and mask.is_contiguous()):
+            k_cache = self.kv_caches[0][0]
+            direct = DirectRound(meta.slot_mapping.data_ptr(), append_at.data_ptr(), mask.data_ptr(),
+                                 k_cache.numel() // (self.kv_heads * self.head_dim),
+                                 self.rows_cap * self.kv_heads * self.cols_cap)
         return DecodeRoundPlan(meta, self, append_q, append_at, gather_rows, gather_slots,
-                               mask[:, None, None, :], width, gather_from, gather_to)
+                               mask[:, None, None, :], width, gather_from, gather_to, direct)
 
     def _arrange(self, session_ids: list[int]) -> list[int]:
         """Put the rows in ``session_ids`` order (compacting away sessions that left); returns the new rows
@@ -250,6 +276,45 @@ class DecodeWindow:
             o = F.scaled_dot_product_attention(grouped, k.to(query.dtype), v.to(query.dtype), attn_mask=plan.mask,
                                                scale=self.scale)
         return o.reshape(n, heads, head_dim)
+
+
+    def attend_qkv(self, qkv: torch.Tensor, kv: tuple[torch.Tensor, ...], plan: DecodeRoundPlan) -> torch.Tensor:
+        """``__call__`` for one layer's fused projection ``qkv`` [n, (heads + 2 * kv_heads) * head_dim] (each row
+        q, k, v side by side, q and k rotated) over its cache ``kv``; returns [n, heads * head_dim]. Where the
+        round only appends to float32 or bfloat16 buffers (``plan.direct``), the cache's and buffers' new rows and
+        the attention are four direct calls to the C kernels, their operands checked when the round was
+        planned; else ``__call__`` does the work."""
+        n, d, kv_heads = qkv.shape[0], self.head_dim, self.kv_heads
+        q_width, kv_width = self.num_heads * d, kv_heads * d
+        direct = plan.direct
+        if (direct is None or qkv.dtype not in DTYPES or qkv.dtype != self.kv_caches[0][0].dtype or qkv.dim() != 2
+                or qkv.shape[1] != q_width + 2 * kv_width or qkv.stride(1) != 1 or n != len(self.ids)):
+            q, k, v = qkv.split((q_width, kv_width, kv_width), dim=-1)
+            o = self(q.view(n, self.num_heads, d), k.view(n, kv_heads, d), v.view(n, kv_heads, d), kv[0], kv[1],
+                     plan, kv[2] if len(kv) > 2 else None)
+            return o.reshape(n, q_width)
+        cdll, size = self.kernel.library.cdll, qkv.element_size()
+        row_bytes = qkv.stride(0) * size
+        k_rows = qkv.data_ptr() + q_width * size
+        v_rows = k_rows + kv_width * size
+        k_buf, v_buf = self.buffers[self.layers[kv[0].data_ptr()]]
+        for rows, cache, buf in ((k_rows, kv[0], k_buf), (v_rows, kv[1], v_buf)):
+            if (cdll.metronome_scatter_rows(n, 1, kv_width * size, rows, row_bytes, 0, cache.data_ptr(),
+                                            direct.cache_rows, direct.slots)
+                    or cdll.metronome_scatter_rows(n, kv_heads, d * size, rows, row_bytes, d * size, buf.data_ptr(),
+                                                   direct.buffer_rows, direct.append_at)):
+                raise IndexError("a decode round's slot or buffer row is outside the cache or the buffers")
+        query = qkv[:, :q_width].contiguous()
+        out = torch.empty((n, q_width), dtype=qkv.dtype)
+        scale = self.scale if self.scale is not None else d ** -0.5
+        failed = cdll.metronome_decode_attention(
+            n, kv_heads, self.num_heads // kv_heads, d, plan.width, DTYPES[qkv.dtype], KV_KINDS[qkv.dtype],
+            query.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), k_buf.stride(0), k_buf.stride(1), direct.mask,
+            plan.width, None, out.data_ptr(), scale, torch.get_num_threads())
+        if failed:
+            raise MemoryError("the CPU attention kernel could not allocate its scratch memory") if failed == 2 \
+                else ValueError(f"the CPU attention kernel refused its inputs (code {failed})")
+        return out
 
 
 def _bytes(x: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ from metronome.engine.policy import retention_for
 from metronome.engine.request import ForwardPlan, ForwardResult, ForwardSegment, RebasePlan
 from metronome.engine.scheduler import InvariantError
 from metronome.engine.session import window_slots  # noqa: F401  (its former home; benchmarks import it here)
+from metronome.models.cpu_decode_round import DirectDecodeRound
 from metronome.models.llama import LlamaFamilyForCausalLM
 from metronome.native import NativeLibrary
 
@@ -124,6 +125,11 @@ class ModelRunner:
             self.attention.kernel = kernel     # prefills write their K/V through its row scatter too
             self.decode_window = DecodeWindow(self.kv_caches, self.spec.num_heads, max_live_keys=max_live,
                                               kernel=kernel)
+        # Decode rounds on the CPU as direct calls to the C kernels, where the model's layers allow it.
+        self.direct_rounds = (DirectDecodeRound.build(model, cpu_kernels)
+                              if self.decode_window is not None and self.decode_window.kernel is not None else None)
+        if self.direct_rounds is not None:
+            log.info("decode rounds call the C kernels directly (%d layers)", len(self.direct_rounds.layers))
         self._in_rounds = False
         if self.device.type == "cuda":
             self._warm_up_kernels()
@@ -239,7 +245,8 @@ class ModelRunner:
         meta, positions = self._metadata(segments)
         if self._in_rounds and self.kv_calibrated and all(q == 1 for q in meta.query_lens):
             plan = self.decode_window.plan_round(meta, [s.session.session_id for s in segments])
-            return self.model(embeds, positions, self.kv_caches, self.decode_window, plan)
+            forward = self.model if self.direct_rounds is None else self.direct_rounds
+            return forward(embeds, positions, self.kv_caches, self.decode_window, plan)
         attention = self.attention if self.kv_calibrated else CalibratingAttention(self.attention)
         plan = attention.prepare(meta)
         hidden = self.model(embeds, positions, self.kv_caches, attention, plan)
@@ -326,4 +333,5 @@ class ModelRunner:
         if self.decode_window is not None:
             self.decode_window.release()
             self.decode_window = None
+        self.direct_rounds = None
         self.model = None

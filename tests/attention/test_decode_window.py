@@ -148,9 +148,20 @@ class PagedSim:
             slot_mapping=torch.tensor([self.slot(s, t) for s, t in zip(sids, starts)]))
 
 
-def run_rounds(sim: PagedSim, schedule, moves=(), window: DecodeWindow | None = None) -> DecodeWindow:
+def attend_fused(window: DecodeWindow, query, key, value, k_cache, v_cache, plan, kv_scale=None) -> torch.Tensor:
+    """``window``'s call through ``attend_qkv``: q, k and v side by side in one row a token, as a layer's fused
+    projection gives them."""
+    n = query.shape[0]
+    qkv = torch.cat([x.reshape(n, -1) for x in (query, key, value)], dim=1)
+    kv = (k_cache, v_cache) if kv_scale is None else (k_cache, v_cache, kv_scale)
+    return window.attend_qkv(qkv, kv, plan).view(query.shape)
+
+
+def run_rounds(sim: PagedSim, schedule, moves=(), window: DecodeWindow | None = None, fused: bool = False,
+               directs: list | None = None) -> DecodeWindow:
     """One step's rounds. ``schedule``: the session ids of each round; ``moves``: (round, sid) rebases before
-    that round; ``window``: the previous step's, to reuse its buffers."""
+    that round; ``window``: the previous step's, to reuse its buffers; ``fused``: through ``attend_qkv``;
+    ``directs``: collects whether each round's plan allowed direct calls."""
     window = window or DecodeWindow(sim.caches, HEADS)
     window.begin()
     tol = 1e-10 if sim.dtype == torch.float64 else 1e-5
@@ -166,7 +177,10 @@ def run_rounds(sim: PagedSim, schedule, moves=(), window: DecodeWindow | None = 
             query = torch.randn(len(sids), HEADS, DIM, generator=sim.gen, dtype=sim.dtype)
             key = torch.cat([new[s][layer][0] for s in sids])
             value = torch.cat([new[s][layer][1] for s in sids])
-            out = window(query, key, value, k_cache, v_cache, plan, sim.kv_scale)
+            attend = attend_fused if fused else DecodeWindow.__call__
+            out = attend(window, query, key, value, k_cache, v_cache, plan, sim.kv_scale)
+            if directs is not None and layer == 0:
+                directs.append(plan.direct is not None)
             assert torch.isfinite(out).all(), f"round {r}: a freed (NaN) block reached the output"
             for i, (sid, start) in enumerate(zip(sids, starts)):
                 keys, values = sim.truth[sid][layer]
@@ -201,6 +215,49 @@ def test_rounds_through_the_c_kernel_match_the_oracle(sinks, window, block_size,
     if not kernel.supports(torch.float32, DIM):
         pytest.skip(f"head dim {DIM} is not a multiple of this CPU's vector width {kernel.vector_width}")
     run_rounds(sim, SCHEDULE, moves=MOVES, window=DecodeWindow(sim.caches, HEADS, kernel=kernel))
+
+
+@pytest.mark.skipif(find_compiler() is None, reason="no C compiler to build the CPU attention kernel with")
+@pytest.mark.parametrize("sinks,window,block_size", [(4, 24, 4), (4, None, 4)])
+@pytest.mark.parametrize("pages", ["float32", "e4m3"])
+def test_fused_rows_match_the_oracle_in_direct_calls_and_through_the_call(sinks, window, block_size, pages, tmp_path):
+    """``attend_qkv`` over rounds that only append (direct calls to the C kernels) and rounds that gather
+    (sessions joining, keys moved) or read E4M3 pages (through ``__call__``)."""
+    kv_scale = torch.tensor([[0.5, 2.0], [0.25, 1.0]]) if pages == "e4m3" else None
+    sim = PagedSim(sinks, window, block_size, dtype=torch.float32, kv_scale=kv_scale)
+    for sid, n in ((1, 70), (2, 5), (3, 41), (4, 12)):
+        sim.prefill(sid, n)
+    kernel = load_kernel(tmp_path)
+    if not kernel.supports(torch.float32, DIM):
+        pytest.skip(f"head dim {DIM} is not a multiple of this CPU's vector width {kernel.vector_width}")
+    directs: list[bool] = []
+    run_rounds(sim, SCHEDULE, moves=MOVES, window=DecodeWindow(sim.caches, HEADS, kernel=kernel), fused=True,
+               directs=directs)
+    if pages == "e4m3":
+        assert not any(directs)
+    else:   # the first round, joins and moves gather; the rest append
+        assert directs[0] is False and sum(directs) >= len(SCHEDULE) // 2, directs
+
+
+@pytest.mark.skipif(find_compiler() is None, reason="no C compiler to build the CPU attention kernel with")
+def test_a_slot_outside_the_cache_is_refused_in_direct_calls(tmp_path):
+    sim = PagedSim(4, 24, 4, dtype=torch.float32)
+    sim.prefill(1, 30)
+    kernel = load_kernel(tmp_path)
+    if not kernel.supports(torch.float32, DIM):
+        pytest.skip(f"head dim {DIM} is not a multiple of this CPU's vector width {kernel.vector_width}")
+    window = DecodeWindow(sim.caches, HEADS, kernel=kernel)
+    run_rounds(sim, [[1]], window=window)      # the session's keys are in the buffers: the next round appends
+    meta = sim.round_meta([1])
+    plan = window.plan_round(meta, [1])
+    assert plan.direct is not None
+    meta.slot_mapping.fill_(sim.caches[0][0].numel())     # past the last row, read where the plan pointed
+    k_cache, v_cache = sim.caches[0]
+    before = k_cache.clone()
+    q, k, v = (torch.randn(1, h, DIM) for h in (HEADS, KV_HEADS, KV_HEADS))
+    with pytest.raises(IndexError, match="outside the cache"):
+        attend_fused(window, q, k, v, k_cache, v_cache, plan)
+    assert torch.equal(k_cache.nan_to_num(), before.nan_to_num())
 
 
 @pytest.mark.parametrize("attend", ["kernel", "sdpa"])
