@@ -220,14 +220,14 @@ def test_rounds_through_the_c_kernel_match_the_oracle(sinks, window, block_size,
 @pytest.mark.skipif(find_compiler() is None, reason="no C compiler to build the CPU attention kernel with")
 @pytest.mark.parametrize("sinks,window,block_size", [(4, 24, 4), (4, None, 4)])
 @pytest.mark.parametrize("pages", ["float32", "e4m3"])
-def test_fused_rows_match_the_oracle_in_direct_calls_and_through_the_call(sinks, window, block_size, pages, tmp_path):
+def test_fused_rows_match_the_oracle_in_direct_calls_and_through_the_call(sinks, window, block_size, pages):
     """``attend_qkv`` over rounds that only append (direct calls to the C kernels) and rounds that gather
     (sessions joining, keys moved) or read E4M3 pages (through ``__call__``)."""
     kv_scale = torch.tensor([[0.5, 2.0], [0.25, 1.0]]) if pages == "e4m3" else None
     sim = PagedSim(sinks, window, block_size, dtype=torch.float32, kv_scale=kv_scale)
     for sid, n in ((1, 70), (2, 5), (3, 41), (4, 12)):
         sim.prefill(sid, n)
-    kernel = load_kernel(tmp_path)
+    kernel = load_kernel()
     if not kernel.supports(torch.float32, DIM):
         pytest.skip(f"head dim {DIM} is not a multiple of this CPU's vector width {kernel.vector_width}")
     directs: list[bool] = []
@@ -240,10 +240,10 @@ def test_fused_rows_match_the_oracle_in_direct_calls_and_through_the_call(sinks,
 
 
 @pytest.mark.skipif(find_compiler() is None, reason="no C compiler to build the CPU attention kernel with")
-def test_a_slot_outside_the_cache_is_refused_in_direct_calls(tmp_path):
+def test_a_slot_outside_the_cache_is_refused_in_direct_calls():
     sim = PagedSim(4, 24, 4, dtype=torch.float32)
     sim.prefill(1, 30)
-    kernel = load_kernel(tmp_path)
+    kernel = load_kernel()
     if not kernel.supports(torch.float32, DIM):
         pytest.skip(f"head dim {DIM} is not a multiple of this CPU's vector width {kernel.vector_width}")
     window = DecodeWindow(sim.caches, HEADS, kernel=kernel)

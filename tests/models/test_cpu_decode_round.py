@@ -51,8 +51,7 @@ def transcript(engine: Engine, steps: int = 9) -> tuple[list, list[torch.Tensor]
 
 @pytest.mark.parametrize("family,dtype,kv", [("llama", "float32", "auto"), ("llama-tied", "bfloat16", "auto"),
                                              ("qwen2", "float32", "auto"), ("llama", "float32", "fp8")])
-def test_direct_rounds_give_the_modules_bits(checkpoints, family, dtype, kv, tmp_path, monkeypatch):
-    monkeypatch.setenv("METRONOME_KERNEL_CACHE", str(tmp_path))
+def test_direct_rounds_give_the_modules_bits(checkpoints, family, dtype, kv, monkeypatch):
     path, _ = checkpoints[family]
     direct = engine_for(path, dtype, kv, direct=True)
     assert direct.runner.direct_rounds is not None
@@ -78,8 +77,7 @@ def test_direct_rounds_give_the_modules_bits(checkpoints, family, dtype, kv, tmp
         assert torch.equal(hidden, hidden_ref), f"forward {i}"
 
 
-def test_build_declines_layers_without_a_direct_step(checkpoints, tmp_path, monkeypatch):
-    monkeypatch.setenv("METRONOME_KERNEL_CACHE", str(tmp_path))
+def test_build_declines_layers_without_a_direct_step(checkpoints):
     def engine(family: str, **settings) -> Engine:
         return Engine(EngineConfig(model=checkpoints[family][0], num_blocks=64, max_chunk_tokens=24,
                                    policy=KVPolicy(sinks=3, window=13, block_size=4), **settings))
@@ -93,9 +91,8 @@ def test_build_declines_layers_without_a_direct_step(checkpoints, tmp_path, monk
     assert DirectDecodeRound.build(qwen3.model, None) is None
 
 
-def test_a_round_it_was_not_built_for_takes_the_modules(checkpoints, tmp_path, monkeypatch):
+def test_a_round_it_was_not_built_for_takes_the_modules(checkpoints, monkeypatch):
     """Operands other than the ones checked at build (another dtype) go through the model's own forward."""
-    monkeypatch.setenv("METRONOME_KERNEL_CACHE", str(tmp_path))
     engine = engine_for(checkpoints["llama"][0], "float32", "auto", direct=True)
     direct = engine.runner.direct_rounds
     called = []
