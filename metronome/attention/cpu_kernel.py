@@ -23,6 +23,14 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 KV_KINDS = {**DTYPES, E4M3: 2}
 
 
+def check_attention(code: int) -> None:
+    """Raise for ``metronome_decode_attention``'s return code (0: done)."""
+    if code == 2:
+        raise MemoryError("the CPU attention kernel could not allocate its scratch memory")
+    if code:
+        raise ValueError(f"the CPU attention kernel refused its inputs (code {code})")
+
+
 @dataclass(frozen=True)
 class CpuDecodeKernel:
     """Decode attention through the native library; a head dim must be a multiple of ``vector_width``."""
@@ -76,9 +84,7 @@ class CpuDecodeKernel:
             n, kv_heads, group, dim, width, DTYPES[query.dtype], KV_KINDS[k.dtype], query.data_ptr(), k.data_ptr(),
             v.data_ptr(), k.stride(0), k.stride(1), mask.data_ptr(), mask.stride(0),
             kv_scale.data_ptr() if fp8 else None, out.data_ptr(), scale, torch.get_num_threads())
-        if failed:
-            raise MemoryError("the CPU attention kernel could not allocate its scratch memory") if failed == 2 \
-                else ValueError(f"the CPU attention kernel refused its inputs (code {failed})")
+        check_attention(failed)
         return out
 
     def dequantize(self, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:

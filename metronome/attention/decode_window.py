@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from metronome.attention.cpu_kernel import DTYPES, KV_KINDS, CpuDecodeKernel
+from metronome.attention.cpu_kernel import DTYPES, KV_KINDS, CpuDecodeKernel, check_attention
 from metronome.attention.fp8 import E4M3
 from metronome.attention.metadata import PagedAttentionMetadata, e4m3_codes, write_kv
 from metronome.attention.reference import live_keys
@@ -168,11 +168,10 @@ class DecodeWindow:
         mask = (tokens >= 0) & (tokens <= t)
         if meta.window is not None:
             mask &= (tokens < meta.sinks) | (tokens >= t - meta.window)
-        direct = None
-        if (self.kernel is not None and fresh is None and append_q is None and self.kv_caches[0][0].dtype != E4M3
+        direct, k_cache = None, self.kv_caches[0][0]
+        if (self.kernel is not None and fresh is None and append_q is None and k_cache.dtype != E4M3
                 and meta.slot_mapping.dtype == torch.int64 and meta.slot_mapping.is_contiguous()
                 and meta.slot_mapping.shape == (n,) and mask.is_contiguous()):
-            k_cache = self.kv_caches[0][0]
             direct = DirectRound(meta.slot_mapping.data_ptr(), append_at.data_ptr(), mask.data_ptr(),
                                  k_cache.numel() // (self.kv_heads * self.head_dim),
                                  self.rows_cap * self.kv_heads * self.cols_cap)
@@ -277,7 +276,6 @@ class DecodeWindow:
                                                scale=self.scale)
         return o.reshape(n, heads, head_dim)
 
-
     def attend_qkv(self, qkv: torch.Tensor, kv: tuple[torch.Tensor, ...], plan: DecodeRoundPlan) -> torch.Tensor:
         """``__call__`` for one layer's fused projection ``qkv`` [n, (heads + 2 * kv_heads) * head_dim] (each row
         q, k, v side by side, q and k rotated) over its cache ``kv``; returns [n, heads * head_dim]. Where the
@@ -307,13 +305,10 @@ class DecodeWindow:
         query = qkv[:, :q_width].contiguous()
         out = torch.empty((n, q_width), dtype=qkv.dtype)
         scale = self.scale if self.scale is not None else d ** -0.5
-        failed = cdll.metronome_decode_attention(
+        check_attention(cdll.metronome_decode_attention(
             n, kv_heads, self.num_heads // kv_heads, d, plan.width, DTYPES[qkv.dtype], KV_KINDS[qkv.dtype],
             query.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), k_buf.stride(0), k_buf.stride(1), direct.mask,
-            plan.width, None, out.data_ptr(), scale, torch.get_num_threads())
-        if failed:
-            raise MemoryError("the CPU attention kernel could not allocate its scratch memory") if failed == 2 \
-                else ValueError(f"the CPU attention kernel refused its inputs (code {failed})")
+            plan.width, None, out.data_ptr(), scale, torch.get_num_threads()))
         return out
 
 

@@ -53,9 +53,8 @@ def direct_product(linear: nn.Module, library: NativeLibrary) -> Product:
 
 
 def _takes(layer: nn.Module, dtype: torch.dtype) -> bool:
-    """A dense Llama-family layer whose every step has its direct call: fused projections, no q/k norms, norms
-    the C kernels run (``cpu_ops``), float32 or bfloat16 weights and norms, float32 ones only with float32
-    products through the C kernel or packed/aten products."""
+    """A dense Llama-family layer whose every step has its direct call: fused projections, no q/k norms, the
+    elementwise steps handed to the C kernels (``cpu_ops``), norms of the model's dtype (float32 or bfloat16)."""
     if type(layer) is not DecoderLayer or type(layer.mlp) is not MLP:
         return False
     attn, mlp = layer.self_attn, layer.mlp
