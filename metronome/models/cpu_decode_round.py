@@ -1,8 +1,8 @@
 """A Llama-family decoder's decode round on the CPU as direct calls to the C kernels.
 
 A decode round runs a dozen steps in each layer on a few rows. Through the modules each step pays for
-``nn.Module``'s call, its wrapper's checks and a fresh output: about half a millisecond a layer on a 2-core AVX2
-VM, half of a one-session tick of SmolLM2 (docs/benchmarks/cpu.md, "The decode round in direct calls"). What those
+``nn.Module``'s call, its wrapper's checks and a fresh output: about half a millisecond a layer and a round on a
+2-core AVX2 VM (docs/benchmarks/cpu.md, "The decode round in direct calls"). What those
 checks guard is fixed when the engine loads the model (the layers' kinds and weights, the kernels handed out) or
 when the round is planned (the rows, the window's buffers), so ``DirectDecodeRound.build`` checks it once and a
 round's steps are plain calls: the C kernels' norms, rotary embedding and SiLU, the products each layer kind
