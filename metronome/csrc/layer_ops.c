@@ -7,72 +7,112 @@
 
    Built by metronome/native.py with -O3 -march=native -fopenmp. */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 
 #include "scalars.h"
 
 #define PARALLEL_ELEMENTS 65536   /* below this a call runs on one thread: waking the others costs more */
 
-static inline float load(const void *p, int bf16, long i) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-static inline void store(void *p, int bf16, long i, float x) {
-    if (bf16) ((uint16_t *)p)[i] = f32_to_bf16(x); else ((float *)p)[i] = x;
-}
-/* x as torch leaves it in a tensor of the dtype between two operators */
-static inline float stored(int bf16, float x) { return bf16 ? bf16_to_f32(f32_to_bf16(x)) : x; }
+/* Runs body(first, last) over units [0, units): on this thread below PARALLEL_ELEMENTS, else split in contiguous
+   ranges across the threads; the serial and the parallel path call one function of each step's loops. */
+#define OVER_UNITS(units, elements, threads, body)                                                          \
+    do {                                                                                                    \
+        if ((threads) <= 1 || (long)(units) * (elements) < PARALLEL_ELEMENTS) { body(0, (units)); break; }  \
+        _Pragma("omp parallel num_threads(threads)")                                                        \
+        {                                                                                                   \
+            long t = omp_get_thread_num(), n = omp_get_num_threads();                                       \
+            body((int)((units) * t / n), (int)((units) * (t + 1) / n));                                     \
+        }                                                                                                   \
+    } while (0)
+#define RANGE static __attribute__((noinline)) void
+
+/* A step's loops are written once as a macro of the element type and its conversions to and from float32, and
+   expanded once per dtype: with the dtype tested per element inside one loop, the compiler kept the float32 loops
+   scalar, about three times slower. */
+static inline float same(float x) { return x; }
+static inline float bf16_rounded(float x) { return bf16_to_f32(f32_to_bf16(x)); }   /* as torch stores it */
+#define FOR_DTYPE(bf16, LOOPS)                                        \
+    do {                                                              \
+        if (bf16) { LOOPS(uint16_t, bf16_to_f32, f32_to_bf16, bf16_rounded); } \
+        else { LOOPS(float, same, same, same); }                      \
+    } while (0)
 
 /* out[r] = weight * (x[r] / sqrt(mean(x[r]^2) + eps)) for rows r < rows of dim values (rows at r * ldx, r * ldo) */
+#define RMS_NORM_ROWS(T, load, store, stored)                                                                \
+    for (int r = first; r < last; r++) {                                                                     \
+        const T *xr = (const T *)x + (long)r * ldx, *w = weight;                                            \
+        T *o = (T *)out + (long)r * ldo;                                                                     \
+        float squares = 0.f;                                                                                 \
+        _Pragma("omp simd reduction(+:squares)")                                                             \
+        for (int e = 0; e < dim; e++) { float v = load(xr[e]); squares += v * v; }                           \
+        float inv = 1.f / sqrtf(squares / dim + eps);                                                        \
+        _Pragma("omp simd")                                                                                  \
+        for (int e = 0; e < dim; e++) o[e] = store(load(w[e]) * stored(load(xr[e]) * inv));                  \
+    }
+RANGE rms_norm_rows(int first, int last, int dim, int bf16, const void *x, long ldx, const void *weight, float eps,
+                    void *out, long ldo) {
+    FOR_DTYPE(bf16, RMS_NORM_ROWS);
+}
+
 int metronome_rms_norm(int rows, int dim, int bf16, const void *x, long ldx, const void *weight, float eps,
                        void *out, long ldo, int threads) {
-    #pragma omp parallel for num_threads(threads) if ((long)rows * dim >= PARALLEL_ELEMENTS) schedule(static)
-    for (int r = 0; r < rows; r++) {
-        long xi = (long)r * ldx, oi = (long)r * ldo;
-        float squares = 0.f;
-        #pragma omp simd reduction(+:squares)
-        for (int e = 0; e < dim; e++) { float v = load(x, bf16, xi + e); squares += v * v; }
-        float inv = 1.f / sqrtf(squares / dim + eps);
-        #pragma omp simd
-        for (int e = 0; e < dim; e++)
-            store(out, bf16, oi + e, load(weight, bf16, e) * stored(bf16, load(x, bf16, xi + e) * inv));
-    }
+#define BODY(first, last) rms_norm_rows(first, last, dim, bf16, x, ldx, weight, eps, out, ldo)
+    OVER_UNITS(rows, dim, threads, BODY);
+#undef BODY
     return 0;
 }
 
 /* The rows x[t, h] (at t * ld_token + h * ld_head, dim values) for t < tokens, h < heads, rotated in place:
    x * cos[t] + rotate_half(x) * sin[t], where rotate_half(x) = (-x[dim/2:], x[:dim/2]); cos/sin [tokens, dim]
    float32. Returns 1 when dim is odd. */
+#define ROPE_ROWS(T, load, store, stored)                                                                    \
+    for (int th = first; th < last; th++) {                                                                  \
+        int t = th / heads, h = th % heads;                                                                  \
+        T *xr = (T *)x + (long)t * ld_token + (long)h * ld_head;                                            \
+        const float *c = cos + (long)t * dim, *s = sin + (long)t * dim;                                      \
+        _Pragma("omp simd")                                                                                  \
+        for (int e = 0; e < half; e++) {                                                                     \
+            float lo = load(xr[e]), hi = load(xr[half + e]);                                                 \
+            xr[e] = store(lo * c[e] - hi * s[e]);                                                            \
+            xr[half + e] = store(hi * c[half + e] + lo * s[half + e]);                                       \
+        }                                                                                                    \
+    }
+RANGE rope_rows(int first, int last, int heads, int dim, int bf16, void *x, long ld_token, long ld_head,
+                const float *cos, const float *sin) {
+    int half = dim / 2;
+    FOR_DTYPE(bf16, ROPE_ROWS);
+}
+
 int metronome_rope(int tokens, int heads, int dim, int bf16, void *x, long ld_token, long ld_head,
                    const float *cos, const float *sin, int threads) {
     if (dim % 2) return 1;
-    int half = dim / 2;
-    #pragma omp parallel for num_threads(threads) if ((long)tokens * heads * dim >= PARALLEL_ELEMENTS) schedule(static)
-    for (int th = 0; th < tokens * heads; th++) {
-        int t = th / heads, h = th % heads;
-        long at = (long)t * ld_token + (long)h * ld_head;
-        const float *c = cos + (long)t * dim, *s = sin + (long)t * dim;
-        #pragma omp simd
-        for (int e = 0; e < half; e++) {
-            float lo = load(x, bf16, at + e), hi = load(x, bf16, at + half + e);
-            store(x, bf16, at + e, lo * c[e] - hi * s[e]);
-            store(x, bf16, at + half + e, hi * c[half + e] + lo * s[half + e]);
-        }
-    }
+#define BODY(first, last) rope_rows(first, last, heads, dim, bf16, x, ld_token, ld_head, cos, sin)
+    OVER_UNITS(tokens * heads, dim, threads, BODY);
+#undef BODY
     return 0;
 }
 
 /* out[r] = silu(gate_up[r, :dim]) * gate_up[r, dim:2 dim], silu(g) = g / (1 + exp(-g)); rows at r * ld, r * ldo */
-int metronome_silu_mul(int rows, int dim, int bf16, const void *gate_up, long ld, void *out, long ldo, int threads) {
-    #pragma omp parallel for num_threads(threads) if ((long)rows * dim >= PARALLEL_ELEMENTS) schedule(static)
-    for (int r = 0; r < rows; r++) {
-        long gi = (long)r * ld, oi = (long)r * ldo;
-        #pragma omp simd
-        for (int e = 0; e < dim; e++) {
-            float g = load(gate_up, bf16, gi + e), up = load(gate_up, bf16, gi + dim + e);
-            float small = exp_nonpositive(-fabsf(g));          /* exp(-|g|): no overflow either side */
-            float sigmoid = g >= 0.f ? 1.f / (1.f + small) : small / (1.f + small);
-            store(out, bf16, oi + e, stored(bf16, g * sigmoid) * up);
-        }
+#define SILU_MUL_ROWS(T, load, store, stored)                                                                \
+    for (int r = first; r < last; r++) {                                                                     \
+        const T *gr = (const T *)gate_up + (long)r * ld;                                                     \
+        T *o = (T *)out + (long)r * ldo;                                                                     \
+        _Pragma("omp simd")                                                                                  \
+        for (int e = 0; e < dim; e++) {                                                                      \
+            float g = load(gr[e]), up = load(gr[dim + e]);                                                   \
+            float small = exp_nonpositive(-fabsf(g));          /* exp(-|g|): no overflow either side */      \
+            float sigmoid = g >= 0.f ? 1.f / (1.f + small) : small / (1.f + small);                          \
+            o[e] = store(stored(g * sigmoid) * up);                                                          \
+        }                                                                                                    \
     }
+RANGE silu_mul_rows(int first, int last, int dim, int bf16, const void *gate_up, long ld, void *out, long ldo) {
+    FOR_DTYPE(bf16, SILU_MUL_ROWS);
+}
+
+int metronome_silu_mul(int rows, int dim, int bf16, const void *gate_up, long ld, void *out, long ldo, int threads) {
+#define BODY(first, last) silu_mul_rows(first, last, dim, bf16, gate_up, ld, out, ldo)
+    OVER_UNITS(rows, dim, threads, BODY);
+#undef BODY
     return 0;
 }
