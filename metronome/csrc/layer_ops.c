@@ -7,29 +7,16 @@
 
    Built by metronome/native.py with -O3 -march=native -fopenmp. */
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
 
 #include "scalars.h"
 
 #define PARALLEL_ELEMENTS 65536   /* below this a call runs on one thread: waking the others costs more */
 
-/* Runs body(first, last) over units [0, units): on this thread below PARALLEL_ELEMENTS, else split in contiguous
-   ranges across the threads; the serial and the parallel path call one function of each step's loops. */
-#define OVER_UNITS(units, elements, threads, body)                                                          \
-    do {                                                                                                    \
-        if ((threads) <= 1 || (long)(units) * (elements) < PARALLEL_ELEMENTS) { body(0, (units)); break; }  \
-        _Pragma("omp parallel num_threads(threads)")                                                        \
-        {                                                                                                   \
-            long t = omp_get_thread_num(), n = omp_get_num_threads();                                       \
-            body((int)((units) * t / n), (int)((units) * (t + 1) / n));                                     \
-        }                                                                                                   \
-    } while (0)
-#define RANGE static __attribute__((noinline)) void
-
 /* A step's loops are written once as a macro of the element type and its conversions to and from float32, and
    expanded once per dtype: with the dtype tested per element inside one loop, the compiler kept the float32 loops
-   scalar, about three times slower. */
+   scalar, about three times slower. Each expansion is its own parallel loop, on one thread below
+   PARALLEL_ELEMENTS. */
 static inline float same(float x) { return x; }
 static inline float bf16_rounded(float x) { return bf16_to_f32(f32_to_bf16(x)); }   /* as torch stores it */
 #define FOR_DTYPE(bf16, LOOPS)                                        \
@@ -40,7 +27,8 @@ static inline float bf16_rounded(float x) { return bf16_to_f32(f32_to_bf16(x)); 
 
 /* out[r] = weight * (x[r] / sqrt(mean(x[r]^2) + eps)) for rows r < rows of dim values (rows at r * ldx, r * ldo) */
 #define RMS_NORM_ROWS(T, load, store, stored)                                                                \
-    for (int r = first; r < last; r++) {                                                                     \
+    _Pragma("omp parallel for num_threads(threads) if ((long)rows * dim >= PARALLEL_ELEMENTS) schedule(static)") \
+    for (int r = 0; r < rows; r++) {                                                                         \
         const T *xr = (const T *)x + (long)r * ldx, *w = weight;                                            \
         T *o = (T *)out + (long)r * ldo;                                                                     \
         float squares = 0.f;                                                                                 \
@@ -50,16 +38,9 @@ static inline float bf16_rounded(float x) { return bf16_to_f32(f32_to_bf16(x)); 
         _Pragma("omp simd")                                                                                  \
         for (int e = 0; e < dim; e++) o[e] = store(load(w[e]) * stored(load(xr[e]) * inv));                  \
     }
-RANGE rms_norm_rows(int first, int last, int dim, int bf16, const void *x, long ldx, const void *weight, float eps,
-                    void *out, long ldo) {
-    FOR_DTYPE(bf16, RMS_NORM_ROWS);
-}
-
 int metronome_rms_norm(int rows, int dim, int bf16, const void *x, long ldx, const void *weight, float eps,
                        void *out, long ldo, int threads) {
-#define BODY(first, last) rms_norm_rows(first, last, dim, bf16, x, ldx, weight, eps, out, ldo)
-    OVER_UNITS(rows, dim, threads, BODY);
-#undef BODY
+    FOR_DTYPE(bf16, RMS_NORM_ROWS);
     return 0;
 }
 
@@ -67,7 +48,8 @@ int metronome_rms_norm(int rows, int dim, int bf16, const void *x, long ldx, con
    x * cos[t] + rotate_half(x) * sin[t], where rotate_half(x) = (-x[dim/2:], x[:dim/2]); cos/sin [tokens, dim]
    float32. Returns 1 when dim is odd. */
 #define ROPE_ROWS(T, load, store, stored)                                                                    \
-    for (int th = first; th < last; th++) {                                                                  \
+    _Pragma("omp parallel for num_threads(threads) if ((long)units * dim >= PARALLEL_ELEMENTS) schedule(static)") \
+    for (int th = 0; th < units; th++) {                                                                     \
         int t = th / heads, h = th % heads;                                                                  \
         T *xr = (T *)x + (long)t * ld_token + (long)h * ld_head;                                            \
         const float *c = cos + (long)t * dim, *s = sin + (long)t * dim;                                      \
@@ -78,24 +60,18 @@ int metronome_rms_norm(int rows, int dim, int bf16, const void *x, long ldx, con
             xr[half + e] = store(hi * c[half + e] + lo * s[half + e]);                                       \
         }                                                                                                    \
     }
-RANGE rope_rows(int first, int last, int heads, int dim, int bf16, void *x, long ld_token, long ld_head,
-                const float *cos, const float *sin) {
-    int half = dim / 2;
-    FOR_DTYPE(bf16, ROPE_ROWS);
-}
-
 int metronome_rope(int tokens, int heads, int dim, int bf16, void *x, long ld_token, long ld_head,
                    const float *cos, const float *sin, int threads) {
     if (dim % 2) return 1;
-#define BODY(first, last) rope_rows(first, last, heads, dim, bf16, x, ld_token, ld_head, cos, sin)
-    OVER_UNITS(tokens * heads, dim, threads, BODY);
-#undef BODY
+    int half = dim / 2, units = tokens * heads;   /* one (token, head) row each */
+    FOR_DTYPE(bf16, ROPE_ROWS);
     return 0;
 }
 
 /* out[r] = silu(gate_up[r, :dim]) * gate_up[r, dim:2 dim], silu(g) = g / (1 + exp(-g)); rows at r * ld, r * ldo */
 #define SILU_MUL_ROWS(T, load, store, stored)                                                                \
-    for (int r = first; r < last; r++) {                                                                     \
+    _Pragma("omp parallel for num_threads(threads) if ((long)rows * dim >= PARALLEL_ELEMENTS) schedule(static)") \
+    for (int r = 0; r < rows; r++) {                                                                         \
         const T *gr = (const T *)gate_up + (long)r * ld;                                                     \
         T *o = (T *)out + (long)r * ldo;                                                                     \
         _Pragma("omp simd")                                                                                  \
@@ -106,13 +82,7 @@ int metronome_rope(int tokens, int heads, int dim, int bf16, void *x, long ld_to
             o[e] = store(stored(g * sigmoid) * up);                                                          \
         }                                                                                                    \
     }
-RANGE silu_mul_rows(int first, int last, int dim, int bf16, const void *gate_up, long ld, void *out, long ldo) {
-    FOR_DTYPE(bf16, SILU_MUL_ROWS);
-}
-
 int metronome_silu_mul(int rows, int dim, int bf16, const void *gate_up, long ld, void *out, long ldo, int threads) {
-#define BODY(first, last) silu_mul_rows(first, last, dim, bf16, gate_up, ld, out, ldo)
-    OVER_UNITS(rows, dim, threads, BODY);
-#undef BODY
+    FOR_DTYPE(bf16, SILU_MUL_ROWS);
     return 0;
 }

@@ -65,7 +65,8 @@ def rounds_as_torch(out: torch.Tensor, torch_path: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(1, 64), (7, 576), (3, 5, 40), (300, 96), (301, 576)])   # the last split across threads
+@pytest.mark.parametrize("shape", [(1, 64), (7, 576), (3, 5, 40), (300, 96),
+                                   (301, 576)])   # the last past PARALLEL_ELEMENTS
 def test_rms_norm_matches_transformers(counted, dtype, shape):
     """Rows with a stride of their own (a view into wider rows, as the C reads them); bf16 as torch rounds it."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
@@ -92,7 +93,7 @@ def test_rms_norm_matches_transformers(counted, dtype, shape):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens,heads,kv_heads,dim", [(1, 9, 3, 64), (5, 4, 2, 32), (26, 2, 1, 128),
-                                                      (131, 9, 3, 64)])   # the last split across threads
+                                                      (131, 9, 3, 64)])   # the last past PARALLEL_ELEMENTS
 def test_rope_matches_transformers(counted, dtype, tokens, heads, kv_heads, dim):
     """q and k as the split views of one fused projection, rotated in place, against transformers'
     ``apply_rotary_pos_emb`` with the same tables; bf16 as torch rounds it."""
@@ -122,7 +123,7 @@ def test_rope_matches_transformers(counted, dtype, tokens, heads, kv_heads, dim)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows,dim", [(1, 64), (24, 1536), (3, 7), (67, 1536)])   # the last split across threads
+@pytest.mark.parametrize("rows,dim", [(1, 64), (24, 1536), (3, 7), (67, 1536)])   # the last past PARALLEL_ELEMENTS
 def test_silu_mul_matches_float64(counted, dtype, rows, dim):
     """Rows with a stride of their own; bf16 as torch's operators round it."""
     torch.manual_seed(rows + dim)
