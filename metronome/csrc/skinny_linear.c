@@ -3,7 +3,9 @@
    A decode round multiplies every weight by only a few rows (one per session). The CPU BLAS runs such
    products far below the core's arithmetic rate; here a block of NB weight rows stays in L1 while every
    block of MB input rows is multiplied by it, in MB x NB vector accumulators along the inputs, so each weight
-   is read from memory once per call and the lanes are summed once per output.
+   is read from memory once per call and the lanes are summed once per output. A single row (one session's
+   decode round, the logits of one answer) takes its own loop: one output at a time with four accumulators
+   along the inputs, so the weights stream in memory order with no work for rows that are not there.
 
    Built by metronome/native.py with -O3 -march=native -fopenmp. */
 #include "vectors.h"
@@ -13,9 +15,30 @@
 
 /* y[m, n] = x[m, :] . w[n, :] + (bias ? bias[n] : 0) for m < M, n < N; x's rows at m * ldx, w [N, K]
    contiguous, y's rows at m * ldy. Returns 0, or 1 when K is not a multiple of the vector width. */
+static void one_row(int N, int K, const float *x, const float *w, const float *bias, float *y, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int n = 0; n < N; n++) {
+        const float *wr = w + (long)n * K;
+        vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        int k = 0;
+        for (; k + 4 * VL <= K; k += 4 * VL) {
+            a0 += LOAD(x + k) * LOAD(wr + k);
+            a1 += LOAD(x + k + VL) * LOAD(wr + k + VL);
+            a2 += LOAD(x + k + 2 * VL) * LOAD(wr + k + 2 * VL);
+            a3 += LOAD(x + k + 3 * VL) * LOAD(wr + k + 3 * VL);
+        }
+        for (; k < K; k += VL) a0 += LOAD(x + k) * LOAD(wr + k);
+        y[n] = lane_sum((a0 + a1) + (a2 + a3)) + (bias ? bias[n] : 0.f);
+    }
+}
+
 int metronome_skinny_linear(int M, int N, int K, const float *x, long ldx, const float *w, const float *bias,
                             float *y, long ldy, int threads) {
     if (K % VL) return 1;
+    if (M == 1) {
+        one_row(N, K, x, w, bias, y, threads);
+        return 0;
+    }
     int blocks = (N + NB - 1) / NB;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int block = 0; block < blocks; block++) {
