@@ -9,7 +9,7 @@ Run from the repository root::
     python bench/engine_cpu.py --merge a.json b.json # one table and the targets from several runs' JSON
     python bench/engine_cpu.py --profile 8,24        # one Metronome tick at N = 8 and 24 under torch.profiler
     python bench/engine_cpu.py --attention 8,24      # one layer's decode-round attention: C kernel vs SDPA
-    python bench/engine_cpu.py --products 1,8,24     # one decode round's linear products: bf16 vs E4M3 weights
+    python bench/engine_cpu.py --products 1,8,24     # one decode round's linear products: bf16, E4M3, float32 weights
 
 A tick gives every session ``--chunk-tokens`` (26) new tokens, after the token it sampled last tick, and
 decodes ``--new-tokens`` (25) greedy tokens; each session starts from a ``--history`` (300) token prefix, so
@@ -442,12 +442,14 @@ def time_native_calls(engine) -> dict[str, float]:
 
 def round_products(n: int, passes: int = 5) -> dict:
     """One decode round's linear products in SmolLM2's 30 layers (q/k/v, o, gate/up and down; the logits' head
-    is the same in both) for N rows of bf16: the weights in bf16 packed for oneDNN (``cpu_linear="packed"``,
-    what ``auto`` picks) and in E4M3 through the C kernel (``quantization="fp8"``). Random weights, each layer's
-    in turn, so they come from memory as in a round; the forms alternate, best of ``passes``."""
+    is the same in all) for N rows: of bf16, the weights in bf16 packed for oneDNN (``cpu_linear="packed"``, what
+    ``auto`` picks where the CPU has bf16) and in E4M3 through the C kernel (``quantization="fp8"``); of float32
+    (what ``auto`` picks elsewhere), the weights through the C kernel (``cpu_linear="kernel"``) and through aten's
+    ``F.linear`` (``"aten"``). Random weights, each layer's in turn, so they come from memory as in a round; the
+    forms alternate, best of ``passes``."""
     from torch import nn
 
-    from metronome.models.cpu_linear import PackedLinear, packable
+    from metronome.models.cpu_linear import KernelLinear, PackedLinear, packable
     from metronome.models.fp8 import Fp8Linear, quantize, use_cpu_kernel_
     from metronome.native import load_library
 
@@ -458,20 +460,29 @@ def round_products(n: int, passes: int = 5) -> dict:
     weights = [[torch.randn(out, inp, generator=gen).to(torch.bfloat16) for out, inp in shapes]
                for _ in range(SMOLLM2["num_hidden_layers"])]
     rows = {inp: torch.randn(n, inp, generator=gen).to(torch.bfloat16) for _, inp in shapes}
+    library = load_library()
     fp8 = nn.ModuleList(nn.ModuleList(Fp8Linear(*quantize(w.float()), w.shape[1], None) for w in layer)
                         for layer in weights)
-    use_cpu_kernel_(fp8, load_library(), torch.bfloat16)
+    use_cpu_kernel_(fp8, library, torch.bfloat16)
     forms = {"e4m3": fp8}
     if packable(torch.bfloat16):
         forms = {"bf16_packed": [[PackedLinear(w) for w in layer] for layer in weights], **forms}
+    float32 = [[nn.Linear(w.shape[1], w.shape[0], bias=False) for w in layer] for layer in weights]
+    for layer, source in zip(float32, weights):
+        for linear, w in zip(layer, source):
+            linear.weight.data = w.float()
+    forms.update(f32_kernel=[[KernelLinear(linear, library) for linear in layer] for layer in float32],
+                 f32_aten=float32)
+    rows32 = {inp: x.float() for inp, x in rows.items()}
     best = {name: float("inf") for name in forms}
     with torch.inference_mode():      # as the engine runs them
         for _ in range(passes):
             for name, layers in forms.items():
+                inputs = rows32 if name.startswith("f32") else rows
                 t0 = perf_counter()
                 for layer in layers:
                     for product, (_, inp) in zip(layer, shapes):
-                        product(rows[inp])
+                        product(inputs[inp])
                 best[name] = min(best[name], (perf_counter() - t0) * 1e3)
     params = sum(w.numel() for w in weights[0]) * len(weights)
     return {"sessions": n, "weights_mb_bf16": round(2 * params / 1e6, 1), "weights_mb_e4m3": round(params / 1e6, 1),
@@ -565,7 +576,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--attention", default=None, metavar="N[,N]",
                    help="time one layer's decode-round attention at each N instead (the C kernel and SDPA's forms)")
     p.add_argument("--products", default=None, metavar="N[,N]",
-                   help="time one decode round's linear products at each N instead (bf16 vs E4M3 weights)")
+                   help="time one decode round's linear products at each N instead (bf16, E4M3 and float32 weights)")
     p.add_argument("--per-round-gather", action="store_true",
                    help="--profile: decode rounds gather the keys every round (the reference) instead of once a step")
     p.add_argument("--merge", nargs="+", default=None, help="print one report from these result files")
@@ -615,9 +626,11 @@ def main(argv=None) -> int:
         results["products"] = [round_products(n) for n in args.products]
         out.write_text(json.dumps(results, indent=1))
         ms = lambda r, form: f"{r[form + '_ms']:.1f} ms" if form + "_ms" in r else "-"  # noqa: E731
-        print(table(["N", "weights bf16 / E4M3", "bf16, packed for oneDNN", "E4M3, C kernel", "E4M3 layout"],
+        print(table(["N", "weights bf16 / E4M3", "bf16, packed for oneDNN", "E4M3, C kernel", "E4M3 layout",
+                     "float32, C kernel", "float32, aten"],
                     [[r["sessions"], f"{r['weights_mb_bf16']} / {r['weights_mb_e4m3']} MB", ms(r, "bf16_packed"),
-                      ms(r, "e4m3"), "pairs" if r["pair_layout"] else "rows"] for r in results["products"]]))
+                      ms(r, "e4m3"), "pairs" if r["pair_layout"] else "rows", ms(r, "f32_kernel"),
+                      ms(r, "f32_aten")] for r in results["products"]]))
         print(f"\nmachine: {results['machine']['cpu']}; torch {results['machine']['torch']} "
               f"({torch.get_num_threads()} threads)\nraw results: {out}")
         return 0
