@@ -180,6 +180,14 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * a.numel() * 2 * 20 / (time.perf_counter() - start)
 
 
+def made_layer(args):
+    """What each decoder layer goes through as the random decoder is made: with ``--quantization fp8``, E4M3 at
+    once (the engine leaves FP8 layers as they are), so only one layer is ever held in bf16."""
+    from metronome.models.fp8 import quantize_layers_
+
+    return quantize_layers_ if args.quantization == "fp8" else None
+
+
 def tower_quantization(args) -> str | None:
     """The audio tower's weights: the engine's ``--quantization`` (as the worker serves it) unless ``--bf16-tower``."""
     return None if args.bf16_tower else args.quantization
@@ -388,7 +396,8 @@ class Qwen25OmniArm(Arm):
         from metronome.models.omni.qwen2_5_omni import text_spec
 
         config = qwen2_5_omni_config(args.shape)
-        model = random_decoder(LlamaFamilyForCausalLM, text_spec(config), device, args.torch_dtype)
+        model = random_decoder(LlamaFamilyForCausalLM, text_spec(config), device, args.torch_dtype,
+                               each_layer=made_layer(args))
         encoder = randomize_(build_audio_encoder(audio_config(config), device, args.torch_dtype, packed=True), 1)
         features = WhisperFeatureExtractor(feature_size=encoder.config.num_mel_bins, sampling_rate=16000,
                                            hop_length=160, chunk_length=30, n_fft=400)
@@ -596,7 +605,8 @@ class Qwen3OmniArm(Arm):
         self.moe_layer = time_expert_paths(self.spec, device, args.torch_dtype, ints(args.layer_tokens),
                                            reps=3 if args.smoke else 10)
         start = time.perf_counter()
-        self.model = random_decoder(MoeForCausalLM, self.spec, device, args.torch_dtype, per_expert=False)
+        self.model = random_decoder(MoeForCausalLM, self.spec, device, args.torch_dtype, per_expert=False,
+                                    each_layer=made_layer(args))
         encoder = build_audio_encoder(Qwen3OmniMoeAudioEncoderConfig(**shape["audio"]), device, args.torch_dtype)
         randomize_(encoder, seed=1)
         self.frontend = AudioFrontEnd(encoder, feature_extractor_for(None, shape["audio"]["num_mel_bins"]), device,
@@ -696,7 +706,8 @@ class MiniCpmOArm(Arm):
 
         torch.manual_seed(0)
         self.shape = MINICPM_O[args.shape]
-        model = random_decoder(LlamaFamilyForCausalLM, decoder_spec(self.shape["llm"]), device, args.torch_dtype)
+        model = random_decoder(LlamaFamilyForCausalLM, decoder_spec(self.shape["llm"]), device, args.torch_dtype,
+                               each_layer=made_layer(args))
         spec = AudioSpec(whisper=dict(self.shape["whisper"]), pool_step=MINICPM_POOL_STEP, chunk_s=1.0,
                          hidden_size=self.shape["llm"]["hidden_size"])
         with torch.device(device):

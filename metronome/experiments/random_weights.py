@@ -9,8 +9,12 @@ embeddings N(0, 0.02), norm weights 1, biases 0.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
+
+from metronome.models.llama import fuse_layer
 
 
 def randomize_(module: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Module:
@@ -28,12 +32,26 @@ def randomize_(module: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Module
     return module
 
 
-def random_decoder(cls, spec, device, dtype: torch.dtype, seed: int = 0, **kwargs) -> nn.Module:
+def random_decoder(cls, spec, device, dtype: torch.dtype, seed: int = 0,
+                   each_layer: Callable[[nn.Module], object] | None = None, **kwargs) -> nn.Module:
     """``cls(spec, **kwargs)`` (an engine decoder: Llama family, MoE, ...) on ``device`` with random weights,
-    projections fused and rotary tables built, as ``models.loader`` leaves a loaded one."""
+    projections fused and rotary tables built, as ``models.loader`` leaves a loaded one.
+
+    ``each_layer``: the decoder layers are made one at a time, each handed to it (quantised to FP8, say) before
+    the next is made, so the model never needs to fit whole in ``dtype`` (Qwen3-Omni's 61 GB of bf16 on an
+    80 GB card, as 31 GB of E4M3)."""
     with torch.device("meta"):
         net = cls(spec, **kwargs)
-    net = randomize_(net.to_empty(device=device).to(dtype), seed)
-    net.fuse_projections()
+    if each_layer is None:
+        net = randomize_(net.to_empty(device=device).to(dtype), seed)
+        net.fuse_projections()
+    else:
+        layers, net.model.layers = net.model.layers, nn.ModuleList()
+        net = randomize_(net.to_empty(device=device).to(dtype), seed)
+        for i, layer in enumerate(layers):
+            layer = randomize_(layer.to_empty(device=device).to(dtype), seed + 1 + i)
+            fuse_layer(layer)
+            each_layer(layer)
+            net.model.layers.append(layer)
     net.init_rotary(device)
     return net.eval().requires_grad_(False)

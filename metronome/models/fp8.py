@@ -437,11 +437,16 @@ def quantize_decoder_(net: nn.Module) -> nn.Module:
     """Swap every linear layer of ``net.model.layers`` for an ``Fp8Linear`` (per-channel scales) and quantise the
     stacked MoE experts (``quantize_fp8_``), in place. Embeddings, norms, the LM head and MoE routers stay as
     they are (small, and the router's choices are sensitive). Layers already in FP8 are left alone."""
-    layers = net.model.layers
+    quantize_layers_(net.model.layers)
+    return net
+
+
+def quantize_layers_(layers: nn.Module) -> nn.Module:
+    """``quantize_decoder_`` for decoder layers alone: a ``ModuleList`` of them, or one."""
     routers = {id(m.gate) for m in layers.modules()
                if hasattr(m, "experts") and isinstance(getattr(m, "gate", None), nn.Linear)}
     quantize_linears_(layers, skip=lambda _, linear: id(linear) in routers)
     for module in layers.modules():
         if hasattr(module, "quantize_fp8_"):
             module.quantize_fp8_()
-    return net
+    return layers

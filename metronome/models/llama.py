@@ -188,6 +188,12 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
+def fuse_layer(layer: nn.Module) -> None:
+    """One decoder layer's projections fused (q/k/v, gate/up; a MoE block's experts stacked), once."""
+    layer.self_attn.fuse()
+    layer.mlp.fuse()
+
+
 class LlamaFamilyForCausalLM(nn.Module):
     """``forward`` returns final-normed hidden states [T, hidden]; ``compute_logits`` maps rows to vocab."""
 
@@ -231,8 +237,7 @@ class LlamaFamilyForCausalLM(nn.Module):
     def fuse_projections(self) -> None:
         """Call once after the checkpoint is loaded (names mirror transformers' until then)."""
         for layer in self.model.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
+            fuse_layer(layer)
 
     def init_rotary(self, device: torch.device | str) -> None:
         self.rotary = Rotary(self.spec.inv_freq, self.spec.rope_attention_scaling, device)

@@ -133,3 +133,32 @@ def test_kernel_names_keep_what_tells_torchs_elementwise_kernels_apart():
     softmax = "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float>(float*, float const*, int)"
     assert kernel_group(softmax) == "at::native::cunn_SoftMaxForward<4, float>"
     assert kernel_group("void cutlass::Kernel2<cutlass_80_tensorop_s16816gemm>(Params)") == "cutlass::Kernel2"
+
+
+def test_fp8_decoders_are_made_a_layer_at_a_time_as_the_engine_would_quantise_them():
+    """``random_decoder(each_layer=quantize_layers_)`` (what ``--quantization fp8`` builds, so Qwen3-Omni fits an
+    80 GB card): each layer is E4M3 when handed over, and the model holds what the whole bf16 model quantised by
+    the engine holds, tensor for tensor in name, shape and dtype; the engine's pass then changes nothing."""
+    from bench.models_gpu import QWEN3_OMNI, qwen3_omni_spec
+    from metronome.experiments.random_weights import random_decoder
+    from metronome.models.fp8 import quantize_decoder_, quantize_layers_
+    from metronome.models.moe import MoeForCausalLM
+
+    spec = qwen3_omni_spec(QWEN3_OMNI["smoke"]["text"])
+    handed = []
+
+    def quantised(layer):
+        quantize_layers_(layer)
+        handed.append(sorted(type(m).__name__ for m in layer.modules() if isinstance(m, (torch.nn.Linear, Fp8Linear))))
+
+    made = random_decoder(MoeForCausalLM, spec, "cpu", torch.bfloat16, per_expert=False, each_layer=quantised)
+    whole = quantize_decoder_(random_decoder(MoeForCausalLM, spec, "cpu", torch.bfloat16, per_expert=False))
+    assert len(handed) == spec.num_layers
+    for names in handed:    # attention's qkv and o in E4M3; the router (nn.Linear) kept
+        assert names == ["Fp8Linear", "Fp8Linear", "Linear"]
+    layout = lambda net: {k: (tuple(v.shape), v.dtype) for k, v in net.state_dict().items()}   # noqa: E731
+    assert layout(made) == layout(whole)
+    assert any(v.dtype == torch.float8_e4m3fn for v in made.state_dict().values())
+    before = {k: v.data_ptr() for k, v in made.state_dict().items()}
+    quantize_decoder_(made)
+    assert {k: v.data_ptr() for k, v in made.state_dict().items()} == before
