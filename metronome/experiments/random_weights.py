@@ -37,21 +37,18 @@ def random_decoder(cls, spec, device, dtype: torch.dtype, seed: int = 0,
     """``cls(spec, **kwargs)`` (an engine decoder: Llama family, MoE, ...) on ``device`` with random weights,
     projections fused and rotary tables built, as ``models.loader`` leaves a loaded one.
 
-    ``each_layer``: the decoder layers are made one at a time, each handed to it (quantised to FP8, say) before
-    the next is made, so the model never needs to fit whole in ``dtype`` (Qwen3-Omni's 61 GB of bf16 on an
+    The decoder layers are made one at a time, each handed to ``each_layer`` (quantised to FP8, say) before the
+    next is made, so the model never needs to fit whole in its build dtype (Qwen3-Omni's 61 GB of bf16 on an
     80 GB card, as 31 GB of E4M3)."""
     with torch.device("meta"):
         net = cls(spec, **kwargs)
-    if each_layer is None:
-        net = randomize_(net.to_empty(device=device).to(dtype), seed)
-        net.fuse_projections()
-    else:
-        layers, net.model.layers = net.model.layers, nn.ModuleList()
-        net = randomize_(net.to_empty(device=device).to(dtype), seed)
-        for i, layer in enumerate(layers):
-            layer = randomize_(layer.to_empty(device=device).to(dtype), seed + 1 + i)
-            fuse_layer(layer)
+    layers, net.model.layers = net.model.layers, nn.ModuleList()
+    net = randomize_(net.to_empty(device=device).to(dtype), seed)
+    for i, layer in enumerate(layers):
+        layer = randomize_(layer.to_empty(device=device).to(dtype), seed + 1 + i)
+        fuse_layer(layer)
+        if each_layer is not None:
             each_layer(layer)
-            net.model.layers.append(layer)
+        net.model.layers.append(layer)
     net.init_rotary(device)
     return net.eval().requires_grad_(False)
