@@ -13,8 +13,6 @@
 #define MB 3    /* input rows a block: 3 x 4 accumulators and 4 weight vectors in 16 of AVX2's registers, */
 #define NB 4    /* each input vector loaded as an FMA operand */
 
-/* y[m, n] = x[m, :] . w[n, :] + (bias ? bias[n] : 0) for m < M, n < N; x's rows at m * ldx, w [N, K]
-   contiguous, y's rows at m * ldy. Returns 0, or 1 when K is not a multiple of the vector width. */
 static void one_row(int N, int K, const float *x, const float *w, const float *bias, float *y, int threads) {
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int n = 0; n < N; n++) {
@@ -32,6 +30,8 @@ static void one_row(int N, int K, const float *x, const float *w, const float *b
     }
 }
 
+/* y[m, n] = x[m, :] . w[n, :] + (bias ? bias[n] : 0) for m < M, n < N; x's rows at m * ldx, w [N, K]
+   contiguous, y's rows at m * ldy. Returns 0, or 1 when K is not a multiple of the vector width. */
 int metronome_skinny_linear(int M, int N, int K, const float *x, long ldx, const float *w, const float *bias,
                             float *y, long ldy, int threads) {
     if (K % VL) return 1;

@@ -97,8 +97,8 @@ def library(tmp_path_factory):
 @needs_compiler
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows,in_features,out_features,in_kernel", [
-    (1, 64, 1, True), (1, 80, 9, True), (1, 576, 960, True), (2, 128, 7, True), (3, 576, 960, True), (8, 1536, 576, True), (KERNEL_MAX_ROWS, 64, 130, True),
-    (KERNEL_MAX_ROWS + 1, 64, 33, False), (5, 36, 20, False)])
+    (1, 64, 1, True), (1, 80, 9, True), (1, 576, 960, True), (2, 128, 7, True), (3, 576, 960, True),
+    (8, 1536, 576, True), (KERNEL_MAX_ROWS, 64, 130, True), (KERNEL_MAX_ROWS + 1, 64, 33, False), (5, 36, 20, False)])
 def test_kernel_product_matches_float64(library, rows, in_features, out_features, in_kernel, bias):
     """Row and output counts off every block size; one row through its own loop, with inputs past its four
     vectors a step (80 = 2 x 32 + 16 at 8 lanes, 64 + 16 at 16); more rows than the kernel takes, and an input
