@@ -520,7 +520,10 @@ def tune_moe(args) -> dict:
 
         (w_gate_up, s_gu), (w_down, s_dn) = quantize(w_gate_up), quantize(w_down)
         gate_up_scale, down_scale, reductions = (s_gu, h), (s_dn, inter), (128, 256, 512)
-    grid = [TileConfig(n, kk, w, st) for n, kk, w, st in itertools.product((64, 128), reductions, (4, 8), (3, 4))]
+
+    def grid(mean: float) -> list[TileConfig]:
+        widths = (64, 128, 256) if mean > 128 else (64, 128)   # wide columns only where tall row tiles reuse them
+        return [TileConfig(n, kk, w, st) for n, kk, w, st in itertools.product(widths, reductions, (4, 8), (3, 4))]
 
     def timed(fn) -> float:
         """ms per call of ``fn`` replayed 5 times in a CUDA graph, median of 7 replays (no launch cost: the
@@ -562,7 +565,7 @@ def tune_moe(args) -> dict:
                 from metronome.models.fp8 import quantize_rows
 
                 (x_in, x_row_scale), (act_in, act_row_scale) = quantize_rows(x), quantize_rows(act)
-            for cfg in grid:
+            for cfg in grid(mean):
                 for kernel, fn in (("gate_up", lambda: launch_gate_up(x_in, w_gate_up, act, routing, k, cfg, False,
                                                                       *gate_up_scale, x_scale=x_row_scale)),
                                    ("down", lambda: launch_down(act_in, w_down, out, weights, routing, cfg, False,

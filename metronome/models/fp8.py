@@ -34,7 +34,7 @@ import functools
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -127,13 +127,15 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @dataclass(frozen=True)
 class QuantizedRows:
     """Activation rows already on the E4M3 grid, one scale a row, as ``quantize_rows`` makes them: written by a
-    kernel that produces the rows and quantises them in the same pass (the fused RMSNorm, SwiGLU) for an
-    ``Fp8Linear`` whose product takes E4M3 rows (``takes_e4m3_rows``). ``dtype``: the activations' own dtype,
-    the product's output dtype."""
+    kernel that produces the rows and quantises them in the same pass (the fused RMSNorm, SwiGLU) for a layer
+    that takes E4M3 rows (``takes_e4m3_rows``). ``dtype``: the activations' own dtype, the product's output dtype.
+    ``values``: the rows themselves in ``dtype``, where the layer also reads them unrounded (a MoE block's
+    router)."""
 
     codes: torch.Tensor   # [M, K] E4M3
     scale: torch.Tensor   # [M, 1] float32
     dtype: torch.dtype
+    values: torch.Tensor | None = None   # [M, K] in dtype
 
     def dequantized(self) -> torch.Tensor:
         return (self.codes.float() * self.scale).to(self.dtype)
@@ -192,14 +194,26 @@ def choose_product(rows: int, in_features: int, out_features: int, dtype: torch.
 E4M3_ROW_PRODUCTS = (Product.STREAMED_W8A8, Product.TILED_W8A8, Product.SCALED_MM)
 
 
+@runtime_checkable
+class TakesE4m3Rows(Protocol):
+    """A layer that may be handed its input as ``QuantizedRows`` (``Fp8Linear``, a MoE block of E4M3 experts);
+    ``reads_values``: it reads the rows unrounded as well, so they come in ``QuantizedRows.values``."""
+
+    reads_values: bool
+
+    def takes_e4m3_rows(self, rows: int, dtype: torch.dtype) -> bool: ...
+
+
 def takes_e4m3_rows(layer: nn.Module | None, rows: int, dtype: torch.dtype) -> bool:
     """Whether ``layer`` multiplies ``rows`` rows of ``dtype`` as E4M3 rows (so a kernel that writes its input
     may quantise them there, in one pass, ``QuantizedRows``)."""
-    return isinstance(layer, Fp8Linear) and layer.product(rows, dtype) in E4M3_ROW_PRODUCTS
+    return isinstance(layer, TakesE4m3Rows) and layer.takes_e4m3_rows(rows, dtype)
 
 
 class Fp8Linear(nn.Module):
     """A linear layer of E4M3 codes [N, K] and float32 scales [N, G] (buffers) and an optional bias."""
+
+    reads_values = False   # TakesE4m3Rows: the codes alone
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, group: int, bias: nn.Parameter | None) -> None:
         super().__init__()
@@ -274,6 +288,10 @@ class Fp8Linear(nn.Module):
                               per_channel=self.weight_scale.shape[1] == 1,
                               fp8_tensor_cores=cuda and scaled_mm_available(self.weight.device),
                               tiled=cuda and tiled_product_available(self.weight.device))
+
+    def takes_e4m3_rows(self, rows: int, dtype: torch.dtype) -> bool:
+        """TakesE4m3Rows: whether ``rows`` rows of ``dtype`` multiply as E4M3 rows here."""
+        return self.product(rows, dtype) in E4M3_ROW_PRODUCTS
 
     def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         cpu = self.cpu_product

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from metronome.models.fp8 import ExpertScales, Fp8Linear, dequantize, quantize
+from metronome.models.fp8 import ExpertScales, Fp8Linear, QuantizedRows, dequantize, quantize
 from metronome.models.llama import LlamaFamilyForCausalLM
 from metronome.models.spec import DecoderSpec
 
@@ -121,14 +121,33 @@ class FusedExperts(nn.Module):
         self.down_proj = nn.Parameter(down, requires_grad=False)
         self._set_scales(ExpertScales(gate_up_scale, down_scale, gate_up.shape[-1], down.shape[-1]))
 
-    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        backend = self.backend
-        if backend == "auto":
-            backend = "triton" if x.is_cuda else "torch"
+    def _backend(self, device: torch.device) -> str:
+        return ("triton" if device.type == "cuda" else "torch") if self.backend == "auto" else self.backend
+
+    def takes_e4m3_rows(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether the grouped GEMM would quantise ``rows`` input rows of ``dtype`` to E4M3 itself (so the norm
+        before the block may write them so, ``QuantizedRows``)."""
+        device = self.gate_up_proj.device
+        if self._backend(device) != "triton":
+            return False
+        from metronome.models.moe_triton import multiplies_e4m3_rows
+
+        return multiplies_e4m3_rows(dtype, device, self.scales)
+
+    def forward(self, x: torch.Tensor | QuantizedRows, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor) -> torch.Tensor:
+        """``x``: the tokens' rows, or as ``QuantizedRows`` with ``values`` (the codes go to the grouped GEMM)."""
+        rows = None
+        if isinstance(x, QuantizedRows):
+            quantized, x = x, x.dequantized() if x.values is None else x.values
+            if self.takes_e4m3_rows(x.shape[0], x.dtype):
+                rows = (quantized.codes, quantized.scale)
+        backend = self._backend(x.device)
         if backend == "triton":
             from metronome.models.moe_triton import grouped_moe
 
-            return grouped_moe(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights, scales=self.scales)
+            return grouped_moe(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights, scales=self.scales,
+                               x_rows=rows)
         if backend == "torch":
             return experts_sorted(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights, self.scales)
         if backend == "loop":
@@ -214,8 +233,14 @@ class SparseMoeBlock(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return ids, weights.to(logits.dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = self.route(x)
+    reads_values = True   # TakesE4m3Rows: the router reads the rows unrounded, the experts their codes
+
+    def takes_e4m3_rows(self, rows: int, dtype: torch.dtype) -> bool:
+        """TakesE4m3Rows: whether the experts multiply E4M3 rows (``FusedExperts.takes_e4m3_rows``)."""
+        return isinstance(self.experts, FusedExperts) and self.experts.takes_e4m3_rows(rows, dtype)
+
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        ids, weights = self.route(x.values if isinstance(x, QuantizedRows) else x)
         return self.experts(x, ids, weights)
 
 

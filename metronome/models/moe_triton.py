@@ -18,7 +18,8 @@ host synchronisation, so a decode round that uses it can be captured in a CUDA g
 past the real ones find the sentinel expert ``E`` and return at once.
 
 FP8 experts (``scales``, ``models/fp8.py``): on a GPU with FP8 tensor cores the activations are quantised too
-(each token's input and each assignment's SiLU·up row to E4M3 with a scale of its own, one launch each) and both
+(each token's input and each assignment's SiLU·up row to E4M3 with a scale of its own, one launch each; the
+token's input comes quantised already where the norm before the block wrote its codes, ``x_rows``) and both
 products run on the FP8 tensor cores (W8A8). Otherwise (and with ``fp8_activations=False``) the E4M3 weight tiles
 are converted to the activations' dtype in registers (W8A16); that conversion, not the memory, had held a decode
 round's kernels to 2.3–2.7 TB/s. A scale per output channel multiplies the accumulator once after the reduction;
@@ -257,18 +258,27 @@ def launch_down(act: torch.Tensor, w_down: torch.Tensor, out: torch.Tensor, weig
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
+def multiplies_e4m3_rows(dtype: torch.dtype, device: torch.device, scales: ExpertScales | None) -> bool:
+    """Whether ``grouped_moe`` multiplies rows of ``dtype`` on ``device`` as E4M3 rows unless told otherwise: E4M3
+    experts on a GPU with FP8 tensor cores, activations narrower than float32, compiled kernels."""
+    dot_f32 = triton_interpreted() or device.type != "cuda" or dtype == torch.float32
+    return scales is not None and not dot_f32 and scaled_mm_available(device)
+
+
 def grouped_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor, *, launch: MoeLaunch | None = None,
                 block_m: int | None = None, scales: ExpertScales | None = None,
-                fp8_activations: bool | None = None) -> torch.Tensor:
+                fp8_activations: bool | None = None,
+                x_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``sum_j topk_weights[t, j] · expert_{topk_ids[t, j]}(x[t])`` for every token ``t``.
 
     ``x`` [T, H]; ``w_gate_up`` [E, 2I, H] (gate rows first, then up); ``w_down`` [E, H, I];
     ``topk_ids`` [T, k] (int); ``topk_weights`` [T, k]. Returns [T, H] in ``x``'s dtype. ``launch``
     overrides the tiles ``choose_launch`` picks (``block_m`` only their row height). ``scales``: the weights
     are E4M3 codes with these scales. ``fp8_activations``: quantise each token's input and each assignment's
-    SiLU·up row to E4M3 (one scale per row) and multiply on the FP8 tensor cores; default: with E4M3 experts on
-    a GPU that has them.
+    SiLU·up row to E4M3 (one scale per row) and multiply on the FP8 tensor cores; default:
+    ``multiplies_e4m3_rows``. ``x_rows``: ``x``'s E4M3 codes [T, H] and row scales [T, 1] as ``quantize_rows``
+    makes them, where the kernel that wrote ``x`` made them too (E4M3 activations only).
     """
     t, h = x.shape
     e, two_i, h_w = w_gate_up.shape
@@ -294,12 +304,14 @@ def grouped_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, 
     gate_up_scale = (scales.gate_up, scales.gate_up_group) if scales is not None else (None, 0)
     down_scale = (scales.down, scales.down_group) if scales is not None else (None, 0)
     if fp8_activations is None:
-        fp8_activations = scales is not None and not dot_f32 and scaled_mm_available(x.device)
+        fp8_activations = multiplies_e4m3_rows(x.dtype, x.device, scales)
     if fp8_activations and scales is None:
         raise ValueError("E4M3 activations need E4M3 experts (scales)")
+    if x_rows is not None and not fp8_activations:
+        raise ValueError("x_rows: E4M3 rows multiply only with E4M3 activations")
     weights = topk_weights.reshape(-1).contiguous()
     if fp8_activations:
-        xq, x_scale = quantize_rows_triton(x, ACTIVATION_AMAX_FLOOR)
+        xq, x_scale = x_rows if x_rows is not None else quantize_rows_triton(x, ACTIVATION_AMAX_FLOOR)
         launch_gate_up(xq, w_gate_up, act, routing, k, launch.gate_up, dot_f32, *gate_up_scale, x_scale=x_scale)
         actq, act_scale = quantize_rows_triton(act, ACTIVATION_AMAX_FLOOR)
         launch_down(actq, w_down, out, weights, routing, launch.down, dot_f32, *down_scale, act_scale=act_scale)

@@ -138,3 +138,44 @@ def test_fp8_activations_round_each_row_onto_e4m3(group):
     assert 2 ** -9 < (got - exact).norm() / norm < 2 ** -4
     with pytest.raises(ValueError, match="E4M3 experts"):
         grouped_moe(x, *_weights(e, h, inter, torch.float32), ids, w, fp8_activations=True)
+
+
+def test_rows_quantised_before_the_block_give_the_same_product():
+    """Codes handed in by the kernel that wrote the rows (the norm) are the codes the block would have made: the
+    same output to the bit. Without E4M3 activations they are refused."""
+    from metronome.models.fp8 import quantize_rows
+
+    t, e, k, h, inter = 20, 6, 3, 64, 64
+    gate_up, down, scales, _, _ = _fp8_experts(e, h, inter, None)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    ids, w = _routing(t, e, k, skew=False)
+    tiles = TileConfig(block_n=16, block_k=32)
+    launch = MoeLaunch(16, tiles, tiles)
+    want = grouped_moe(x, gate_up, down, ids, w, launch=launch, scales=scales, fp8_activations=True)
+    got = grouped_moe(x, gate_up, down, ids, w, launch=launch, scales=scales, fp8_activations=True,
+                      x_rows=quantize_rows(x))
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="x_rows"):
+        grouped_moe(x, gate_up, down, ids, w, launch=launch, scales=scales, fp8_activations=False,
+                    x_rows=quantize_rows(x))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_block_given_quantised_rows_routes_their_values(backend):
+    """The block handed its input as ``QuantizedRows`` (as the norm before it writes them on a GPU with FP8 tensor
+    cores): the router reads the values, the experts the codes where they multiply E4M3 rows; the same output as
+    for the plain rows."""
+    from metronome.models.fp8 import QuantizedRows, quantize_rows, scaled_mm_available, takes_e4m3_rows
+
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32   # E4M3 activations are for bf16 rows
+    _, block = _pair(norm_topk_prob=True)
+    block = block.to(DEVICE, dtype)
+    block.experts.quantize_fp8_()
+    block.experts.backend = backend
+    x = torch.randn(9, 32, generator=torch.Generator().manual_seed(8)).to(DEVICE, dtype)
+    fp8_rows = DEVICE == "cuda" and backend == "triton" and scaled_mm_available(torch.device(DEVICE))
+    assert takes_e4m3_rows(block, 9, dtype) == fp8_rows
+    with torch.no_grad():
+        got = block(QuantizedRows(*quantize_rows(x), x.dtype, x))
+        assert torch.equal(got, block(x))
+

@@ -68,6 +68,18 @@ def test_quantised_norm_is_the_quantiser_of_the_norm(dtype, add):
     assert_torchs_add(residual, x + delta if add else x)
 
 
+def test_quantised_norm_keeps_its_values_where_asked():
+    """For a layer that reads the rows unrounded too (a MoE router), the same pass stores the norm beside its codes:
+    the rows the unquantised kernel writes, and the same codes."""
+    x, delta, weight = _rows(4, 2048, torch.bfloat16, 5)
+    _, rows = add_rms_norm(x, delta, weight, EPS, quantize=True, values=True)
+    _, normed = add_rms_norm(x, delta, weight, EPS)
+    _, codes_only = add_rms_norm(x, delta, weight, EPS, quantize=True)
+    assert codes_only.values is None and torch.equal(rows.values, normed)
+    assert torch.equal(rows.codes.view(torch.uint8), codes_only.codes.view(torch.uint8))
+    assert torch.equal(rows.scale, codes_only.scale)
+
+
 def test_rows_wider_than_a_program_are_refused():
     width = 2 * QUANT_ROW_MAX_BLOCK
     assert fits(QUANT_ROW_MAX_BLOCK) and not fits(width)
