@@ -38,7 +38,9 @@ import torch
 import torch.nn.functional as F
 
 # hidden, intermediate, query heads, KV heads, head_dim of the decoders whose layers ``linear`` times
-LINEAR_SHAPES = {"qwen2.5-7b": (3584, 18944, 28, 4, 128), "qwen3-8b": (4096, 12288, 32, 8, 128)}
+# hidden, MLP width, heads, KV heads, head dim; Qwen3-Omni's MLP is one expert's (its dense layers are qkv and o)
+LINEAR_SHAPES = {"qwen2.5-7b": (3584, 18944, 28, 4, 128), "qwen3-8b": (4096, 12288, 32, 8, 128),
+                 "qwen3-omni": (2048, 768, 32, 4, 128)}
 VARIANTS = {"bf16": (None, "auto"), "fp8-weights": ("fp8", "auto"), "fp8-kv": (None, "fp8"), "fp8-both": ("fp8", "fp8")}
 
 
@@ -306,7 +308,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=4096, help="perplexity: tokens of text")
     p.add_argument("--rows", default="1,16,64,256,1024,8192", help="linear: rows per call")
     p.add_argument("--linear-shape", default="qwen2.5-7b", choices=sorted(LINEAR_SHAPES),
-                   help="linear: the decoder whose four layer shapes are timed (qwen3-8b: MiniCPM-o's)")
+                   help="linear: the decoder whose four layer shapes are timed (qwen3-8b: MiniCPM-o's; qwen3-omni: "
+                        "the thinker's attention layers, one expert's MLP)")
     p.add_argument("--moe-tokens", default="64,128,256,320", help="moe: tokens per decode round")
     p.add_argument("--sessions", default="64,128,256,320,512", help="engine: sessions per tick")
     p.add_argument("--ticks", type=int, default=3)
