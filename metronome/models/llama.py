@@ -174,15 +174,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, rope: RopeInputs,
-                kv: tuple[torch.Tensor, torch.Tensor], attention: AttentionBackend,
-                plan: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(r, mlp(...))`` for the residual ``x + delta``: the caller adds the MLP's output in the next norm (one
-        kernel on CUDA, where a separate add was a launch a layer)."""
-        x, h = self.input_layernorm.add_norm(x, delta, self.self_attn.qkv_proj)
+    def forward(self, x, rope, kv, attention, plan):
+        _, h = self.input_layernorm.add_norm(x, None, self.self_attn.qkv_proj)
         mlp_in = self.mlp.gate_up_proj if isinstance(self.mlp, MLP) else self.mlp
         x, h = self.post_attention_layernorm.add_norm(x, self.self_attn(h, rope, kv, attention, plan), mlp_in)
-        return x, self.mlp(h)
+        return x + self.mlp(h)
 
 
 class DecoderModel(nn.Module):
@@ -254,10 +250,10 @@ class LlamaFamilyForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], attention: AttentionBackend,
                 plan: Any) -> torch.Tensor:
         rope = RopeInputs.at(positions, self.rotary)
-        x, delta = inputs_embeds, None
+        x = inputs_embeds
         for layer, kv in zip(self.model.layers, kv_caches):
-            x, delta = layer(x, delta, rope, kv, attention, plan)
-        return self.model.norm.add_norm(x, delta)[1]
+            x = layer(x, rope, kv, attention, plan)
+        return self.model.norm(x)
 
     def head_weight(self) -> torch.Tensor:
         """The logits' weight [vocab, hidden]: the embedding's where the checkpoint ties them."""
