@@ -505,7 +505,7 @@ def tune_moe(args) -> dict:
     import itertools
 
     from metronome.models.moe_routing_triton import route
-    from metronome.models.moe_triton import TileConfig, launch_down, launch_gate_up
+    from metronome.models.moe_triton import TileConfig, choose_launch, launch_down, launch_gate_up
 
     text = QWEN3_OMNI["qwen3-omni-30b-a3b"]["text"]
     e, h, k = text["num_experts"], text["hidden_size"], text["num_experts_per_tok"]
@@ -554,22 +554,26 @@ def tune_moe(args) -> dict:
         weights = torch.full((t * k,), 1.0 / k, device=dev, dtype=torch.bfloat16)
         mean = t * k / e
         heights = (16,) if mean <= 8 else (16, 32, 64) if mean <= 64 else (64, 128)
+        act = torch.randn(t * k, inter, device=dev, dtype=torch.bfloat16)
+        out = torch.empty(t * k, h, device=dev, dtype=torch.float32)
+        # E4M3 experts multiply E4M3 activations (as grouped_moe does on this GPU): the kernels read codes
+        x_in, x_row_scale, act_in, act_row_scale = x, None, act, None
+        if args.quantization == "fp8":
+            from metronome.models.fp8 import quantize_rows
+
+            (x_in, x_row_scale), (act_in, act_row_scale) = quantize_rows(x), quantize_rows(act)
+
+        def kernels(routing, cfg: TileConfig) -> dict:
+            return {"gate_up": lambda: launch_gate_up(x_in, w_gate_up, act, routing, k, cfg, False, *gate_up_scale,
+                                                      x_scale=x_row_scale),
+                    "down": lambda: launch_down(act_in, w_down, out, weights, routing, cfg, False, *down_scale,
+                                                act_scale=act_row_scale)}
+
         best: dict = {}
         for bm in heights:
             routing = route(ids, e, bm)
-            act = torch.randn(t * k, inter, device=dev, dtype=torch.bfloat16)
-            out = torch.empty(t * k, h, device=dev, dtype=torch.float32)
-            # E4M3 experts multiply E4M3 activations (as grouped_moe does on this GPU): the kernels read codes
-            x_in, x_row_scale, act_in, act_row_scale = x, None, act, None
-            if args.quantization == "fp8":
-                from metronome.models.fp8 import quantize_rows
-
-                (x_in, x_row_scale), (act_in, act_row_scale) = quantize_rows(x), quantize_rows(act)
             for cfg in grid(mean):
-                for kernel, fn in (("gate_up", lambda: launch_gate_up(x_in, w_gate_up, act, routing, k, cfg, False,
-                                                                      *gate_up_scale, x_scale=x_row_scale)),
-                                   ("down", lambda: launch_down(act_in, w_down, out, weights, routing, cfg, False,
-                                                                *down_scale, act_scale=act_row_scale))):
+                for kernel, fn in kernels(routing, cfg).items():
                     try:
                         ms = timed(fn)
                     except Exception as exc:   # e.g. out of shared memory for this tile shape
@@ -577,9 +581,16 @@ def tune_moe(args) -> dict:
                         continue
                     if kernel not in best or ms < best[kernel]["ms"]:
                         best[kernel] = {"ms": ms, "block_m": bm, **vars(cfg)}
+        # The tiles the engine chooses now (choose_launch), timed the same way, beside the sweep's best
+        chosen = choose_launch(t * k, e, w_down.element_size())
+        routing = route(ids, e, chosen.block_m)
+        best["chosen"] = {"block_m": chosen.block_m}
+        for kernel, cfg in (("gate_up", chosen.gate_up), ("down", chosen.down)):
+            best["chosen"][kernel] = {**vars(cfg), "ms": timed(kernels(routing, cfg)[kernel])}
         weight_bytes = 3 * inter * h * w_down.element_size() * e * (1 - (1 - k / e) ** t)
         row = {"tokens": t, **best, "expert_bytes": weight_bytes,
-               "tb_per_s": weight_bytes / ((best["gate_up"]["ms"] + best["down"]["ms"]) * 1e-3) / 1e12}
+               "tb_per_s": weight_bytes / ((best["gate_up"]["ms"] + best["down"]["ms"]) * 1e-3) / 1e12,
+               "tflop_per_s": 6 * inter * h * t * k / ((best["gate_up"]["ms"] + best["down"]["ms"]) * 1e-3) / 1e12}
         rows.append(row)
         print(json.dumps({"tune": row}), flush=True)
     return {"tune": rows}
