@@ -110,3 +110,30 @@ def test_quantised_rows_give_the_layers_own_product(rows):
             assert torch.equal(got, layer(x))
         else:
             assert torch.equal(got, layer(quantized.dequantized()))
+
+
+def test_norm_before_a_moe_block_hands_it_the_experts_codes():
+    """The residual add + RMSNorm before a MoE block of E4M3 experts writes the router's rows and the experts' E4M3
+    codes in one pass; the block then gives, to the bit, what it gives for the norm's plain rows (which it
+    quantises itself)."""
+    from metronome.models.fp8 import QuantizedRows
+    from metronome.models.moe import MoeForCausalLM
+    from tests.models.test_moe import _hf_config, _spec
+
+    spec = _spec(_hf_config(hidden_size=256, moe_intermediate_size=128, num_experts=16, num_experts_per_tok=4,
+                            num_hidden_layers=1))
+    torch.manual_seed(0)
+    layer = MoeForCausalLM(spec, per_expert=False).model.layers[0]
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0.0, 0.05)
+    layer = layer.to("cuda", torch.bfloat16)
+    layer.mlp.experts.quantize_fp8_()
+    norm, block = layer.post_attention_layernorm, layer.mlp
+    x, delta = (torch.randn(40, 256, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    residual, rows = norm.add_norm(x, delta, block)
+    plain_residual, plain = norm.add_norm(x, delta, None)
+    assert isinstance(rows, QuantizedRows) and torch.equal(rows.values, plain)
+    assert torch.equal(residual, plain_residual)
+    with torch.no_grad():
+        assert torch.equal(block(rows), block(plain))
