@@ -203,7 +203,7 @@ def main_loop(sass: list[str]) -> tuple[int, dict[str, int], int]:
         m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", ln)
         if m and labels.get(m.group(1), i) < i:          # a backward branch closes a loop
             body = sass[labels[m.group(1)]:i + 1]
-            if any("HMMA" in b or "HGMMA" in b for b in body) and len(body) > len(best):
+            if any(re.search(r"\b[HQ]G?MMA\b", b) for b in body) and len(body) > len(best):
                 best = body
     opcodes: dict[str, int] = {}
     for ln in best:

@@ -1,0 +1,30 @@
+"""The grouped MoE GEMM's kernels as the compiler builds them for an H200 (sm_90), on a machine without a GPU.
+
+Which tensor-core instruction a tile compiles to is a property of the compiled code, not of its results: every
+numerical test passes whether an E4M3 product runs on the FP8 warpgroup MMA or has its operands widened to fp16
+first (docs/benchmarks/gpu.md, "As compiled for sm_90").
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_decode_tiles_widen_e4m3_operands_and_prefill_tiles_multiply_them(tmp_path):
+    """At a decode round's 224 tokens (32-row tiles) both kernels widen their E4M3 operands to fp16 for the
+    warp-level MMA; at a prefill's 6,272 (128-row tiles) they run Hopper's E4M3 warpgroup MMA with no widening in
+    the loop."""
+    out = tmp_path / "moe.json"
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, str(ROOT / "bench" / "moe_kernel_report.py"), "--tokens", "224,6272",
+                    "--out", str(out)], check=True, env=env, cwd=ROOT, capture_output=True, timeout=300)
+    kernels = {(k["tokens"], k["kernel"]): k for k in json.loads(out.read_text())["kernels"]}
+    for kernel in ("gate_up", "down"):
+        decode, prefill = kernels[224, kernel], kernels[6272, kernel]
+        assert decode["block_m"] < 64 <= prefill["block_m"]
+        assert set(decode["loop_mma"]) == {"HMMA"} and decode["loop_widenings"] > 0, decode
+        assert set(prefill["loop_mma"]) == {"QGMMA"} and prefill["loop_widenings"] == 0, prefill
