@@ -37,8 +37,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-# hidden, intermediate, query heads, KV heads, head_dim of the decoders whose layers ``linear`` times
-# hidden, MLP width, heads, KV heads, head dim; Qwen3-Omni's MLP is one expert's (its dense layers are qkv and o)
+# hidden, intermediate, query heads, KV heads, head_dim of the decoders whose layers ``linear`` times. Qwen3-Omni's
+# thinker has no dense MLP: its attention's qkv and o are the layers that count; its gate_up and down rows time one
+# expert's shape through Fp8Linear, which the experts themselves never run (they take the grouped GEMM).
 LINEAR_SHAPES = {"qwen2.5-7b": (3584, 18944, 28, 4, 128), "qwen3-8b": (4096, 12288, 32, 8, 128),
                  "qwen3-omni": (2048, 768, 32, 4, 128)}
 VARIANTS = {"bf16": (None, "auto"), "fp8-weights": ("fp8", "auto"), "fp8-kv": (None, "fp8"), "fp8-both": ("fp8", "fp8")}

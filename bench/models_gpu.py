@@ -581,7 +581,7 @@ def tune_moe(args) -> dict:
                         continue
                     if kernel not in best or ms < best[kernel]["ms"]:
                         best[kernel] = {"ms": ms, "block_m": bm, **vars(cfg)}
-        # The tiles the engine chooses now (choose_launch), timed the same way, beside the sweep's best
+        # The tiles the engine chooses (choose_launch), timed the same way, beside the sweep's best
         chosen = choose_launch(t * k, e, w_down.element_size())
         routing = route(ids, e, chosen.block_m)
         best["chosen"] = {"block_m": chosen.block_m}

@@ -34,7 +34,7 @@ import functools
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Callable, Protocol, runtime_checkable
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -140,6 +140,10 @@ class QuantizedRows:
     def dequantized(self) -> torch.Tensor:
         return (self.codes.float() * self.scale).to(self.dtype)
 
+    def rows(self) -> torch.Tensor:
+        """The rows in ``dtype``: ``values`` where the kernel kept them, else the codes dequantised."""
+        return self.dequantized() if self.values is None else self.values
+
 
 def fp8_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x @ (codes * scale).T`` on the FP8 tensor cores: x [M, K] bf16, codes [N, K], per-channel scale [N, 1]."""
@@ -194,14 +198,15 @@ def choose_product(rows: int, in_features: int, out_features: int, dtype: torch.
 E4M3_ROW_PRODUCTS = (Product.STREAMED_W8A8, Product.TILED_W8A8, Product.SCALED_MM)
 
 
-@runtime_checkable
-class TakesE4m3Rows(Protocol):
+class TakesE4m3Rows:
     """A layer that may be handed its input as ``QuantizedRows`` (``Fp8Linear``, a MoE block of E4M3 experts);
-    ``reads_values``: it reads the rows unrounded as well, so they come in ``QuantizedRows.values``."""
+    ``reads_values``: it reads the rows unrounded as well, so they come in ``QuantizedRows.values``. A base class,
+    not a runtime-checked protocol: the check runs for every layer of an eager forward."""
 
-    reads_values: bool
+    reads_values = False
 
-    def takes_e4m3_rows(self, rows: int, dtype: torch.dtype) -> bool: ...
+    def takes_e4m3_rows(self, rows: int, dtype: torch.dtype) -> bool:
+        raise NotImplementedError
 
 
 def takes_e4m3_rows(layer: nn.Module | None, rows: int, dtype: torch.dtype) -> bool:
@@ -210,10 +215,8 @@ def takes_e4m3_rows(layer: nn.Module | None, rows: int, dtype: torch.dtype) -> b
     return isinstance(layer, TakesE4m3Rows) and layer.takes_e4m3_rows(rows, dtype)
 
 
-class Fp8Linear(nn.Module):
+class Fp8Linear(TakesE4m3Rows, nn.Module):
     """A linear layer of E4M3 codes [N, K] and float32 scales [N, G] (buffers) and an optional bias."""
-
-    reads_values = False   # TakesE4m3Rows: the codes alone
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, group: int, bias: nn.Parameter | None) -> None:
         super().__init__()

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from metronome.models.fp8 import ExpertScales, Fp8Linear, QuantizedRows, dequantize, quantize
+from metronome.models.fp8 import ExpertScales, Fp8Linear, QuantizedRows, TakesE4m3Rows, dequantize, quantize
 from metronome.models.llama import LlamaFamilyForCausalLM
 from metronome.models.spec import DecoderSpec
 
@@ -124,9 +124,9 @@ class FusedExperts(nn.Module):
     def _backend(self, device: torch.device) -> str:
         return ("triton" if device.type == "cuda" else "torch") if self.backend == "auto" else self.backend
 
-    def takes_e4m3_rows(self, rows: int, dtype: torch.dtype) -> bool:
-        """Whether the grouped GEMM would quantise ``rows`` input rows of ``dtype`` to E4M3 itself (so the norm
-        before the block may write them so, ``QuantizedRows``)."""
+    def multiplies_e4m3_rows(self, dtype: torch.dtype) -> bool:
+        """Whether the grouped GEMM would round input rows of ``dtype`` onto E4M3 itself (so the norm before the
+        block may write them so, ``QuantizedRows``)."""
         device = self.gate_up_proj.device
         if self._backend(device) != "triton":
             return False
@@ -139,8 +139,8 @@ class FusedExperts(nn.Module):
         """``x``: the tokens' rows, or as ``QuantizedRows`` with ``values`` (the codes go to the grouped GEMM)."""
         rows = None
         if isinstance(x, QuantizedRows):
-            quantized, x = x, x.dequantized() if x.values is None else x.values
-            if self.takes_e4m3_rows(x.shape[0], x.dtype):
+            quantized, x = x, x.rows()
+            if self.multiplies_e4m3_rows(x.dtype):
                 rows = (quantized.codes, quantized.scale)
         backend = self._backend(x.device)
         if backend == "triton":
@@ -200,7 +200,7 @@ def experts_loop(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
     return y
 
 
-class SparseMoeBlock(nn.Module):
+class SparseMoeBlock(TakesE4m3Rows, nn.Module):
     """Router (``gate``) + experts; names mirror transformers' (``mlp.gate.weight``, ``mlp.experts...``)."""
 
     def __init__(self, spec: MoeSpec, per_expert: bool = True) -> None:
@@ -236,11 +236,11 @@ class SparseMoeBlock(nn.Module):
     reads_values = True   # TakesE4m3Rows: the router reads the rows unrounded, the experts their codes
 
     def takes_e4m3_rows(self, rows: int, dtype: torch.dtype) -> bool:
-        """TakesE4m3Rows: whether the experts multiply E4M3 rows (``FusedExperts.takes_e4m3_rows``)."""
-        return isinstance(self.experts, FusedExperts) and self.experts.takes_e4m3_rows(rows, dtype)
+        """TakesE4m3Rows: whether the experts multiply E4M3 rows (``FusedExperts.multiplies_e4m3_rows``)."""
+        return isinstance(self.experts, FusedExperts) and self.experts.multiplies_e4m3_rows(dtype)
 
     def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
-        ids, weights = self.route(x.values if isinstance(x, QuantizedRows) else x)
+        ids, weights = self.route(x.rows() if isinstance(x, QuantizedRows) else x)
         return self.experts(x, ids, weights)
 
 

@@ -20,8 +20,10 @@ past the real ones find the sentinel expert ``E`` and return at once.
 FP8 experts (``scales``, ``models/fp8.py``): on a GPU with FP8 tensor cores the activations are quantised too
 (each token's input and each assignment's SiLU·up row to E4M3 with a scale of its own, one launch each; the
 token's input comes quantised already where the norm before the block wrote its codes, ``x_rows``) and both
-products run on the FP8 tensor cores (W8A8). Otherwise (and with ``fp8_activations=False``) the E4M3 weight tiles
-are converted to the activations' dtype in registers (W8A16); that conversion, not the memory, had held a decode
+products take E4M3 operands (W8A8): row tiles of 64 or more run Hopper's E4M3 warpgroup MMA, smaller ones (decode
+rounds) have both operands widened to fp16 for the warp-level MMA, one conversion a pair
+(``bench/moe_kernel_report.py``). Otherwise (and with ``fp8_activations=False``) the E4M3 weight tiles are
+converted to the activations' dtype in registers (W8A16); that conversion, not the memory, had held a decode
 round's kernels to 2.3–2.7 TB/s. A scale per output channel multiplies the accumulator once after the reduction;
 block scales (one per row and group of ``G`` columns) multiply each reduction step's partial product, so every
 step must lie in one group (``G % BLOCK_K == 0``).
@@ -258,11 +260,15 @@ def launch_down(act: torch.Tensor, w_down: torch.Tensor, out: torch.Tensor, weig
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
+def _dot_f32(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the kernels multiply in IEEE float32: float32 operands, or the interpreter (which upcasts bf16)."""
+    return triton_interpreted() or device.type != "cuda" or dtype == torch.float32
+
+
 def multiplies_e4m3_rows(dtype: torch.dtype, device: torch.device, scales: ExpertScales | None) -> bool:
     """Whether ``grouped_moe`` multiplies rows of ``dtype`` on ``device`` as E4M3 rows unless told otherwise: E4M3
     experts on a GPU with FP8 tensor cores, activations narrower than float32, compiled kernels."""
-    dot_f32 = triton_interpreted() or device.type != "cuda" or dtype == torch.float32
-    return scales is not None and not dot_f32 and scaled_mm_available(device)
+    return scales is not None and not _dot_f32(dtype, device) and scaled_mm_available(device)
 
 
 def grouped_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
@@ -300,15 +306,22 @@ def grouped_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, 
     act = torch.empty((m, inter), dtype=x.dtype, device=x.device)
     out = torch.empty((m, h), dtype=torch.float32, device=x.device)
     # fp32 operands multiply in IEEE fp32 (not TF32), as do the interpreter's upcast bf16 operands.
-    dot_f32 = triton_interpreted() or not x.is_cuda or x.dtype == torch.float32
+    dot_f32 = _dot_f32(x.dtype, x.device)
     gate_up_scale = (scales.gate_up, scales.gate_up_group) if scales is not None else (None, 0)
     down_scale = (scales.down, scales.down_group) if scales is not None else (None, 0)
     if fp8_activations is None:
         fp8_activations = multiplies_e4m3_rows(x.dtype, x.device, scales)
     if fp8_activations and scales is None:
         raise ValueError("E4M3 activations need E4M3 experts (scales)")
-    if x_rows is not None and not fp8_activations:
-        raise ValueError("x_rows: E4M3 rows multiply only with E4M3 activations")
+    if x_rows is not None:
+        codes, row_scale = x_rows
+        if not fp8_activations:
+            raise ValueError("x_rows: E4M3 rows multiply only with E4M3 activations")
+        if (codes.shape != x.shape or codes.dtype != torch.float8_e4m3fn or codes.stride(-1) != 1
+                or row_scale.shape != (t, 1) or row_scale.dtype != torch.float32 or not row_scale.is_contiguous()):
+            raise ValueError(f"x_rows: E4M3 codes {tuple(x.shape)} (rows contiguous) and float32 scales ({t}, 1) "
+                             f"expected, got {codes.dtype} {tuple(codes.shape)} and {row_scale.dtype} "
+                             f"{tuple(row_scale.shape)}")
     weights = topk_weights.reshape(-1).contiguous()
     if fp8_activations:
         xq, x_scale = x_rows if x_rows is not None else quantize_rows_triton(x, ACTIVATION_AMAX_FLOOR)

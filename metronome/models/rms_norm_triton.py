@@ -51,8 +51,8 @@ def fits(width: int) -> bool:
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, *,
                  quantize: bool = False, values: bool = False) -> tuple[torch.Tensor, torch.Tensor | QuantizedRows]:
     """``(r, RMSNorm(r))`` with ``r = x + delta`` (``x`` itself where ``delta`` is None), rows [T, K] of one
-    float dtype; the norm as ``QuantizedRows`` (per-token E4M3) where ``quantize``, with the rows in ``x``'s
-    dtype beside the codes where also ``values``, else in ``x``'s dtype."""
+    float dtype. The norm comes in ``x``'s dtype, or where ``quantize`` as ``QuantizedRows`` (per-token E4M3);
+    ``values`` (with ``quantize``) keeps the rows in ``x``'s dtype beside the codes."""
     t, k = x.shape
     block = row_block(k)
     if block is None:

@@ -141,8 +141,9 @@ def test_fp8_activations_round_each_row_onto_e4m3(group):
 
 
 def test_rows_quantised_before_the_block_give_the_same_product():
-    """Codes handed in by the kernel that wrote the rows (the norm) are the codes the block would have made: the
-    same output to the bit. Without E4M3 activations they are refused."""
+    """Codes handed in by the kernel that wrote the rows (the norm) are what the products read: given with rows of
+    zeros beside them, the output is the one of the rows the codes were made from, to the bit. Without E4M3
+    activations, or in another shape, they are refused."""
     from metronome.models.fp8 import quantize_rows
 
     t, e, k, h, inter = 20, 6, 3, 64, 64
@@ -152,19 +153,22 @@ def test_rows_quantised_before_the_block_give_the_same_product():
     tiles = TileConfig(block_n=16, block_k=32)
     launch = MoeLaunch(16, tiles, tiles)
     want = grouped_moe(x, gate_up, down, ids, w, launch=launch, scales=scales, fp8_activations=True)
-    got = grouped_moe(x, gate_up, down, ids, w, launch=launch, scales=scales, fp8_activations=True,
+    got = grouped_moe(torch.zeros_like(x), gate_up, down, ids, w, launch=launch, scales=scales, fp8_activations=True,
                       x_rows=quantize_rows(x))
-    assert torch.equal(got, want)
+    assert want.abs().max() > 0 and torch.equal(got, want)
     with pytest.raises(ValueError, match="x_rows"):
         grouped_moe(x, gate_up, down, ids, w, launch=launch, scales=scales, fp8_activations=False,
                     x_rows=quantize_rows(x))
+    with pytest.raises(ValueError, match="x_rows"):
+        grouped_moe(x, gate_up, down, ids, w, launch=launch, scales=scales, fp8_activations=True,
+                    x_rows=quantize_rows(x[:-1]))
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_block_given_quantised_rows_routes_their_values(backend):
     """The block handed its input as ``QuantizedRows`` (as the norm before it writes them on a GPU with FP8 tensor
-    cores): the router reads the values, the experts the codes where they multiply E4M3 rows; the same output as
-    for the plain rows."""
+    cores): the router reads the values; the experts read the codes where they multiply E4M3 rows, else the values.
+    The codes here come from other rows than the values, so each reading shows in the output."""
     from metronome.models.fp8 import QuantizedRows, quantize_rows, scaled_mm_available, takes_e4m3_rows
 
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32   # E4M3 activations are for bf16 rows
@@ -172,10 +176,13 @@ def test_block_given_quantised_rows_routes_their_values(backend):
     block = block.to(DEVICE, dtype)
     block.experts.quantize_fp8_()
     block.experts.backend = backend
-    x = torch.randn(9, 32, generator=torch.Generator().manual_seed(8)).to(DEVICE, dtype)
+    g = torch.Generator().manual_seed(8)
+    x, other = (torch.randn(9, 32, generator=g).to(DEVICE, dtype) for _ in range(2))
     fp8_rows = DEVICE == "cuda" and backend == "triton" and scaled_mm_available(torch.device(DEVICE))
     assert takes_e4m3_rows(block, 9, dtype) == fp8_rows
     with torch.no_grad():
-        got = block(QuantizedRows(*quantize_rows(x), x.dtype, x))
-        assert torch.equal(got, block(x))
-
+        got = block(QuantizedRows(*quantize_rows(other), dtype, values=x))
+        ids, weights = block.route(x)
+        want = block.experts(other if fp8_rows else x, ids, weights)
+        assert torch.equal(got, want)
+        assert not torch.equal(got, block.experts(x if fp8_rows else other, ids, weights))
