@@ -282,7 +282,7 @@ def grouped_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, 
     ``topk_ids`` [T, k] (int); ``topk_weights`` [T, k]. Returns [T, H] in ``x``'s dtype. ``launch``
     overrides the tiles ``choose_launch`` picks (``block_m`` only their row height). ``scales``: the weights
     are E4M3 codes with these scales. ``fp8_activations``: quantise each token's input and each assignment's
-    SiLU·up row to E4M3 (one scale per row) and multiply on the FP8 tensor cores; default:
+    SiLU·up row to E4M3 (one scale per row) and multiply E4M3 operands (which tiles reach the FP8 MMA: above); default:
     ``multiplies_e4m3_rows``. ``x_rows``: ``x``'s E4M3 codes [T, H] and row scales [T, 1] as ``quantize_rows``
     makes them, where the kernel that wrote ``x`` made them too (E4M3 activations only).
     """
