@@ -147,12 +147,25 @@ def compile_variant(v: Variant, *, heads: int, kv_heads: int, head_dim: int, blo
                       IEEE=False, TIMELINE=v.timeline, KV_FP8=kv_fp8,
                       WIDEN_V_AT_LOAD=(tp.widen_values_at_load(kv_fp8, True, torch.bfloat16, g)
                                        if widen_values is None else kv_fp8 and widen_values))
+    source = ASTSource(fn, *launch_signature(fn, pointers, ints, constexprs, floats={"qk_scale"},
+                                             not_specialised=not_specialised))
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": v.num_warps, "num_stages": v.num_stages,
+                                   **({"maxnreg": v.maxnreg} if v.maxnreg else {})})
+
+
+def launch_signature(fn, pointers: dict[str, str], ints: dict[str, int], constexprs: dict, *,
+                     floats: set[str] = frozenset(),
+                     not_specialised: set[str] = frozenset()) -> tuple[dict, dict, dict]:
+    """Triton's ahead-of-time signature, constants and attributes of ``fn`` as a launch specialises it: pointers
+    16-byte aligned; ints == 1 made constants and ints divisible by 16 marked so, except ``not_specialised``
+    (``do_not_specialize``); ``floats`` fp32 scalars."""
     signature, consts, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in pointers:
             signature[name] = pointers[name]
             attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name == "qk_scale":
+        elif name in floats:
             signature[name] = "fp32"
         elif name in ints:
             value = ints[name]
@@ -165,10 +178,8 @@ def compile_variant(v: Variant, *, heads: int, kv_heads: int, head_dim: int, blo
         elif name in constexprs:
             signature[name], consts[name] = "constexpr", constexprs[name]
         else:
-            raise KeyError(f"kernel argument {name!r} is new: teach compile_variant its type")
-    return triton.compile(ASTSource(fn, signature, consts, attrs), target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": v.num_warps, "num_stages": v.num_stages,
-                                   **({"maxnreg": v.maxnreg} if v.maxnreg else {})})
+            raise KeyError(f"kernel argument {name!r} of {fn.__name__} is new: teach the report its type")
+    return signature, consts, attrs
 
 
 def resource_usage(cubin: bytes, workdir: Path) -> dict[str, int]:

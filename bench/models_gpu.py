@@ -588,9 +588,9 @@ def tune_moe(args) -> dict:
         for kernel, cfg in (("gate_up", chosen.gate_up), ("down", chosen.down)):
             best["chosen"][kernel] = {**vars(cfg), "ms": timed(kernels(routing, cfg)[kernel])}
         weight_bytes = 3 * inter * h * w_down.element_size() * e * (1 - (1 - k / e) ** t)
-        row = {"tokens": t, **best, "expert_bytes": weight_bytes,
-               "tb_per_s": weight_bytes / ((best["gate_up"]["ms"] + best["down"]["ms"]) * 1e-3) / 1e12,
-               "tflop_per_s": 6 * inter * h * t * k / ((best["gate_up"]["ms"] + best["down"]["ms"]) * 1e-3) / 1e12}
+        seconds = (best["gate_up"]["ms"] + best["down"]["ms"]) * 1e-3
+        row = {"tokens": t, **best, "expert_bytes": weight_bytes, "tb_per_s": weight_bytes / seconds / 1e12,
+               "tflop_per_s": 6 * inter * h * t * k / seconds / 1e12}
         rows.append(row)
         print(json.dumps({"tune": row}), flush=True)
     return {"tune": rows}

@@ -3,8 +3,8 @@
     python bench/moe_kernel_report.py                          # Qwen3-Omni's layer, E4M3 experts and rows, sm_90
     python bench/moe_kernel_report.py --tokens 224,320,6272 --out moe_kernel_report.json
 
-Compiles ``_gate_up_act`` and ``_down`` (``models/moe_triton.py``) ahead of time, with the tiles ``choose_launch``
-picks for T tokens at Qwen3-Omni's layer shape (H = 2048, I = 768, E = 128, k = 8), E4M3 weights with a scale per
+Compiles ``_gate_up_act`` and ``_down`` (``models/moe_triton.py``) ahead of time, specialised as a launch
+specialises them (``kernel_report.launch_signature``), with the tiles ``choose_launch`` picks for T tokens at Qwen3-Omni's layer shape (H = 2048, I = 768, E = 128, k = 8), E4M3 weights with a scale per
 output channel and E4M3 activation rows (what ``grouped_moe`` runs on a GPU with FP8 tensor cores), and reports
 each kernel's registers, shared memory and reduction loop in SASS: its tensor-core instruction (``HMMA``: the
 warp-level MMA on 16-bit operands; ``QGMMA``: Hopper's warpgroup MMA on E4M3), how many ``F2FP`` conversions widen
@@ -23,7 +23,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kernel_report import disassemble, main_loop, resource_usage   # beside this script, as a script runs
+from kernel_report import disassemble, launch_signature, main_loop, resource_usage   # beside this script
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8   # Qwen3-Omni-30B-A3B's thinker layer
 
@@ -43,24 +43,6 @@ class KernelReport:
     loop_instructions: int
     loop_mma: dict[str, int]     # tensor-core instructions in the reduction loop, by opcode
     loop_widenings: int          # F2FP in the loop: E4M3 operands converted to 16-bit before the MMA
-
-
-def _signature(fn, pointers: dict[str, str], ints: dict[str, int], constexprs: dict) -> tuple[dict, dict, dict]:
-    """Triton's ahead-of-time signature as a launch specialises it: pointers and ints divisible by 16 marked so."""
-    signature, consts, attrs = {}, {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in pointers:
-            signature[name] = pointers[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in ints:
-            signature[name] = "i32"
-            if ints[name] % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in constexprs:
-            signature[name], consts[name] = "constexpr", constexprs[name]
-        else:
-            raise KeyError(f"kernel argument {name!r} is new: teach moe_kernel_report its type")
-    return signature, consts, attrs
 
 
 def compile_kernel(kernel: str, block_m: int, tiles, arch: int = 90):
@@ -86,7 +68,7 @@ def compile_kernel(kernel: str, block_m: int, tiles, arch: int = 90):
                     "s_ptr": "*fp32", "act_scale_ptr": "*fp32", **routing}
         ints = dict(H=HIDDEN, I=INTER, NUM_EXPERTS=EXPERTS, stride_act=INTER, stride_we=HIDDEN * INTER,
                     stride_wn=INTER, stride_out=HIDDEN, stride_se=HIDDEN, stride_sn=1)
-    source = ASTSource(fn, *_signature(fn, pointers, ints, constexprs))
+    source = ASTSource(fn, *launch_signature(fn, pointers, ints, constexprs))
     return triton.compile(source, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages})
 

@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from metronome.attention.fp8 import E4M3
 from metronome.cpu import triton_interpreted
 from metronome.models.fp8 import ACTIVATION_AMAX_FLOOR, ExpertScales, scaled_mm_available
 from metronome.models.fp8_triton import quantize_rows_triton
@@ -317,7 +318,7 @@ def grouped_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, 
         codes, row_scale = x_rows
         if not fp8_activations:
             raise ValueError("x_rows: E4M3 rows multiply only with E4M3 activations")
-        if (codes.shape != x.shape or codes.dtype != torch.float8_e4m3fn or codes.stride(-1) != 1
+        if (codes.shape != x.shape or codes.dtype != E4M3 or codes.stride(-1) != 1
                 or row_scale.shape != (t, 1) or row_scale.dtype != torch.float32 or not row_scale.is_contiguous()):
             raise ValueError(f"x_rows: E4M3 codes {tuple(x.shape)} (rows contiguous) and float32 scales ({t}, 1) "
                              f"expected, got {codes.dtype} {tuple(codes.shape)} and {row_scale.dtype} "
