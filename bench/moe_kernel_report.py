@@ -8,7 +8,7 @@ specialises them (``kernel_report.launch_signature``), with the tiles ``choose_l
 output channel and E4M3 activation rows (what ``grouped_moe`` runs on a GPU with FP8 tensor cores), and reports
 each kernel's registers, shared memory and reduction loop in SASS: its tensor-core instruction (``HMMA``: the
 warp-level MMA on 16-bit operands; ``QGMMA``: Hopper's warpgroup MMA on E4M3), how many ``F2FP`` conversions widen
-E4M3 operands in the loop, and the loop's size. No device time: Triton's wheel carries ptxas and nvdisasm.
+E4M3 operands in the loop, the loop's size, and whether the tiles multiply transposed (decode tiles do). No device time: Triton's wheel carries ptxas and nvdisasm.
 ``kernel_report.py`` does the same for the attention kernel; run this one as a script or a subprocess, not inside
 a process that interprets kernels.
 """
@@ -43,10 +43,12 @@ class KernelReport:
     loop_instructions: int
     loop_mma: dict[str, int]     # tensor-core instructions in the reduction loop, by opcode
     loop_widenings: int          # F2FP in the loop: E4M3 operands converted to 16-bit before the MMA
+    transposed: bool             # the weight tile as the MMA's tall operand (moe_triton.swaps_operands)
 
 
-def compile_kernel(kernel: str, block_m: int, tiles, arch: int = 90):
-    """One of the two kernels as ``grouped_moe`` launches it over E4M3 experts and E4M3 rows."""
+def compile_kernel(kernel: str, block_m: int, tiles, arch: int = 90, swap: bool = False):
+    """One of the two kernels as ``grouped_moe`` launches it over E4M3 experts and E4M3 rows (``swap``: the weight
+    tile as the MMA's tall operand, as ``swaps_operands`` says for these tiles)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -55,7 +57,7 @@ def compile_kernel(kernel: str, block_m: int, tiles, arch: int = 90):
 
     routing = {name: "*i32" for name in ("order_ptr", "start_ptr", "count_ptr", "tile_expert_ptr", "tile_start_ptr")}
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT_F32=False,
-                      SCALE=mt.CHANNEL_SCALE, GROUP_K=1, ROW_SCALE=True)
+                      SCALE=mt.CHANNEL_SCALE, GROUP_K=1, ROW_SCALE=True, SWAP=swap)
     if kernel == "gate_up":
         fn = mt._gate_up_act
         pointers = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "act_ptr": "*bf16", "s_ptr": "*fp32",
@@ -74,17 +76,19 @@ def compile_kernel(kernel: str, block_m: int, tiles, arch: int = 90):
 
 
 def report(tokens: int, kernel: str, workdir: Path, arch: int = 90) -> KernelReport:
-    from metronome.models.moe_triton import choose_launch
+    from metronome.attention.fp8 import E4M3
+    from metronome.models.moe_triton import choose_launch, swaps_operands
 
     launch = choose_launch(tokens * TOP_K, EXPERTS, itemsize=1)
     tiles = launch.gate_up if kernel == "gate_up" else launch.down
-    compiled = compile_kernel(kernel, launch.block_m, tiles, arch)
+    swap = swaps_operands(E4M3, launch.block_m, tiles)
+    compiled = compile_kernel(kernel, launch.block_m, tiles, arch, swap)
     instructions, opcodes, _ = main_loop(disassemble(compiled.asm["cubin"], workdir))
     resources = resource_usage(compiled.asm["cubin"], workdir)
     return KernelReport(tokens, kernel, launch.block_m, tiles.block_n, tiles.block_k, tiles.num_warps,
                         tiles.num_stages, resources["REG"], resources.get("STACK", 0),
                         int(compiled.metadata.shared), instructions,
-                        {op: n for op, n in opcodes.items() if "MMA" in op}, opcodes.get("F2FP", 0))
+                        {op: n for op, n in opcodes.items() if "MMA" in op}, opcodes.get("F2FP", 0), swap)
 
 
 def main(argv=None) -> int:
@@ -106,13 +110,13 @@ def main(argv=None) -> int:
     print(f"\nTriton {triton.__version__}, sm_{args.arch}, H = {HIDDEN}, I = {INTER}, E = {EXPERTS}, k = {TOP_K}, "
           "E4M3 experts and rows")
     print(f"{'T':>6} {'kernel':<8} {'M x N x K':>13} {'warps':>5} {'stages':>6} {'regs':>5} {'spill B':>7} "
-          f"{'smem KB':>8} {'loop instrs':>11} {'loop MMA':<20} {'widenings':>9}")
+          f"{'smem KB':>8} {'loop instrs':>11} {'loop MMA':<20} {'widenings':>9} {'transposed':>10}")
     for r in rows:
         mma = ", ".join(f"{op} {n}" for op, n in r.loop_mma.items()) or "-"
         print(f"{r.tokens:>6} {r.kernel:<8} {f'{r.block_m}x{r.block_n}x{r.block_k}':>13} {r.num_warps:>5} "
               f"{r.num_stages:>6} {r.registers:>5} {r.stack_bytes:>7} {r.shared_bytes / 1024:>8.1f} "
               f"{r.loop_instructions:>11} "
-              f"{mma:<20} {r.loop_widenings:>9}")
+              f"{mma:<20} {r.loop_widenings:>9} {str(r.transposed):>10}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"triton": triton.__version__, "arch": args.arch,
                                           "shape": dict(hidden=HIDDEN, inter=INTER, experts=EXPERTS, top_k=TOP_K),

@@ -20,9 +20,10 @@ past the real ones find the sentinel expert ``E`` and return at once.
 FP8 experts (``scales``, ``models/fp8.py``): on a GPU with FP8 tensor cores the activations are quantised too
 (each token's input and each assignment's SiLU·up row to E4M3 with a scale of its own, one launch each; the
 token's input comes quantised already where the norm before the block wrote its codes, ``x_rows``) and both
-products take E4M3 operands (W8A8): row tiles of 64 or more run Hopper's E4M3 warpgroup MMA, smaller ones (decode
-rounds) have both operands widened to fp16 for the warp-level MMA, one conversion a pair
-(``bench/moe_kernel_report.py``). Otherwise (and with ``fp8_activations=False``) the E4M3 weight tiles are
+products take E4M3 operands (W8A8) on Hopper's E4M3 warpgroup MMA, which takes 64 rows or more: row tiles that tall
+(prefill) multiply as they are; shorter ones (decode rounds) multiply transposed, the weight tile the tall operand
+and the rows the narrow one (``swaps_operands``); untransposed, the compiler widened both operands to fp16 for the
+warp-level MMA (``bench/moe_kernel_report.py``). Otherwise (and with ``fp8_activations=False``) the E4M3 weight tiles are
 converted to the activations' dtype in registers (W8A16); that conversion, not the memory, had held a decode
 round's kernels to 2.3–2.7 TB/s. A scale per output channel multiplies the accumulator once after the reduction;
 block scales (one per row and group of ``G`` columns) multiply each reduction step's partial product, so every
@@ -50,6 +51,8 @@ from metronome.models.moe_routing_triton import Routing, route
 
 # How expert weights are scaled (the kernels' SCALE): float weights, E4M3 per output channel, E4M3 per group.
 NO_SCALE, CHANNEL_SCALE, GROUP_SCALE = 0, 1, 2
+# The rows of Hopper's warpgroup MMA (one warpgroup's tile): shorter tiles of E4M3 rows multiply transposed.
+WARPGROUP_MMA_ROWS = 64
 
 
 @triton.jit
@@ -81,11 +84,26 @@ def _partial(a, b, acc, scale, DOT_F32: tl.constexpr, SCALE: tl.constexpr):
 
 
 @triton.jit
+def _partial_swapped(w, a, acc_t, scale, DOT_F32: tl.constexpr, SCALE: tl.constexpr):
+    """``acc_t + w @ a.T`` of one reduction step, the output transposed ([columns, rows]): the weight tile is the
+    MMA's tall operand, so a few rows still fill Hopper's warpgroup MMA; group scales scale the step's rows."""
+    if DOT_F32:
+        w, a = w.to(tl.float32), a.to(tl.float32)
+    if SCALE == 2:
+        if DOT_F32:
+            return acc_t + tl.dot(w, tl.trans(a), input_precision="ieee") * scale[:, None]
+        return acc_t + tl.dot(w, tl.trans(a)) * scale[:, None]
+    if DOT_F32:
+        return tl.dot(w, tl.trans(a), acc_t, input_precision="ieee")
+    return tl.dot(w, tl.trans(a), acc_t)
+
+
+@triton.jit
 def _gate_up_act(x_ptr, w_ptr, act_ptr, order_ptr, start_ptr, count_ptr, tile_expert_ptr, tile_start_ptr, s_ptr,
                  x_scale_ptr, H, I, TOPK, NUM_EXPERTS,
                  stride_x, stride_we, stride_wn, stride_act, stride_se, stride_sn,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
-                 SCALE: tl.constexpr, GROUP_K: tl.constexpr, ROW_SCALE: tl.constexpr):
+                 SCALE: tl.constexpr, GROUP_K: tl.constexpr, ROW_SCALE: tl.constexpr, SWAP: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if tl.load(tile_expert_ptr + pid_m) >= NUM_EXPERTS:
@@ -100,21 +118,36 @@ def _gate_up_act(x_ptr, w_ptr, act_ptr, order_ptr, start_ptr, count_ptr, tile_ex
     s_up = s_gate + I * stride_sn
     scale_gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
     scale_up = scale_gate
-    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP:
+        acc_gate_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_up_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < H
         a = tl.load(x_ptr + token[:, None] * stride_x + offs_k[None, :],
                     mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w_mask = k_mask[:, None] & n_mask[None, :]
-        g = tl.load(w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
-        u = tl.load(w_base + (offs_n[None, :] + I).to(tl.int64) * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
         if SCALE == 2:
             scale_gate = tl.load(s_gate + k0 // GROUP_K, mask=n_mask, other=0.0)
             scale_up = tl.load(s_up + k0 // GROUP_K, mask=n_mask, other=0.0)
-        acc_gate = _partial(a, g, acc_gate, scale_gate, DOT_F32, SCALE)
-        acc_up = _partial(a, u, acc_up, scale_up, DOT_F32, SCALE)
+        if SWAP:    # weight tiles [columns, reduction]
+            w_mask = n_mask[:, None] & k_mask[None, :]
+            g = tl.load(w_base + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :], mask=w_mask, other=0.0)
+            u = tl.load(w_base + (offs_n[:, None] + I).to(tl.int64) * stride_wn + offs_k[None, :], mask=w_mask,
+                        other=0.0)
+            acc_gate_t = _partial_swapped(g, a, acc_gate_t, scale_gate, DOT_F32, SCALE)
+            acc_up_t = _partial_swapped(u, a, acc_up_t, scale_up, DOT_F32, SCALE)
+        else:
+            w_mask = k_mask[:, None] & n_mask[None, :]
+            g = tl.load(w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
+            u = tl.load(w_base + (offs_n[None, :] + I).to(tl.int64) * stride_wn + offs_k[:, None], mask=w_mask,
+                        other=0.0)
+            acc_gate = _partial(a, g, acc_gate, scale_gate, DOT_F32, SCALE)
+            acc_up = _partial(a, u, acc_up, scale_up, DOT_F32, SCALE)
+    if SWAP:
+        acc_gate, acc_up = tl.trans(acc_gate_t), tl.trans(acc_up_t)
     if SCALE == 1:
         acc_gate = acc_gate * tl.load(s_gate, mask=n_mask, other=0.0)[None, :]
         acc_up = acc_up * tl.load(s_up, mask=n_mask, other=0.0)[None, :]
@@ -131,7 +164,7 @@ def _down(act_ptr, w_ptr, out_ptr, weight_ptr, order_ptr, start_ptr, count_ptr, 
           act_scale_ptr, H, I, NUM_EXPERTS,
           stride_act, stride_we, stride_wn, stride_out, stride_se, stride_sn,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
-          SCALE: tl.constexpr, GROUP_K: tl.constexpr, ROW_SCALE: tl.constexpr):
+          SCALE: tl.constexpr, GROUP_K: tl.constexpr, ROW_SCALE: tl.constexpr, SWAP: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if tl.load(tile_expert_ptr + pid_m) >= NUM_EXPERTS:
@@ -143,17 +176,27 @@ def _down(act_ptr, w_ptr, out_ptr, weight_ptr, order_ptr, start_ptr, count_ptr, 
     w_base = w_ptr + e.to(tl.int64) * stride_we
     s_rows = s_ptr + e.to(tl.int64) * stride_se + offs_n * stride_sn
     scale = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP:
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < I
         a = tl.load(act_ptr + sorted_row[:, None].to(tl.int64) * stride_act + offs_k[None, :],
                     mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None],
-                    mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         if SCALE == 2:
             scale = tl.load(s_rows + k0 // GROUP_K, mask=n_mask, other=0.0)
-        acc = _partial(a, b, acc, scale, DOT_F32, SCALE)
+        if SWAP:    # weight tile [columns, reduction]
+            b = tl.load(w_base + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
+                        mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            acc_t = _partial_swapped(b, a, acc_t, scale, DOT_F32, SCALE)
+        else:
+            b = tl.load(w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None],
+                        mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            acc = _partial(a, b, acc, scale, DOT_F32, SCALE)
+    if SWAP:
+        acc = tl.trans(acc_t)
     if SCALE == 1:
         acc = acc * tl.load(s_rows, mask=n_mask, other=0.0)[None, :]
     if ROW_SCALE:   # E4M3 activations: each sorted row's own scale
@@ -229,9 +272,9 @@ def _scale_args(w: torch.Tensor, scale: torch.Tensor | None, group: int, tiles: 
 
 def launch_gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, act: torch.Tensor, routing: Routing, top_k: int,
                    tiles: TileConfig, dot_f32: bool, scale: torch.Tensor | None = None, group: int = 0,
-                   x_scale: torch.Tensor | None = None) -> None:
+                   x_scale: torch.Tensor | None = None, swap: bool | None = None) -> None:
     """``act[j] = silu(gate)·up`` of the j-th sorted assignment's token under its expert; ``x`` E4M3 codes with
-    ``x_scale`` [T, 1] when given."""
+    ``x_scale`` [T, 1] when given. ``swap``: multiply transposed; default: ``swaps_operands``."""
     e, two_i, h = w_gate_up.shape
     inter = two_i // 2
     grid = (routing.tile_expert.numel(), triton.cdiv(inter, tiles.block_n))
@@ -241,14 +284,15 @@ def launch_gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, act: torch.Tensor, 
         s if x_scale is None else x_scale, h, inter, top_k, e, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
         act.stride(0), stride_se, stride_sn,
         BLOCK_M=routing.block_m, BLOCK_N=tiles.block_n, DOT_F32=dot_f32, **mode, ROW_SCALE=x_scale is not None,
+        SWAP=swaps_operands(x.dtype, routing.block_m, tiles) if swap is None else swap,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
 def launch_down(act: torch.Tensor, w_down: torch.Tensor, out: torch.Tensor, weights: torch.Tensor, routing: Routing,
                 tiles: TileConfig, dot_f32: bool, scale: torch.Tensor | None = None, group: int = 0,
-                act_scale: torch.Tensor | None = None) -> None:
+                act_scale: torch.Tensor | None = None, swap: bool | None = None) -> None:
     """``out[assignment] = weight · down(act)`` (fp32), every assignment in its own row; ``act`` E4M3 codes with
-    ``act_scale`` [M, 1] when given."""
+    ``act_scale`` [M, 1] when given. ``swap``: multiply transposed; default: ``swaps_operands``."""
     e, h, inter = w_down.shape
     grid = (routing.tile_expert.numel(), triton.cdiv(h, tiles.block_n))
     mode, (s, stride_se, stride_sn) = _scale_args(w_down, scale, group, tiles)
@@ -258,12 +302,20 @@ def launch_down(act: torch.Tensor, w_down: torch.Tensor, out: torch.Tensor, weig
         w_down.stride(1), out.stride(0),
         stride_se, stride_sn,
         BLOCK_M=routing.block_m, BLOCK_N=tiles.block_n, DOT_F32=dot_f32, **mode, ROW_SCALE=act_scale is not None,
+        SWAP=swaps_operands(act.dtype, routing.block_m, tiles) if swap is None else swap,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
 def _dot_f32(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the kernels multiply in IEEE float32: float32 operands, or the interpreter (which upcasts bf16)."""
     return triton_interpreted() or device.type != "cuda" or dtype == torch.float32
+
+
+def swaps_operands(dtype: torch.dtype, block_m: int, tiles: TileConfig) -> bool:
+    """Whether a kernel multiplies transposed, the weight tile as the MMA's tall operand: E4M3 rows in row tiles
+    too short for Hopper's warpgroup MMA, where the tile's columns fill it. Untransposed, such tiles widen both
+    E4M3 operands to fp16 for the warp-level MMA (``bench/moe_kernel_report.py``)."""
+    return dtype == E4M3 and block_m < WARPGROUP_MMA_ROWS <= tiles.block_n
 
 
 def multiplies_e4m3_rows(dtype: torch.dtype, device: torch.device, scales: ExpertScales | None) -> bool:

@@ -2,8 +2,9 @@
 
 Which tensor-core instruction a tile compiles to is a property of the compiled code, not of its results: every
 numerical test passes whether an E4M3 product runs on the FP8 warpgroup MMA or has its operands widened to fp16
-first (docs/benchmarks/gpu.md, "As compiled for sm_90"). It reads the compiler of this repository's lock: a
-Triton that chose otherwise fails it, and the docs' reading of the kernels with it.
+first, as decode tiles had until they multiplied transposed (docs/benchmarks/gpu.md, "As compiled for sm_90"). It
+reads the compiler of this repository's lock: a Triton that chose otherwise fails it, and the docs' reading of the
+kernels with it.
 """
 
 import json
@@ -15,10 +16,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_decode_tiles_widen_e4m3_operands_and_prefill_tiles_multiply_them(tmp_path):
-    """At a decode round's 224 tokens (32-row tiles) both kernels widen their E4M3 operands to fp16 for the
-    warp-level MMA; at a prefill's 6,272 (128-row tiles) they run Hopper's E4M3 warpgroup MMA with no widening in
-    the loop."""
+def test_decode_and_prefill_tiles_both_multiply_e4m3_on_the_warpgroup_mma(tmp_path):
+    """At a decode round's 224 tokens (32-row tiles) both kernels multiply transposed, the weight tile as the tall
+    operand, and so reach Hopper's E4M3 warpgroup MMA with no widening in the loop, as the prefill's 6,272 tokens
+    (128-row tiles) do untransposed."""
     out = tmp_path / "moe.json"
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "moe_kernel_report.py"), "--tokens", "224,6272",
@@ -28,5 +29,6 @@ def test_decode_tiles_widen_e4m3_operands_and_prefill_tiles_multiply_them(tmp_pa
     for kernel in ("gate_up", "down"):
         decode, prefill = kernels[224, kernel], kernels[6272, kernel]
         assert decode["block_m"] < 64 <= prefill["block_m"]
-        assert set(decode["loop_mma"]) == {"HMMA"} and decode["loop_widenings"] > 0, decode
-        assert set(prefill["loop_mma"]) == {"QGMMA"} and prefill["loop_widenings"] == 0, prefill
+        assert decode["transposed"] and not prefill["transposed"]
+        for tile in (decode, prefill):
+            assert set(tile["loop_mma"]) == {"QGMMA"} and tile["loop_widenings"] == 0, tile
