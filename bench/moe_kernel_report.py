@@ -4,11 +4,12 @@
     python bench/moe_kernel_report.py --tokens 224,320,6272 --out moe_kernel_report.json
 
 Compiles ``_gate_up_act`` and ``_down`` (``models/moe_triton.py``) ahead of time, specialised as a launch
-specialises them (``kernel_report.launch_signature``), with the tiles ``choose_launch`` picks for T tokens at Qwen3-Omni's layer shape (H = 2048, I = 768, E = 128, k = 8), E4M3 weights with a scale per
-output channel and E4M3 activation rows (what ``grouped_moe`` runs on a GPU with FP8 tensor cores), and reports
-each kernel's registers, shared memory and reduction loop in SASS: its tensor-core instruction (``HMMA``: the
-warp-level MMA on 16-bit operands; ``QGMMA``: Hopper's warpgroup MMA on E4M3), how many ``F2FP`` conversions widen
-E4M3 operands in the loop, the loop's size, and whether the tiles multiply transposed (decode tiles do). No device time: Triton's wheel carries ptxas and nvdisasm.
+specialises them (``kernel_report.launch_signature``), with the tiles ``choose_launch`` picks for T tokens at
+Qwen3-Omni's layer shape (H = 2048, I = 768, E = 128, k = 8), E4M3 weights with a scale per output channel and E4M3
+activation rows (what ``grouped_moe`` runs on a GPU with FP8 tensor cores), and reports each kernel's registers,
+shared memory and reduction loop in SASS: its tensor-core instruction (``HMMA``: the warp-level MMA on 16-bit
+operands; ``QGMMA``: Hopper's warpgroup MMA on E4M3), how many ``F2FP`` conversions widen E4M3 operands in the loop,
+the loop's size, and whether the tiles multiply transposed (decode tiles do). No device time: Triton's wheel carries ptxas and nvdisasm.
 ``kernel_report.py`` does the same for the attention kernel; run this one as a script or a subprocess, not inside
 a process that interprets kernels.
 """

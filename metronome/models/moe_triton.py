@@ -23,8 +23,8 @@ token's input comes quantised already where the norm before the block wrote its 
 products take E4M3 operands (W8A8) on Hopper's E4M3 warpgroup MMA, which takes 64 rows or more: row tiles that tall
 (prefill) multiply as they are; shorter ones (decode rounds) multiply transposed, the weight tile the tall operand
 and the rows the narrow one (``swaps_operands``); untransposed, the compiler widened both operands to fp16 for the
-warp-level MMA (``bench/moe_kernel_report.py``). Otherwise (and with ``fp8_activations=False``) the E4M3 weight tiles are
-converted to the activations' dtype in registers (W8A16); that conversion, not the memory, had held a decode
+warp-level MMA (``bench/moe_kernel_report.py``). Otherwise (and with ``fp8_activations=False``) the E4M3 weight
+tiles are converted to the activations' dtype in registers (W8A16); that conversion, not the memory, had held a decode
 round's kernels to 2.3–2.7 TB/s. A scale per output channel multiplies the accumulator once after the reduction;
 block scales (one per row and group of ``G`` columns) multiply each reduction step's partial product, so every
 step must lie in one group (``G % BLOCK_K == 0``).
