@@ -9,9 +9,9 @@ Qwen3-Omni's layer shape (H = 2048, I = 768, E = 128, k = 8), E4M3 weights with 
 activation rows (what ``grouped_moe`` runs on a GPU with FP8 tensor cores), and reports each kernel's registers,
 shared memory and reduction loop in SASS: its tensor-core instruction (``HMMA``: the warp-level MMA on 16-bit
 operands; ``QGMMA``: Hopper's warpgroup MMA on E4M3), how many ``F2FP`` conversions widen E4M3 operands in the loop,
-the loop's size, and whether the tiles multiply transposed (decode tiles do). No device time: Triton's wheel carries ptxas and nvdisasm.
-``kernel_report.py`` does the same for the attention kernel; run this one as a script or a subprocess, not inside
-a process that interprets kernels.
+the loop's size, and whether the tiles multiply transposed (decode tiles do). No device time: Triton's wheel
+carries ptxas and nvdisasm. ``kernel_report.py`` does the same for the attention kernel; run this one as a script or
+a subprocess, not inside a process that interprets kernels.
 """
 
 from __future__ import annotations
