@@ -505,7 +505,8 @@ def tune_moe(args) -> dict:
     import itertools
 
     from metronome.models.moe_routing_triton import route
-    from metronome.models.moe_triton import TileConfig, choose_launch, launch_down, launch_gate_up, swaps_operands
+    from metronome.models.moe_triton import (TileConfig, choose_launch, launch_down, launch_gate_up,
+                                             multiplies_transposed)
 
     text = QWEN3_OMNI["qwen3-omni-30b-a3b"]["text"]
     e, h, k = text["num_experts"], text["hidden_size"], text["num_experts_per_tok"]
@@ -563,11 +564,11 @@ def tune_moe(args) -> dict:
 
             (x_in, x_row_scale), (act_in, act_row_scale) = quantize_rows(x), quantize_rows(act)
 
-        def kernels(routing, cfg: TileConfig, swap: bool | None = None) -> dict:
+        def kernels(routing, cfg: TileConfig, transposed: bool | None = None) -> dict:
             return {"gate_up": lambda: launch_gate_up(x_in, w_gate_up, act, routing, k, cfg, False, *gate_up_scale,
-                                                      x_scale=x_row_scale, swap=swap),
+                                                      x_scale=x_row_scale, transposed=transposed),
                     "down": lambda: launch_down(act_in, w_down, out, weights, routing, cfg, False, *down_scale,
-                                                act_scale=act_row_scale, swap=swap)}
+                                                act_scale=act_row_scale, transposed=transposed)}
 
         best: dict = {}
         for bm in heights:
@@ -587,8 +588,8 @@ def tune_moe(args) -> dict:
         best["chosen"] = {"block_m": chosen.block_m}
         for kernel, cfg in (("gate_up", chosen.gate_up), ("down", chosen.down)):
             best["chosen"][kernel] = {**vars(cfg), "ms": timed(kernels(routing, cfg)[kernel])}
-            if swaps_operands(x_in.dtype, chosen.block_m, cfg):   # and untransposed, the products widened to fp16
-                best["chosen"][kernel]["unswapped_ms"] = timed(kernels(routing, cfg, swap=False)[kernel])
+            if multiplies_transposed(x_in.dtype, chosen.block_m, cfg):   # and untransposed (operands widened to fp16)
+                best["chosen"][kernel]["untransposed_ms"] = timed(kernels(routing, cfg, transposed=False)[kernel])
         weight_bytes = 3 * inter * h * w_down.element_size() * e * (1 - (1 - k / e) ** t)
         seconds = (best["gate_up"]["ms"] + best["down"]["ms"]) * 1e-3
         row = {"tokens": t, **best, "expert_bytes": weight_bytes, "tb_per_s": weight_bytes / seconds / 1e12,

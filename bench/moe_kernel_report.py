@@ -44,21 +44,25 @@ class KernelReport:
     loop_instructions: int
     loop_mma: dict[str, int]     # tensor-core instructions in the reduction loop, by opcode
     loop_widenings: int          # F2FP in the loop: E4M3 operands converted to 16-bit before the MMA
-    transposed: bool             # the weight tile as the MMA's tall operand (moe_triton.swaps_operands)
+    transposed: bool             # the weight tile as the MMA's tall operand (moe_triton.multiplies_transposed)
 
 
-def compile_kernel(kernel: str, block_m: int, tiles, arch: int = 90, swap: bool = False):
-    """One of the two kernels as ``grouped_moe`` launches it over E4M3 experts and E4M3 rows (``swap``: the weight
-    tile as the MMA's tall operand, as ``swaps_operands`` says for these tiles)."""
+def compile_kernel(kernel: str, block_m: int, tiles, arch: int = 90, transposed: bool | None = None):
+    """One of the two kernels as ``grouped_moe`` launches it over E4M3 experts and E4M3 rows (``transposed``: the
+    weight tile as the MMA's tall operand; default: as ``multiplies_transposed`` says for these tiles)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from metronome.attention.fp8 import E4M3
     from metronome.models import moe_triton as mt
+
+    if transposed is None:
+        transposed = mt.multiplies_transposed(E4M3, block_m, tiles)
 
     routing = {name: "*i32" for name in ("order_ptr", "start_ptr", "count_ptr", "tile_expert_ptr", "tile_start_ptr")}
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT_F32=False,
-                      SCALE=mt.CHANNEL_SCALE, GROUP_K=1, ROW_SCALE=True, SWAP=swap)
+                      SCALE=mt.CHANNEL_SCALE, GROUP_K=1, ROW_SCALE=True, TRANSPOSED=transposed)
     if kernel == "gate_up":
         fn = mt._gate_up_act
         pointers = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "act_ptr": "*bf16", "s_ptr": "*fp32",
@@ -78,24 +82,24 @@ def compile_kernel(kernel: str, block_m: int, tiles, arch: int = 90, swap: bool 
 
 def report(tokens: int, kernel: str, workdir: Path, arch: int = 90) -> KernelReport:
     from metronome.attention.fp8 import E4M3
-    from metronome.models.moe_triton import choose_launch, swaps_operands
+    from metronome.models.moe_triton import choose_launch, multiplies_transposed
 
     launch = choose_launch(tokens * TOP_K, EXPERTS, itemsize=1)
     tiles = launch.gate_up if kernel == "gate_up" else launch.down
-    swap = swaps_operands(E4M3, launch.block_m, tiles)
-    compiled = compile_kernel(kernel, launch.block_m, tiles, arch, swap)
+    transposed = multiplies_transposed(E4M3, launch.block_m, tiles)
+    compiled = compile_kernel(kernel, launch.block_m, tiles, arch, transposed)
     instructions, opcodes, _ = main_loop(disassemble(compiled.asm["cubin"], workdir))
     resources = resource_usage(compiled.asm["cubin"], workdir)
     return KernelReport(tokens, kernel, launch.block_m, tiles.block_n, tiles.block_k, tiles.num_warps,
                         tiles.num_stages, resources["REG"], resources.get("STACK", 0),
                         int(compiled.metadata.shared), instructions,
-                        {op: n for op, n in opcodes.items() if "MMA" in op}, opcodes.get("F2FP", 0), swap)
+                        {op: n for op, n in opcodes.items() if "MMA" in op}, opcodes.get("F2FP", 0), transposed)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", default="224,320,6272,8960",
-                   help="tokens a forward (decode rounds at 224 and 320 sessions, their prefills at 28 rows each)")
+    p.add_argument("--tokens", default="64,224,320,6272,8960",
+                   help="tokens a forward (decode rounds at 64, 224 and 320 sessions, prefills at 28 rows a session)")
     p.add_argument("--arch", type=int, default=90, help="CUDA compute capability x 10")
     p.add_argument("--out", default="results/moe_kernel_report.json", help="raw report (JSON)")
     args = p.parse_args(argv)

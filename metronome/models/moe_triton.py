@@ -20,14 +20,14 @@ past the real ones find the sentinel expert ``E`` and return at once.
 FP8 experts (``scales``, ``models/fp8.py``): on a GPU with FP8 tensor cores the activations are quantised too
 (each token's input and each assignment's SiLU·up row to E4M3 with a scale of its own, one launch each; the
 token's input comes quantised already where the norm before the block wrote its codes, ``x_rows``) and both
-products take E4M3 operands (W8A8) on Hopper's E4M3 warpgroup MMA, which takes 64 rows or more: row tiles that tall
-(prefill) multiply as they are; shorter ones (decode rounds) multiply transposed, the weight tile the tall operand
-and the rows the narrow one (``swaps_operands``); untransposed, the compiler widened both operands to fp16 for the
-warp-level MMA (``bench/moe_kernel_report.py``). Otherwise (and with ``fp8_activations=False``) the E4M3 weight
-tiles are converted to the activations' dtype in registers (W8A16); that conversion, not the memory, had held a decode
-round's kernels to 2.3–2.7 TB/s. A scale per output channel multiplies the accumulator once after the reduction;
-block scales (one per row and group of ``G`` columns) multiply each reduction step's partial product, so every
-step must lie in one group (``G % BLOCK_K == 0``).
+products take E4M3 operands (W8A8). Hopper's E4M3 warpgroup MMA takes 64 rows or more: row tiles that tall
+(prefill) multiply as they are; shorter ones (decode rounds) multiply transposed where a program has 64 columns or
+more, the weight tile the tall operand and the rows the narrow one (``multiplies_transposed``). Untransposed, such
+tiles have both operands widened to fp16 for the warp-level MMA (``bench/moe_kernel_report.py``). Otherwise (and
+with ``fp8_activations=False``) the E4M3 weight tiles are converted to the activations' dtype in registers (W8A16);
+that conversion, not the memory, had held a decode round's kernels to 2.3–2.7 TB/s. A scale per output channel
+multiplies the accumulator once after the reduction; block scales (one per row and group of ``G`` columns) multiply
+each reduction step's partial product, so every step must lie in one group (``G % BLOCK_K == 0``).
 
 CPU: the kernels run under ``TRITON_INTERPRET=1`` (tests). The interpreter mishandles bf16 in
 ``tl.dot`` (see ``attention/triton_paged.py``), so when interpreting the operands are upcast to fp32.
@@ -84,9 +84,10 @@ def _partial(a, b, acc, scale, DOT_F32: tl.constexpr, SCALE: tl.constexpr):
 
 
 @triton.jit
-def _partial_swapped(w, a, acc_t, scale, DOT_F32: tl.constexpr, SCALE: tl.constexpr):
+def _partial_transposed(w, a, acc_t, scale, DOT_F32: tl.constexpr, SCALE: tl.constexpr):
     """``acc_t + w @ a.T`` of one reduction step, the output transposed ([columns, rows]): the weight tile is the
-    MMA's tall operand, so a few rows still fill Hopper's warpgroup MMA; group scales scale the step's rows."""
+    MMA's tall operand, so a few rows still fill Hopper's warpgroup MMA; group scales scale each row of ``acc_t``
+    (one output column)."""
     if DOT_F32:
         w, a = w.to(tl.float32), a.to(tl.float32)
     if SCALE == 2:
@@ -103,7 +104,7 @@ def _gate_up_act(x_ptr, w_ptr, act_ptr, order_ptr, start_ptr, count_ptr, tile_ex
                  x_scale_ptr, H, I, TOPK, NUM_EXPERTS,
                  stride_x, stride_we, stride_wn, stride_act, stride_se, stride_sn,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
-                 SCALE: tl.constexpr, GROUP_K: tl.constexpr, ROW_SCALE: tl.constexpr, SWAP: tl.constexpr):
+                 SCALE: tl.constexpr, GROUP_K: tl.constexpr, ROW_SCALE: tl.constexpr, TRANSPOSED: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if tl.load(tile_expert_ptr + pid_m) >= NUM_EXPERTS:
@@ -118,7 +119,7 @@ def _gate_up_act(x_ptr, w_ptr, act_ptr, order_ptr, start_ptr, count_ptr, tile_ex
     s_up = s_gate + I * stride_sn
     scale_gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
     scale_up = scale_gate
-    if SWAP:
+    if TRANSPOSED:
         acc_gate_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         acc_up_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
@@ -132,13 +133,13 @@ def _gate_up_act(x_ptr, w_ptr, act_ptr, order_ptr, start_ptr, count_ptr, tile_ex
         if SCALE == 2:
             scale_gate = tl.load(s_gate + k0 // GROUP_K, mask=n_mask, other=0.0)
             scale_up = tl.load(s_up + k0 // GROUP_K, mask=n_mask, other=0.0)
-        if SWAP:    # weight tiles [columns, reduction]
+        if TRANSPOSED:    # weight tiles [columns, reduction]
             w_mask = n_mask[:, None] & k_mask[None, :]
             g = tl.load(w_base + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :], mask=w_mask, other=0.0)
             u = tl.load(w_base + (offs_n[:, None] + I).to(tl.int64) * stride_wn + offs_k[None, :], mask=w_mask,
                         other=0.0)
-            acc_gate_t = _partial_swapped(g, a, acc_gate_t, scale_gate, DOT_F32, SCALE)
-            acc_up_t = _partial_swapped(u, a, acc_up_t, scale_up, DOT_F32, SCALE)
+            acc_gate_t = _partial_transposed(g, a, acc_gate_t, scale_gate, DOT_F32, SCALE)
+            acc_up_t = _partial_transposed(u, a, acc_up_t, scale_up, DOT_F32, SCALE)
         else:
             w_mask = k_mask[:, None] & n_mask[None, :]
             g = tl.load(w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
@@ -146,7 +147,7 @@ def _gate_up_act(x_ptr, w_ptr, act_ptr, order_ptr, start_ptr, count_ptr, tile_ex
                         other=0.0)
             acc_gate = _partial(a, g, acc_gate, scale_gate, DOT_F32, SCALE)
             acc_up = _partial(a, u, acc_up, scale_up, DOT_F32, SCALE)
-    if SWAP:
+    if TRANSPOSED:
         acc_gate, acc_up = tl.trans(acc_gate_t), tl.trans(acc_up_t)
     if SCALE == 1:
         acc_gate = acc_gate * tl.load(s_gate, mask=n_mask, other=0.0)[None, :]
@@ -164,7 +165,7 @@ def _down(act_ptr, w_ptr, out_ptr, weight_ptr, order_ptr, start_ptr, count_ptr, 
           act_scale_ptr, H, I, NUM_EXPERTS,
           stride_act, stride_we, stride_wn, stride_out, stride_se, stride_sn,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
-          SCALE: tl.constexpr, GROUP_K: tl.constexpr, ROW_SCALE: tl.constexpr, SWAP: tl.constexpr):
+          SCALE: tl.constexpr, GROUP_K: tl.constexpr, ROW_SCALE: tl.constexpr, TRANSPOSED: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if tl.load(tile_expert_ptr + pid_m) >= NUM_EXPERTS:
@@ -176,7 +177,7 @@ def _down(act_ptr, w_ptr, out_ptr, weight_ptr, order_ptr, start_ptr, count_ptr, 
     w_base = w_ptr + e.to(tl.int64) * stride_we
     s_rows = s_ptr + e.to(tl.int64) * stride_se + offs_n * stride_sn
     scale = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if SWAP:
+    if TRANSPOSED:
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -187,15 +188,15 @@ def _down(act_ptr, w_ptr, out_ptr, weight_ptr, order_ptr, start_ptr, count_ptr, 
                     mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         if SCALE == 2:
             scale = tl.load(s_rows + k0 // GROUP_K, mask=n_mask, other=0.0)
-        if SWAP:    # weight tile [columns, reduction]
+        if TRANSPOSED:    # weight tile [columns, reduction]
             b = tl.load(w_base + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
                         mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            acc_t = _partial_swapped(b, a, acc_t, scale, DOT_F32, SCALE)
+            acc_t = _partial_transposed(b, a, acc_t, scale, DOT_F32, SCALE)
         else:
             b = tl.load(w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None],
                         mask=k_mask[:, None] & n_mask[None, :], other=0.0)
             acc = _partial(a, b, acc, scale, DOT_F32, SCALE)
-    if SWAP:
+    if TRANSPOSED:
         acc = tl.trans(acc_t)
     if SCALE == 1:
         acc = acc * tl.load(s_rows, mask=n_mask, other=0.0)[None, :]
@@ -272,9 +273,10 @@ def _scale_args(w: torch.Tensor, scale: torch.Tensor | None, group: int, tiles: 
 
 def launch_gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, act: torch.Tensor, routing: Routing, top_k: int,
                    tiles: TileConfig, dot_f32: bool, scale: torch.Tensor | None = None, group: int = 0,
-                   x_scale: torch.Tensor | None = None, swap: bool | None = None) -> None:
+                   x_scale: torch.Tensor | None = None, transposed: bool | None = None) -> None:
     """``act[j] = silu(gate)·up`` of the j-th sorted assignment's token under its expert; ``x`` E4M3 codes with
-    ``x_scale`` [T, 1] when given. ``swap``: multiply transposed; default: ``swaps_operands``."""
+    ``x_scale`` [T, 1] when given. ``transposed``: the weight tile as the MMA's tall operand; default:
+    ``multiplies_transposed``."""
     e, two_i, h = w_gate_up.shape
     inter = two_i // 2
     grid = (routing.tile_expert.numel(), triton.cdiv(inter, tiles.block_n))
@@ -284,15 +286,16 @@ def launch_gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, act: torch.Tensor, 
         s if x_scale is None else x_scale, h, inter, top_k, e, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
         act.stride(0), stride_se, stride_sn,
         BLOCK_M=routing.block_m, BLOCK_N=tiles.block_n, DOT_F32=dot_f32, **mode, ROW_SCALE=x_scale is not None,
-        SWAP=swaps_operands(x.dtype, routing.block_m, tiles) if swap is None else swap,
+        TRANSPOSED=transposed if transposed is not None else multiplies_transposed(x.dtype, routing.block_m, tiles),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
 def launch_down(act: torch.Tensor, w_down: torch.Tensor, out: torch.Tensor, weights: torch.Tensor, routing: Routing,
                 tiles: TileConfig, dot_f32: bool, scale: torch.Tensor | None = None, group: int = 0,
-                act_scale: torch.Tensor | None = None, swap: bool | None = None) -> None:
+                act_scale: torch.Tensor | None = None, transposed: bool | None = None) -> None:
     """``out[assignment] = weight · down(act)`` (fp32), every assignment in its own row; ``act`` E4M3 codes with
-    ``act_scale`` [M, 1] when given. ``swap``: multiply transposed; default: ``swaps_operands``."""
+    ``act_scale`` [M, 1] when given. ``transposed``: the weight tile as the MMA's tall operand; default:
+    ``multiplies_transposed``."""
     e, h, inter = w_down.shape
     grid = (routing.tile_expert.numel(), triton.cdiv(h, tiles.block_n))
     mode, (s, stride_se, stride_sn) = _scale_args(w_down, scale, group, tiles)
@@ -302,7 +305,7 @@ def launch_down(act: torch.Tensor, w_down: torch.Tensor, out: torch.Tensor, weig
         w_down.stride(1), out.stride(0),
         stride_se, stride_sn,
         BLOCK_M=routing.block_m, BLOCK_N=tiles.block_n, DOT_F32=dot_f32, **mode, ROW_SCALE=act_scale is not None,
-        SWAP=swaps_operands(act.dtype, routing.block_m, tiles) if swap is None else swap,
+        TRANSPOSED=transposed if transposed is not None else multiplies_transposed(act.dtype, routing.block_m, tiles),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
@@ -311,7 +314,7 @@ def _dot_f32(dtype: torch.dtype, device: torch.device) -> bool:
     return triton_interpreted() or device.type != "cuda" or dtype == torch.float32
 
 
-def swaps_operands(dtype: torch.dtype, block_m: int, tiles: TileConfig) -> bool:
+def multiplies_transposed(dtype: torch.dtype, block_m: int, tiles: TileConfig) -> bool:
     """Whether a kernel multiplies transposed, the weight tile as the MMA's tall operand: E4M3 rows in row tiles
     too short for Hopper's warpgroup MMA, where the tile's columns fill it. Untransposed, such tiles widen both
     E4M3 operands to fp16 for the warp-level MMA (``bench/moe_kernel_report.py``)."""

@@ -119,23 +119,25 @@ def _oracle_fp8_activations(x, gate_up, down, ids, w):
     return y
 
 
-@pytest.mark.parametrize("block_n", [16, 64], ids=["narrow-columns", "transposed"])
-@pytest.mark.parametrize("group", [None, 32], ids=["per-channel", "groups-of-32"])
-def test_fp8_activations_round_each_row_onto_e4m3(group, block_n):
+@pytest.mark.parametrize("block_m,block_n,h", [(16, 16, 96), (16, 64, 96), (32, 64, 80)],
+                         ids=["narrow-columns", "transposed", "transposed-32-rows-partial-steps"])
+@pytest.mark.parametrize("group", [None, 16], ids=["per-channel", "groups-of-16"])
+def test_fp8_activations_round_each_row_onto_e4m3(group, block_m, block_n, h):
     """W8A8: within float32 rounding of the oracle that rounds the same rows onto E4M3 (a code that lands on the
     other side of a midpoint moves its element one E4M3 step, 2**-3 of it, rarely), and farther from the oracle
-    that keeps the activations exact, by about E4M3's precision. 64 columns a program fill the warpgroup MMA
-    transposed (the weight tile as the tall operand), 16 do not; both give the same product."""
+    that keeps the activations exact, by about E4M3's precision. Programs of a warpgroup MMA's rows of columns
+    multiply transposed (the weight tile as the tall operand), narrower ones do not: both land within 2**-9 of the
+    rounding oracle, with reduction steps that overrun the hidden size or not."""
     from metronome.attention.fp8 import E4M3
-    from metronome.models.moe_triton import swaps_operands
+    from metronome.models.moe_triton import WARPGROUP_MMA_ROWS, multiplies_transposed
 
-    t, e, k, h, inter = 24, 6, 3, 64 + 32, 64
+    t, e, k, inter = 24, 6, 3, 64
     gate_up, down, scales, gate_up_f, down_f = _fp8_experts(e, h, inter, group)
     x = torch.randn(t, h, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     ids, w = _routing(t, e, k, skew=True)
     tiles = TileConfig(block_n=block_n, block_k=32)
-    assert swaps_operands(E4M3, 16, tiles) == (block_n == 64)
-    got = grouped_moe(x, gate_up, down, ids, w, launch=MoeLaunch(16, tiles, tiles), scales=scales,
+    assert multiplies_transposed(E4M3, block_m, tiles) == (block_n >= WARPGROUP_MMA_ROWS)
+    got = grouped_moe(x, gate_up, down, ids, w, launch=MoeLaunch(block_m, tiles, tiles), scales=scales,
                       fp8_activations=True).double().cpu()
     rounded = _oracle_fp8_activations(x, gate_up_f, down_f, ids, w)
     exact = _oracle(x, gate_up_f, down_f, ids, w)
