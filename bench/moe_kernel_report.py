@@ -2,6 +2,7 @@
 
     python bench/moe_kernel_report.py                          # Qwen3-Omni's layer, E4M3 experts and rows, sm_90
     python bench/moe_kernel_report.py --tokens 224,320,6272 --out moe_kernel_report.json
+    python bench/moe_kernel_report.py --tokens 64,224 --untransposed --out moe_kernel_report_untransposed.json
 
 Compiles ``_gate_up_act`` and ``_down`` (``models/moe_triton.py``) ahead of time, specialised as a launch
 specialises them (``kernel_report.launch_signature``), with the tiles ``choose_launch`` picks for T tokens at
@@ -80,13 +81,14 @@ def compile_kernel(kernel: str, block_m: int, tiles, arch: int = 90, transposed:
                           options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages})
 
 
-def report(tokens: int, kernel: str, workdir: Path, arch: int = 90) -> KernelReport:
+def report(tokens: int, kernel: str, workdir: Path, arch: int = 90, untransposed: bool = False) -> KernelReport:
+    """One kernel with the engine's tiles for ``tokens``; ``untransposed``: every tile multiplied untransposed."""
     from metronome.attention.fp8 import E4M3
     from metronome.models.moe_triton import choose_launch, multiplies_transposed
 
     launch = choose_launch(tokens * TOP_K, EXPERTS, itemsize=1)
     tiles = launch.gate_up if kernel == "gate_up" else launch.down
-    transposed = multiplies_transposed(E4M3, launch.block_m, tiles)
+    transposed = not untransposed and multiplies_transposed(E4M3, launch.block_m, tiles)
     compiled = compile_kernel(kernel, launch.block_m, tiles, arch, transposed)
     instructions, opcodes, _ = main_loop(disassemble(compiled.asm["cubin"], workdir))
     resources = resource_usage(compiled.asm["cubin"], workdir)
@@ -101,6 +103,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", default="64,224,320,6272,8960",
                    help="tokens a forward (decode rounds at 64, 224 and 320 sessions, prefills at 28 rows a session)")
     p.add_argument("--arch", type=int, default=90, help="CUDA compute capability x 10")
+    p.add_argument("--untransposed", action="store_true",
+                   help="compile the decode tiles untransposed too (the form that widens E4M3 operands to fp16)")
     p.add_argument("--out", default="results/moe_kernel_report.json", help="raw report (JSON)")
     args = p.parse_args(argv)
     os.environ["TRITON_INTERPRET"] = "0"
@@ -111,7 +115,7 @@ def main(argv=None) -> int:
         for tokens in (int(t) for t in args.tokens.split(",") if t):
             for kernel in ("gate_up", "down"):
                 print(f"compiling {kernel} for T = {tokens}, sm_{args.arch} ...", file=sys.stderr, flush=True)
-                rows.append(report(tokens, kernel, Path(tmp), args.arch))
+                rows.append(report(tokens, kernel, Path(tmp), args.arch, args.untransposed))
     print(f"\nTriton {triton.__version__}, sm_{args.arch}, H = {HIDDEN}, I = {INTER}, E = {EXPERTS}, k = {TOP_K}, "
           "E4M3 experts and rows")
     print(f"{'T':>6} {'kernel':<8} {'M x N x K':>13} {'warps':>5} {'stages':>6} {'regs':>5} {'spill B':>7} "
