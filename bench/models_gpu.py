@@ -504,6 +504,7 @@ def tune_moe(args) -> dict:
     fastest (block_m, TileConfig) by its time in a CUDA graph; configs that do not fit are skipped."""
     import itertools
 
+    from metronome.models.fp8 import warpgroup_mma_available
     from metronome.models.moe_routing_triton import route
     from metronome.models.moe_triton import (TileConfig, choose_launch, launch_down, launch_gate_up,
                                              multiplies_transposed)
@@ -583,12 +584,13 @@ def tune_moe(args) -> dict:
                     if kernel not in best or ms < best[kernel]["ms"]:
                         best[kernel] = {"ms": ms, "block_m": bm, **vars(cfg)}
         # The tiles the engine chooses (choose_launch), timed the same way, beside the sweep's best
-        chosen = choose_launch(t * k, e, w_down.element_size())
+        chosen = choose_launch(t * k, e, w_down.element_size(),
+                               warpgroup_mma=args.quantization == "fp8" and warpgroup_mma_available(dev))
         routing = route(ids, e, chosen.block_m)
         best["chosen"] = {"block_m": chosen.block_m}
         for kernel, cfg in (("gate_up", chosen.gate_up), ("down", chosen.down)):
             best["chosen"][kernel] = {**vars(cfg), "ms": timed(kernels(routing, cfg)[kernel])}
-            if multiplies_transposed(x_in.dtype, chosen.block_m, cfg):   # and untransposed (operands widened to fp16)
+            if multiplies_transposed(x_in.dtype, chosen.block_m, cfg, dev):   # and untransposed (fp16 operands)
                 best["chosen"][kernel]["untransposed_ms"] = timed(kernels(routing, cfg, transposed=False)[kernel])
         weight_bytes = 3 * inter * h * w_down.element_size() * e * (1 - (1 - k / e) ** t)
         seconds = (best["gate_up"]["ms"] + best["down"]["ms"]) * 1e-3

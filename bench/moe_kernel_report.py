@@ -86,7 +86,7 @@ def report(tokens: int, kernel: str, workdir: Path, arch: int = 90, untransposed
     from metronome.attention.fp8 import E4M3
     from metronome.models.moe_triton import choose_launch, multiplies_transposed
 
-    launch = choose_launch(tokens * TOP_K, EXPERTS, itemsize=1)
+    launch = choose_launch(tokens * TOP_K, EXPERTS, itemsize=1, warpgroup_mma=arch >= 90)
     tiles = launch.gate_up if kernel == "gate_up" else launch.down
     transposed = not untransposed and multiplies_transposed(E4M3, launch.block_m, tiles)
     compiled = compile_kernel(kernel, launch.block_m, tiles, arch, transposed)

@@ -158,8 +158,9 @@ def e4m3_matmul(xq: torch.Tensor, x_scale: torch.Tensor, codes: torch.Tensor, sc
     return torch._scaled_mm(xq, codes.t(), scale_a=x_scale, scale_b=scale.t(), out_dtype=out_dtype)
 
 
-def tiled_product_available(device: torch.device) -> bool:
-    """The tiled FP8 product's GPUs: CUDA with compute capability >= 9.0 (Hopper and later)."""
+def warpgroup_mma_available(device: torch.device) -> bool:
+    """Hopper's warpgroup MMA and its 227 KiB of shared memory a block, which the tiled FP8 product and the experts'
+    E4M3 tiles are built for: CUDA with compute capability >= 9.0 (Hopper and later)."""
     return device.type == "cuda" and _device_capability(device) >= (9, 0)
 
 
@@ -182,7 +183,7 @@ class Product(str, Enum):
 def choose_product(rows: int, in_features: int, out_features: int, dtype: torch.dtype, *, cuda: bool,
                    per_channel: bool, fp8_tensor_cores: bool, tiled: bool = False) -> Product:
     """How an FP8 layer multiplies ``rows`` rows; ``tiled``: the GPU runs the tiled product
-    (``tiled_product_available``)."""
+    (``warpgroup_mma_available``)."""
     if cuda and per_channel and fp8_tensor_cores and rows <= STREAMED_MAX_ROWS:
         wide = out_features >= 2 * in_features
         if dtype == torch.bfloat16 and (rows > WIDENED_MAX_ROWS or wide):
@@ -290,7 +291,7 @@ class Fp8Linear(TakesE4m3Rows, nn.Module):
         return choose_product(rows, self.in_features, self.out_features, dtype, cuda=cuda,
                               per_channel=self.weight_scale.shape[1] == 1,
                               fp8_tensor_cores=cuda and scaled_mm_available(self.weight.device),
-                              tiled=cuda and tiled_product_available(self.weight.device))
+                              tiled=cuda and warpgroup_mma_available(self.weight.device))
 
     def takes_e4m3_rows(self, rows: int, dtype: torch.dtype) -> bool:
         """TakesE4m3Rows: whether ``rows`` rows of ``dtype`` multiply as E4M3 rows here."""

@@ -45,7 +45,7 @@ import triton.language as tl
 
 from metronome.attention.fp8 import E4M3
 from metronome.cpu import triton_interpreted
-from metronome.models.fp8 import ACTIVATION_AMAX_FLOOR, ExpertScales, scaled_mm_available
+from metronome.models.fp8 import ACTIVATION_AMAX_FLOOR, ExpertScales, scaled_mm_available, warpgroup_mma_available
 from metronome.models.fp8_triton import quantize_rows_triton
 from metronome.models.moe_routing_triton import Routing, route
 
@@ -227,7 +227,8 @@ class MoeLaunch:
     down: TileConfig
 
 
-def choose_launch(num_assignments: int, num_experts: int, itemsize: int = 2) -> MoeLaunch:
+def choose_launch(num_assignments: int, num_experts: int, itemsize: int = 2, *,
+                  warpgroup_mma: bool = False) -> MoeLaunch:
     """Tiles by the mean rows per expert (measured on an H200 at Qwen3-Omni's layer shape, H = 2048,
     I = 768, E = 128, k = 8; ``bench/models_gpu.py --model qwen3_omni --tune-moe``).
 
@@ -235,7 +236,9 @@ def choose_launch(num_assignments: int, num_experts: int, itemsize: int = 2) -> 
     graph), so 16-row tiles and long reduction steps with deep pipelines. Prefill batches are compute-bound: tall
     row tiles reuse each weight tile (about 430 TFLOP/s at 16k tokens). These are bf16/fp16 tiles;
     4-byte operands (float32 models, tests) take half the reduction step and two stages so a program's
-    pipelined tiles still fit in shared memory (227 KiB on Hopper).
+    pipelined tiles still fit in shared memory (227 KiB on Hopper). ``warpgroup_mma``: E4M3 rows multiply on
+    Hopper's warpgroup MMA, where prefill tiles take twice the reduction step, 8 warps and 4 stages (measured on an
+    H100; gpu.md).
     """
     mean = num_assignments / num_experts
     if mean <= 2:
@@ -249,6 +252,8 @@ def choose_launch(num_assignments: int, num_experts: int, itemsize: int = 2) -> 
     if itemsize == 1 and mean <= 128:   # E4M3 weights: a reduction step streams half the bytes (tuned likewise)
         launch = (MoeLaunch(16, TileConfig(64, 256, 4, 3), TileConfig(64, 256, 4, 3)) if mean <= 8 else
                   MoeLaunch(32, TileConfig(64, 128, 4, 3), TileConfig(64, 128, 4, 4)))
+    elif itemsize == 1 and warpgroup_mma:   # E4M3 rows and weights: half the bytes a step, so twice the step
+        launch = MoeLaunch(128, TileConfig(128, 128, 8, 4), TileConfig(256, 128, 8, 4))
     if itemsize > 2:
         def narrow(c: TileConfig) -> TileConfig:
             return TileConfig(c.block_n, min(c.block_k, 64), c.num_warps, 2)
@@ -286,7 +291,8 @@ def launch_gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, act: torch.Tensor, 
         s if x_scale is None else x_scale, h, inter, top_k, e, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
         act.stride(0), stride_se, stride_sn,
         BLOCK_M=routing.block_m, BLOCK_N=tiles.block_n, DOT_F32=dot_f32, **mode, ROW_SCALE=x_scale is not None,
-        TRANSPOSED=transposed if transposed is not None else multiplies_transposed(x.dtype, routing.block_m, tiles),
+        TRANSPOSED=(transposed if transposed is not None
+                    else multiplies_transposed(x.dtype, routing.block_m, tiles, x.device)),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
@@ -305,7 +311,8 @@ def launch_down(act: torch.Tensor, w_down: torch.Tensor, out: torch.Tensor, weig
         w_down.stride(1), out.stride(0),
         stride_se, stride_sn,
         BLOCK_M=routing.block_m, BLOCK_N=tiles.block_n, DOT_F32=dot_f32, **mode, ROW_SCALE=act_scale is not None,
-        TRANSPOSED=transposed if transposed is not None else multiplies_transposed(act.dtype, routing.block_m, tiles),
+        TRANSPOSED=(transposed if transposed is not None
+                    else multiplies_transposed(act.dtype, routing.block_m, tiles, act.device)),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
@@ -314,11 +321,15 @@ def _dot_f32(dtype: torch.dtype, device: torch.device) -> bool:
     return triton_interpreted() or device.type != "cuda" or dtype == torch.float32
 
 
-def multiplies_transposed(dtype: torch.dtype, block_m: int, tiles: TileConfig) -> bool:
+def multiplies_transposed(dtype: torch.dtype, block_m: int, tiles: TileConfig,
+                          device: torch.device | None = None) -> bool:
     """Whether a kernel multiplies transposed, the weight tile as the MMA's tall operand: E4M3 rows in row tiles
     too short for Hopper's warpgroup MMA, where the tile's columns fill it. Untransposed, such tiles widen both
-    E4M3 operands to fp16 for the warp-level MMA (``bench/moe_kernel_report.py``)."""
-    return dtype == E4M3 and block_m < WARPGROUP_MMA_ROWS <= tiles.block_n
+    E4M3 operands to fp16 for the warp-level MMA (``bench/moe_kernel_report.py``). A GPU without the warpgroup MMA
+    never does: there the form only takes more shared memory. ``device`` None or the CPU (the interpreter runs
+    either form): the tile rule alone."""
+    hopper = device is None or device.type != "cuda" or warpgroup_mma_available(device)
+    return hopper and dtype == E4M3 and block_m < WARPGROUP_MMA_ROWS <= tiles.block_n
 
 
 def multiplies_e4m3_rows(dtype: torch.dtype, device: torch.device, scales: ExpertScales | None) -> bool:
@@ -351,9 +362,14 @@ def grouped_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, 
     m = t * k
     if t == 0:
         return x.new_zeros((0, h))
+    if fp8_activations is None:
+        fp8_activations = multiplies_e4m3_rows(x.dtype, x.device, scales)
+    if fp8_activations and scales is None:
+        raise ValueError("E4M3 activations need E4M3 experts (scales)")
     # 4-byte activations narrow the tiles; else the weights' bytes choose them (E4M3 experts: 1).
     itemsize = x.element_size() if x.element_size() > 2 else w_gate_up.element_size()
-    launch = launch or choose_launch(m, e, itemsize)
+    launch = launch or choose_launch(m, e, itemsize,
+                                     warpgroup_mma=fp8_activations and warpgroup_mma_available(x.device))
     if block_m is not None:
         launch = MoeLaunch(block_m, launch.gate_up, launch.down)
     x = x.contiguous()
@@ -365,10 +381,6 @@ def grouped_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, 
     dot_f32 = _dot_f32(x.dtype, x.device)
     gate_up_scale = (scales.gate_up, scales.gate_up_group) if scales is not None else (None, 0)
     down_scale = (scales.down, scales.down_group) if scales is not None else (None, 0)
-    if fp8_activations is None:
-        fp8_activations = multiplies_e4m3_rows(x.dtype, x.device, scales)
-    if fp8_activations and scales is None:
-        raise ValueError("E4M3 activations need E4M3 experts (scales)")
     if x_rows is not None:
         codes, row_scale = x_rows
         if not fp8_activations:

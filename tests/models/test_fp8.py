@@ -343,10 +343,10 @@ def test_fp8_is_refused_at_start_on_a_gpu_without_e4m3(monkeypatch):
     fp8.check_fp8_device(torch.device("cpu"))   # the CPU dequantises
 
 
-def test_the_tiled_product_is_for_hopper_and_later(monkeypatch):
+def test_the_warpgroup_mma_is_hopper_and_later(monkeypatch):
     import metronome.models.fp8 as fp8
 
     for capability, tiled in (((8, 9), False), ((9, 0), True), ((10, 0), True)):
         monkeypatch.setattr(fp8, "_capability", lambda index, c=capability: c)
-        assert fp8.tiled_product_available(torch.device("cuda", 0)) is tiled
-    assert not fp8.tiled_product_available(torch.device("cpu"))
+        assert fp8.warpgroup_mma_available(torch.device("cuda", 0)) is tiled
+    assert not fp8.warpgroup_mma_available(torch.device("cpu"))

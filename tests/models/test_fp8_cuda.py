@@ -90,9 +90,9 @@ def test_quantised_rows_give_the_layers_own_product(rows):
     """Rows quantised ahead by a fused kernel (``QuantizedRows``) take the same product as bf16 rows the layer
     quantises itself, to the bit, on each path that multiplies E4M3 rows (streamed, tiled, cuBLAS); a layer
     whose product at that row count widens its codes instead takes the dequantised rows."""
-    from metronome.models.fp8 import QuantizedRows, quantize_rows, takes_e4m3_rows, tiled_product_available
+    from metronome.models.fp8 import QuantizedRows, quantize_rows, takes_e4m3_rows, warpgroup_mma_available
 
-    tiled = "tiled-w8a8" if tiled_product_available(torch.device("cuda")) else "scaled-mm"
+    tiled = "tiled-w8a8" if warpgroup_mma_available(torch.device("cuda")) else "scaled-mm"
     expected = {(8, 3072): "streamed-w8a8", (8, 768): "streamed-w8a16", (48, 3072): "streamed-w8a8",
                 (48, 768): "streamed-w8a8", (128, 3072): tiled, (128, 768): tiled, (300, 3072): "scaled-mm",
                 (300, 768): "scaled-mm"}

@@ -148,6 +148,37 @@ def test_fp8_activations_round_each_row_onto_e4m3(group, block_m, block_n, h):
         grouped_moe(x, *_weights(e, h, inter, torch.float32), ids, w, fp8_activations=True)
 
 
+def test_hopper_prefill_tiles_round_each_row_onto_e4m3():
+    """The prefill tiles for E4M3 rows on Hopper's warpgroup MMA (twice the reduction step, 256 columns for the
+    down product) give the product of the oracle that rounds the same rows, within float32 rounding."""
+    from metronome.models.moe_triton import choose_launch
+
+    t, e, k, h, inter = 24, 6, 3, 160, 64
+    gate_up, down, scales, gate_up_f, down_f = _fp8_experts(e, h, inter, None)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    ids, w = _routing(t, e, k, skew=True)
+    launch = choose_launch(512 * e, e, itemsize=1, warpgroup_mma=True)
+    assert launch != choose_launch(512 * e, e, itemsize=1)
+    got = grouped_moe(x, gate_up, down, ids, w, launch=launch, scales=scales, fp8_activations=True).double().cpu()
+    rounded = _oracle_fp8_activations(x, gate_up_f, down_f, ids, w)
+    assert (got - rounded).norm() / rounded.norm() < 2 ** -9
+
+
+def test_transposed_tiles_only_where_the_warpgroup_mma_is(monkeypatch):
+    """A GPU below compute capability 9.0 multiplies short E4M3 row tiles as they are (transposed, they would only
+    take more shared memory); Hopper and the interpreter multiply them transposed."""
+    import metronome.models.fp8 as fp8
+    from metronome.attention.fp8 import E4M3
+    from metronome.models.moe_triton import multiplies_transposed
+
+    tiles = TileConfig(block_n=64, block_k=128)
+    for capability, transposed in (((8, 9), False), ((9, 0), True)):
+        monkeypatch.setattr(fp8, "_capability", lambda index, c=capability: c)
+        assert multiplies_transposed(E4M3, 16, tiles, torch.device("cuda", 0)) is transposed
+    assert multiplies_transposed(E4M3, 16, tiles, torch.device("cpu"))
+    assert not multiplies_transposed(torch.bfloat16, 16, tiles, torch.device("cpu"))
+
+
 def test_rows_quantised_before_the_block_give_the_same_product():
     """Codes handed in by the kernel that wrote the rows (the norm) are what the products read: given with rows of
     zeros beside them, the output is the one of the rows the codes were made from, to the bit. Without E4M3
