@@ -58,8 +58,8 @@ def compile_kernel(kernel: str, block_m: int, tiles, arch: int = 90, transposed:
     from metronome.attention.fp8 import E4M3
     from metronome.models import moe_triton as mt
 
-    if transposed is None:
-        transposed = mt.multiplies_transposed(E4M3, block_m, tiles)
+    if transposed is None:   # the engine multiplies transposed on Hopper only
+        transposed = arch // 10 == 9 and mt.multiplies_transposed(E4M3, block_m, tiles)
 
     routing = {name: "*i32" for name in ("order_ptr", "start_ptr", "count_ptr", "tile_expert_ptr", "tile_start_ptr")}
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT_F32=False,
@@ -86,9 +86,10 @@ def report(tokens: int, kernel: str, workdir: Path, arch: int = 90, untransposed
     from metronome.attention.fp8 import E4M3
     from metronome.models.moe_triton import choose_launch, multiplies_transposed
 
-    launch = choose_launch(tokens * TOP_K, EXPERTS, itemsize=1, warpgroup_mma=arch >= 90)
+    hopper = arch // 10 == 9   # the warpgroup MMA (fp8.warpgroup_mma_available)
+    launch = choose_launch(tokens * TOP_K, EXPERTS, itemsize=1, warpgroup_mma=hopper)
     tiles = launch.gate_up if kernel == "gate_up" else launch.down
-    transposed = not untransposed and multiplies_transposed(E4M3, launch.block_m, tiles)
+    transposed = not untransposed and hopper and multiplies_transposed(E4M3, launch.block_m, tiles)
     compiled = compile_kernel(kernel, launch.block_m, tiles, arch, transposed)
     instructions, opcodes, _ = main_loop(disassemble(compiled.asm["cubin"], workdir))
     resources = resource_usage(compiled.asm["cubin"], workdir)

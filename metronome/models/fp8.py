@@ -160,8 +160,9 @@ def e4m3_matmul(xq: torch.Tensor, x_scale: torch.Tensor, codes: torch.Tensor, sc
 
 def warpgroup_mma_available(device: torch.device) -> bool:
     """Hopper's warpgroup MMA and its 227 KiB of shared memory a block, which the tiled FP8 product and the experts'
-    E4M3 tiles are built for: CUDA with compute capability >= 9.0 (Hopper and later)."""
-    return device.type == "cuda" and _device_capability(device) >= (9, 0)
+    E4M3 tiles are built for: CUDA with compute capability 9.x. Blackwell multiplies otherwise, and its consumer
+    parts give a block 99 KiB, so those tiles stay on Hopper."""
+    return device.type == "cuda" and _device_capability(device)[0] == 9
 
 
 def tensor_core_dims(in_features: int, out_features: int) -> bool:

@@ -21,13 +21,14 @@ FP8 experts (``scales``, ``models/fp8.py``): on a GPU with FP8 tensor cores the 
 (each token's input and each assignment's SiLU·up row to E4M3 with a scale of its own, one launch each; the
 token's input comes quantised already where the norm before the block wrote its codes, ``x_rows``) and both
 products take E4M3 operands (W8A8). Hopper's E4M3 warpgroup MMA takes 64 rows or more: row tiles that tall
-(prefill) multiply as they are; shorter ones (decode rounds) multiply transposed where a program has 64 columns or
-more, the weight tile the tall operand and the rows the narrow one (``multiplies_transposed``). Untransposed, such
-tiles have both operands widened to fp16 for the warp-level MMA (``bench/moe_kernel_report.py``). Otherwise (and
-with ``fp8_activations=False``) the E4M3 weight tiles are converted to the activations' dtype in registers (W8A16);
-that conversion, not the memory, had held a decode round's kernels to 2.3–2.7 TB/s. A scale per output channel
-multiplies the accumulator once after the reduction; block scales (one per row and group of ``G`` columns) multiply
-each reduction step's partial product, so every step must lie in one group (``G % BLOCK_K == 0``).
+(prefill) multiply as they are; on Hopper, shorter ones (decode rounds) multiply transposed where a program has 64
+columns or more, the weight tile the tall operand and the rows the narrow one (``multiplies_transposed``); other
+GPUs multiply them as they are. Untransposed, such tiles have both operands widened to fp16 for the warp-level
+MMA (``bench/moe_kernel_report.py``). Otherwise (and with ``fp8_activations=False``) the E4M3 weight tiles are
+converted to the activations' dtype in registers (W8A16); that conversion, not the memory, had held a decode
+round's kernels to 2.3–2.7 TB/s. A scale per output channel multiplies the accumulator once after the reduction;
+block scales (one per row and group of ``G`` columns) multiply each reduction step's partial product, so every
+step must lie in one group (``G % BLOCK_K == 0``).
 
 CPU: the kernels run under ``TRITON_INTERPRET=1`` (tests). The interpreter mishandles bf16 in
 ``tl.dot`` (see ``attention/triton_paged.py``), so when interpreting the operands are upcast to fp32.
@@ -237,8 +238,8 @@ def choose_launch(num_assignments: int, num_experts: int, itemsize: int = 2, *,
     row tiles reuse each weight tile (about 430 TFLOP/s at 16k tokens). These are bf16/fp16 tiles;
     4-byte operands (float32 models, tests) take half the reduction step and two stages so a program's
     pipelined tiles still fit in shared memory (227 KiB on Hopper). ``warpgroup_mma``: E4M3 rows multiply on
-    Hopper's warpgroup MMA, where prefill tiles take twice the reduction step, 8 warps and 4 stages (measured on an
-    H100; gpu.md).
+    Hopper's warpgroup MMA, where prefill tiles take twice the reduction step, 8 warps and 4 stages, and the down
+    product 256 columns a program (measured on an H100; gpu.md).
     """
     mean = num_assignments / num_experts
     if mean <= 2:

@@ -346,7 +346,7 @@ def test_fp8_is_refused_at_start_on_a_gpu_without_e4m3(monkeypatch):
 def test_the_warpgroup_mma_is_hopper_and_later(monkeypatch):
     import metronome.models.fp8 as fp8
 
-    for capability, tiled in (((8, 9), False), ((9, 0), True), ((10, 0), True)):
+    for capability, tiled in (((8, 9), False), ((9, 0), True), ((10, 0), False), ((12, 0), False)):
         monkeypatch.setattr(fp8, "_capability", lambda index, c=capability: c)
         assert fp8.warpgroup_mma_available(torch.device("cuda", 0)) is tiled
     assert not fp8.warpgroup_mma_available(torch.device("cpu"))

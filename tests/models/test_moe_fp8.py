@@ -158,10 +158,29 @@ def test_hopper_prefill_tiles_round_each_row_onto_e4m3():
     x = torch.randn(t, h, generator=torch.Generator().manual_seed(5)).to(DEVICE)
     ids, w = _routing(t, e, k, skew=True)
     launch = choose_launch(512 * e, e, itemsize=1, warpgroup_mma=True)
-    assert launch != choose_launch(512 * e, e, itemsize=1)
+    assert launch == MoeLaunch(128, TileConfig(128, 128, 8, 4), TileConfig(256, 128, 8, 4))
     got = grouped_moe(x, gate_up, down, ids, w, launch=launch, scales=scales, fp8_activations=True).double().cpu()
     rounded = _oracle_fp8_activations(x, gate_up_f, down_f, ids, w)
     assert (got - rounded).norm() / rounded.norm() < 2 ** -9
+
+
+def test_only_e4m3_rows_on_hopper_take_the_hopper_tiles(monkeypatch):
+    """``grouped_moe`` asks for the tiles of Hopper's warpgroup MMA where E4M3 rows meet such a GPU, and not for
+    bf16 rows (W8A16) on it, nor for E4M3 rows elsewhere."""
+    import metronome.models.moe_triton as mt
+
+    t, e, k, h, inter = 8, 4, 2, 32, 32
+    gate_up, down, scales, _, _ = _fp8_experts(e, h, inter, None)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    ids, w = _routing(t, e, k, skew=False)
+    asked = []
+    choose = mt.choose_launch
+    monkeypatch.setattr(mt, "choose_launch", lambda *a, **kw: asked.append(kw["warpgroup_mma"]) or choose(*a, **kw))
+    for hopper in (True, False):
+        monkeypatch.setattr(mt, "warpgroup_mma_available", lambda device, hopper=hopper: hopper)
+        for fp8_activations in (False, True):
+            grouped_moe(x, gate_up, down, ids, w, scales=scales, fp8_activations=fp8_activations)
+    assert asked == [False, True, False, False]
 
 
 def test_transposed_tiles_only_where_the_warpgroup_mma_is(monkeypatch):
