@@ -13,7 +13,7 @@ Products: on CUDA (compute capability >= 8.9, which E4M3 in Triton needs) a per-
 FP8 tensor cores where that pays (wide layers, or more than ``WIDENED_MAX_ROWS`` rows), else the codes are widened
 in registers. More rows, with FP8 tensor cores and bf16 activations, have their activations quantised per token
 on the fly and run the tiled Triton product up to ``TILED_MAX_ROWS`` (``fp8_tiled_triton.fp8_tiled_linear``, on
-Hopper and later), cuBLAS (``torch._scaled_mm``) above; a block-wise weight is rescaled per channel once loaded
+Hopper), cuBLAS (``torch._scaled_mm``) above; a block-wise weight is rescaled per channel once loaded
 there (``per_channel_for_tensor_cores_``: one more E4M3 rounding). On the CPU a per-channel layer of float32 or
 bf16 rows multiplies through Metronome's C kernel (``cpu_linear.E4m3Product``, given by ``use_cpu_kernel_``),
 reading the codes and accumulating exact products in float32. Elsewhere the weight is dequantised to the
