@@ -343,7 +343,7 @@ def test_fp8_is_refused_at_start_on_a_gpu_without_e4m3(monkeypatch):
     fp8.check_fp8_device(torch.device("cpu"))   # the CPU dequantises
 
 
-def test_the_warpgroup_mma_is_hopper_and_later(monkeypatch):
+def test_the_warpgroup_mma_is_hoppers_alone(monkeypatch):
     import metronome.models.fp8 as fp8
 
     for capability, tiled in (((8, 9), False), ((9, 0), True), ((10, 0), False), ((12, 0), False)):

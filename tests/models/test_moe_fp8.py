@@ -184,14 +184,14 @@ def test_only_e4m3_rows_on_hopper_take_the_hopper_tiles(monkeypatch):
 
 
 def test_transposed_tiles_only_where_the_warpgroup_mma_is(monkeypatch):
-    """A GPU below compute capability 9.0 multiplies short E4M3 row tiles as they are (transposed, they would only
-    take more shared memory); Hopper and the interpreter multiply them transposed."""
+    """A GPU without the warpgroup MMA (Ada, Blackwell) multiplies short E4M3 row tiles as they are (transposed,
+    they would only take more shared memory); Hopper and the interpreter multiply them transposed."""
     import metronome.models.fp8 as fp8
     from metronome.attention.fp8 import E4M3
     from metronome.models.moe_triton import multiplies_transposed
 
     tiles = TileConfig(block_n=64, block_k=128)
-    for capability, transposed in (((8, 9), False), ((9, 0), True)):
+    for capability, transposed in (((8, 9), False), ((9, 0), True), ((10, 0), False)):
         monkeypatch.setattr(fp8, "_capability", lambda index, c=capability: c)
         assert multiplies_transposed(E4M3, 16, tiles, torch.device("cuda", 0)) is transposed
     assert multiplies_transposed(E4M3, 16, tiles, torch.device("cpu"))
