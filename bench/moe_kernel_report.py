@@ -48,18 +48,14 @@ class KernelReport:
     transposed: bool             # the weight tile as the MMA's tall operand (moe_triton.multiplies_transposed)
 
 
-def compile_kernel(kernel: str, block_m: int, tiles, arch: int = 90, transposed: bool | None = None):
+def compile_kernel(kernel: str, block_m: int, tiles, arch: int, transposed: bool):
     """One of the two kernels as ``grouped_moe`` launches it over E4M3 experts and E4M3 rows (``transposed``: the
-    weight tile as the MMA's tall operand; default: as ``multiplies_transposed`` says for these tiles)."""
+    weight tile as the MMA's tall operand)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from metronome.attention.fp8 import E4M3
     from metronome.models import moe_triton as mt
-
-    if transposed is None:   # the engine multiplies transposed on Hopper only
-        transposed = arch // 10 == 9 and mt.multiplies_transposed(E4M3, block_m, tiles)
 
     routing = {name: "*i32" for name in ("order_ptr", "start_ptr", "count_ptr", "tile_expert_ptr", "tile_start_ptr")}
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT_F32=False,
