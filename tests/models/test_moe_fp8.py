@@ -157,8 +157,8 @@ def test_hopper_prefill_tiles_round_each_row_onto_e4m3():
     from metronome.models.moe_triton import choose_launch
 
     t, e, k, h, inter = 24, 6, 3, 160, 64
-    # bf16 rows on the GPU, as the engine's: float32 SiLU·up rows (a float32 store) overflow Hopper's shared memory
-    # with these tiles, which grouped_moe never picks for 4-byte rows.
+    # bf16 rows on the GPU, as the engine's: float32 rows multiply in IEEE float32, whose widened operands in these
+    # tiles overflow Hopper's shared memory (grouped_moe never picks them for 4-byte rows).
     dtype, bound = (torch.bfloat16, 2 ** -7) if DEVICE == "cuda" else (torch.float32, 2 ** -9)
     gate_up, down, scales, gate_up_f, down_f = _fp8_experts(e, h, inter, None)
     x = torch.randn(t, h, generator=torch.Generator().manual_seed(5)).to(DEVICE, dtype)
