@@ -153,7 +153,8 @@ def test_fp8_activations_round_each_row_onto_e4m3(group, block_m, block_n, h):
 
 def test_hopper_prefill_tiles_round_each_row_onto_e4m3():
     """The prefill tiles for E4M3 rows on Hopper's warpgroup MMA (twice the reduction step, 256 columns for the
-    down product) give the product of the oracle that rounds the same rows, within float32 rounding."""
+    down product) give the product of the oracle that rounds the same rows, within the rounding of the rows' dtype,
+    and stay about E4M3's precision from the exact one."""
     from metronome.models.moe_triton import choose_launch
 
     t, e, k, h, inter = 24, 6, 3, 160, 64
@@ -165,7 +166,7 @@ def test_hopper_prefill_tiles_round_each_row_onto_e4m3():
     ids, w = _routing(t, e, k, skew=True)
     launch = choose_launch(512 * e, e, itemsize=1, warpgroup_mma=True)
     assert launch == MoeLaunch(128, TileConfig(128, 128, 8, 4), TileConfig(256, 128, 8, 4))
-    assert choose_launch(512 * e, e, itemsize=4, warpgroup_mma=True).gate_up.num_stages == 2
+    assert choose_launch(512 * e, e, itemsize=4, warpgroup_mma=True).gate_up.block_k <= 64   # 4-byte rows: narrowed
     got = grouped_moe(x, gate_up, down, ids, w.to(dtype), launch=launch, scales=scales,
                       fp8_activations=True).double().cpu()
     rounded = _oracle_fp8_activations(x.cpu(), gate_up_f, down_f, ids, w.to(dtype))
