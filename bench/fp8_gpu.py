@@ -190,16 +190,15 @@ def bench_linear(args) -> dict:
 
 
 def bench_moe(args, bandwidth: dict) -> dict:
-    from metronome.models.fp8 import ExpertScales, quantize, quantize_rows, warpgroup_mma_available
+    from metronome.models.fp8 import ExpertScales, quantize, quantize_rows
     from metronome.models.moe_routing_triton import route
-    from metronome.models.moe_triton import choose_launch, grouped_moe, launch_down, launch_gate_up
+    from metronome.models.moe_triton import grouped_moe, launch_down, launch_for, launch_gate_up
 
     e, k, h, inter = 128, 8, 2048, 768  # Qwen3-Omni-30B-A3B's thinker layer
     gate_up = torch.randn(e, 2 * inter, h, device="cuda", dtype=torch.bfloat16) * 0.02
     down = torch.randn(e, h, inter, device="cuda", dtype=torch.bfloat16) * 0.02
     (gu, gu_s), (dn, dn_s) = quantize(gate_up), quantize(down)
     scales = ExpertScales(gu_s, dn_s, h, inter)
-    hopper = warpgroup_mma_available(torch.device("cuda"))
     # name: expert weights, their scales, E4M3 activations (W8A8) or not
     variants = {"bf16": (gate_up, down, None, False), "fp8_w8a16": (gu, dn, scales, False),
                 "fp8_w8a8": (gu, dn, scales, True)}
@@ -212,7 +211,7 @@ def bench_moe(args, bandwidth: dict) -> dict:
         touched = int(torch.unique(ids).numel())
         row = {"tokens": n, "experts_touched": touched}
         for name, (w_gu, w_dn, sc, fp8_act) in variants.items():
-            launch = choose_launch(n * k, e, w_gu.element_size(), warpgroup_mma=fp8_act and hopper)
+            launch = launch_for(x, w_gu, n * k, fp8_act)   # as grouped_moe launches
             routing = route(ids, e, launch.block_m)
             act = torch.empty(n * k, inter, device="cuda", dtype=torch.bfloat16)
             partial = torch.empty(n * k, h, device="cuda", dtype=torch.float32)

@@ -504,9 +504,8 @@ def tune_moe(args) -> dict:
     fastest (block_m, TileConfig) by its time in a CUDA graph; configs that do not fit are skipped."""
     import itertools
 
-    from metronome.models.fp8 import warpgroup_mma_available
     from metronome.models.moe_routing_triton import route
-    from metronome.models.moe_triton import (TileConfig, choose_launch, launch_down, launch_gate_up,
+    from metronome.models.moe_triton import (TileConfig, launch_down, launch_for, launch_gate_up,
                                              multiplies_transposed)
 
     text = QWEN3_OMNI["qwen3-omni-30b-a3b"]["text"]
@@ -583,9 +582,8 @@ def tune_moe(args) -> dict:
                         continue
                     if kernel not in best or ms < best[kernel]["ms"]:
                         best[kernel] = {"ms": ms, "block_m": bm, **vars(cfg)}
-        # The tiles the engine chooses (choose_launch), timed the same way, beside the sweep's best
-        chosen = choose_launch(t * k, e, w_down.element_size(),
-                               warpgroup_mma=args.quantization == "fp8" and warpgroup_mma_available(dev))
+        # The tiles the engine chooses (launch_for, as grouped_moe), timed the same way, beside the sweep's best
+        chosen = launch_for(x, w_gate_up, t * k, args.quantization == "fp8")
         routing = route(ids, e, chosen.block_m)
         best["chosen"] = {"block_m": chosen.block_m}
         for kernel, cfg in (("gate_up", chosen.gate_up), ("down", chosen.down)):

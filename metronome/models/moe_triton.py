@@ -339,6 +339,14 @@ def multiplies_e4m3_rows(dtype: torch.dtype, device: torch.device, scales: Exper
     return scales is not None and not _dot_f32(dtype, device) and scaled_mm_available(device)
 
 
+def launch_for(x: torch.Tensor, w_gate_up: torch.Tensor, num_assignments: int, fp8_activations: bool) -> MoeLaunch:
+    """The tiles ``grouped_moe`` launches for rows ``x`` over experts ``w_gate_up`` unless told otherwise."""
+    # 4-byte activations narrow the tiles; else the weights' bytes choose them (E4M3 experts: 1).
+    itemsize = x.element_size() if x.element_size() > 2 else w_gate_up.element_size()
+    return choose_launch(num_assignments, w_gate_up.shape[0], itemsize,
+                         warpgroup_mma=fp8_activations and warpgroup_mma_available(x.device))
+
+
 def grouped_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor, *, launch: MoeLaunch | None = None,
                 block_m: int | None = None, scales: ExpertScales | None = None,
@@ -367,10 +375,7 @@ def grouped_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, 
         fp8_activations = multiplies_e4m3_rows(x.dtype, x.device, scales)
     if fp8_activations and scales is None:
         raise ValueError("E4M3 activations need E4M3 experts (scales)")
-    # 4-byte activations narrow the tiles; else the weights' bytes choose them (E4M3 experts: 1).
-    itemsize = x.element_size() if x.element_size() > 2 else w_gate_up.element_size()
-    launch = launch or choose_launch(m, e, itemsize,
-                                     warpgroup_mma=fp8_activations and warpgroup_mma_available(x.device))
+    launch = launch or launch_for(x, w_gate_up, m, fp8_activations)
     if block_m is not None:
         launch = MoeLaunch(block_m, launch.gate_up, launch.down)
     x = x.contiguous()
